@@ -1,0 +1,133 @@
+//! MXFP4 (OCP Microscaling) decode and matrix-vector product.
+//!
+//! Layout (compressed-tensors `mxfp4-pack-quantized`, as in Kimi K3): a `[rows, cols]` matrix is
+//! stored as `packed: [rows, cols/2]` bytes, element `2j` in the LOW nibble of byte `j`, and
+//! `scales: [rows, cols/32]` E8M0 bytes, one per block of 32 elements along a row.
+
+/// E2M1 value of each nibble: sign bit 3, two exponent bits, one mantissa bit.
+pub const E2M1_LUT: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// Elements per shared scale.
+pub const BLOCK: usize = 32;
+
+/// E8M0 scale byte to its value, 2^(e-127). 0xFF encodes NaN in the format; callers validate
+/// scales when data enters the store, so here it simply decodes to NaN.
+#[inline]
+pub fn e8m0_to_f32(e: u8) -> f32 {
+    if e == 0xFF {
+        return f32::NAN;
+    }
+    // 2^(e-127) for e in 0..=254. e = 0 is 2^-127, a subnormal f32: build it from bits.
+    if e == 0 {
+        f32::from_bits(0x0040_0000)
+    } else {
+        f32::from_bits((e as u32) << 23)
+    }
+}
+
+/// `out[r] = sum_c W[r, c] * x[c]` for an MXFP4 matrix. `cols` must be a multiple of 32.
+///
+/// Shapes: packed `[rows, cols/2]`, scales `[rows, cols/32]`, x `[cols]`, out `[rows]`.
+pub fn mxfp4_matvec(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
+    assert!(cols % BLOCK == 0, "MXFP4 rows must be whole blocks of 32");
+    assert_eq!(packed.len(), rows * cols / 2);
+    assert_eq!(scales.len(), rows * cols / BLOCK);
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+    let half = cols / 2;
+    let nblocks = cols / BLOCK;
+    for (r, o) in out.iter_mut().enumerate() {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nblocks..(r + 1) * nblocks];
+        let mut acc = 0.0f32;
+        for (b, &s) in srow.iter().enumerate() {
+            let pb = &prow[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+            let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+            // Two partial sums keep the dependency chain short; the block sum is then scaled once.
+            let mut s0 = 0.0f32;
+            let mut s1 = 0.0f32;
+            for (j, &byte) in pb.iter().enumerate() {
+                s0 += E2M1_LUT[(byte & 0x0F) as usize] * xb[2 * j];
+                s1 += E2M1_LUT[(byte >> 4) as usize] * xb[2 * j + 1];
+            }
+            acc += (s0 + s1) * e8m0_to_f32(s);
+        }
+        *o = acc;
+    }
+}
+
+/// Decode one MXFP4 row to f32. Shapes: packed `[cols/2]`, scales `[cols/32]`, out `[cols]`.
+pub fn mxfp4_decode_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len(), packed.len() * 2);
+    assert_eq!(out.len(), scales.len() * BLOCK);
+    for (j, &byte) in packed.iter().enumerate() {
+        let s = e8m0_to_f32(scales[2 * j / BLOCK]);
+        out[2 * j] = E2M1_LUT[(byte & 0x0F) as usize] * s;
+        out[2 * j + 1] = E2M1_LUT[(byte >> 4) as usize] * s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_nibble_decodes_to_e2m1() {
+        // Nibble n in the low half of byte 0 is element 0; in the high half it is element 1.
+        let expect = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        for n in 0u8..16 {
+            let mag = expect[(n & 7) as usize];
+            let want = if n & 8 != 0 { -mag } else { mag };
+            let mut packed = vec![0u8; 16];
+            packed[0] = n | (n << 4);
+            let mut out = vec![0f32; 32];
+            mxfp4_decode_row(&packed, &[127], &mut out);
+            assert_eq!(out[0], want, "nibble {n} low");
+            assert_eq!(out[1], want, "nibble {n} high");
+            assert!(out[2..].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    #[test]
+    fn scale_edges() {
+        assert_eq!(e8m0_to_f32(127), 1.0);
+        assert_eq!(e8m0_to_f32(128), 2.0);
+        assert_eq!(e8m0_to_f32(254), 2f32.powi(127));
+        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
+        assert!(e8m0_to_f32(0) > 0.0);
+        assert!(e8m0_to_f32(255).is_nan());
+        for e in 1u8..=254 {
+            assert_eq!(e8m0_to_f32(e), 2f32.powi(e as i32 - 127), "e = {e}");
+        }
+    }
+
+    #[test]
+    fn matvec_matches_decoded_rows() {
+        let rows = 3;
+        let cols = 64;
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 + 11) as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 120 + (i as u8 % 9)).collect();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut out = vec![0f32; rows];
+        mxfp4_matvec(&packed, &scales, rows, cols, &x, &mut out);
+        for r in 0..rows {
+            let mut row = vec![0f32; cols];
+            mxfp4_decode_row(
+                &packed[r * 32..(r + 1) * 32],
+                &scales[r * 2..(r + 1) * 2],
+                &mut row,
+            );
+            let want: f64 = row.iter().zip(&x).map(|(&w, &v)| w as f64 * v as f64).sum();
+            assert!((out[r] as f64 - want).abs() < 1e-4 * want.abs().max(1.0));
+        }
+    }
+}

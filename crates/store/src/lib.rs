@@ -1,0 +1,22 @@
+//! Deltafin's on-disk world: Hugging Face checkpoints in, Deltafin stores out.
+//!
+//! - [`shard`]: one safetensors file read by its header, tensor by tensor.
+//! - [`checkpoint`]: a sharded K3 checkpoint directory with its config and index.
+//! - [`schema`]: the tensors a K3 model must have, with the shapes its config implies.
+//! - [`convert`]: checkpoint -> store (spine file, expert locations, manifest).
+//! - [`store`]: opening a store; spine tensors and routed-expert records by (layer, expert).
+
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod manifest;
+pub mod quant;
+pub mod schema;
+pub mod shard;
+pub mod store;
+
+pub use config::{AttnKind, K3Config};
+pub use error::StoreError;
+pub use manifest::{ExpertLayout, Manifest, SpineDtype};
+pub use store::{ExpertFiles, LoadedTensor, SpineData, Store};

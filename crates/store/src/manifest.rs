@@ -1,0 +1,206 @@
+//! The store's self-describing manifest (`manifest.json`), replaced atomically by rename.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::K3Config;
+use crate::error::{StoreError, io_err};
+
+pub const FORMAT_NAME: &str = "deltafin-store";
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Architecture family: `kimi_k3`.
+    pub arch: String,
+    pub config: K3Config,
+    pub source: SourceInfo,
+    pub spine: SpineInfo,
+    pub experts: ExpertsInfo,
+    #[serde(default)]
+    pub tokenizer: Option<TokenizerInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SourceInfo {
+    /// Absolute path of the checkpoint directory at conversion time.
+    pub dir: String,
+    /// Tensor-name prefix of the text model (`language_model.model.`).
+    pub prefix: String,
+    pub shards: Vec<SourceShard>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SourceShard {
+    pub file: String,
+    pub size: u64,
+    /// xxh3-64 of the shard's JSON header: cheap to re-check at every open.
+    pub header_xxh3: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpineDtype {
+    Int8,
+    Bf16,
+    F32,
+}
+
+impl std::str::FromStr for SpineDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "int8" => Ok(SpineDtype::Int8),
+            "bf16" => Ok(SpineDtype::Bf16),
+            "f32" => Ok(SpineDtype::F32),
+            _ => Err(format!(
+                "unknown spine dtype '{s}' (expected int8, bf16 or f32)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SpineInfo {
+    pub file: String,
+    /// The dtype requested for matrices; vectors are always f32.
+    pub matrix_dtype: SpineDtype,
+    /// int8 group size requested (0 = per row).
+    #[serde(default)]
+    pub int8_group: usize,
+    pub bytes: u64,
+    pub tensors: Vec<SpineTensor>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SpineTensor {
+    pub name: String,
+    pub layer: Option<usize>,
+    pub dtype: SpineDtype,
+    pub shape: Vec<usize>,
+    pub offset: u64,
+    pub len: u64,
+    /// int8 only: f32 scales `[rows, cols/group]` at this offset.
+    #[serde(default)]
+    pub scales_offset: u64,
+    #[serde(default)]
+    pub scales_len: u64,
+    #[serde(default)]
+    pub group: usize,
+    /// xxh3-64 over data then scales.
+    pub xxh3: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpertLayout {
+    InPlace,
+    Pack,
+}
+
+impl std::str::FromStr for ExpertLayout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "in-place" => Ok(ExpertLayout::InPlace),
+            "pack" => Ok(ExpertLayout::Pack),
+            _ => Err(format!(
+                "unknown expert layout '{s}' (expected in-place or pack)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExpertsInfo {
+    pub layout: ExpertLayout,
+    /// `mxfp4` (compressed-tensors pack-quantized, group 32, E8M0 scales).
+    pub format: String,
+    /// Bytes of one canonical record: the six tensors back to back in `parts` order.
+    pub record_bytes: u64,
+    pub parts: Vec<ExpertPart>,
+    /// Files the ranges point into. In place: checkpoint shard names (relative to `source.dir`);
+    /// packed: files relative to the store.
+    pub files: Vec<String>,
+    pub layers: Vec<ExpertLayer>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExpertPart {
+    pub name: String,
+    pub shape: [usize; 2],
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExpertLayer {
+    pub layer: usize,
+    pub experts: Vec<ExpertLocation>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExpertLocation {
+    /// Byte ranges `[file index, offset, length]` whose concatenation is the canonical record.
+    /// One range when the checkpoint keeps the expert contiguous (K3 does).
+    pub ranges: Vec<[u64; 3]>,
+    /// xxh3-64 of the canonical record.
+    pub xxh3: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenizerInfo {
+    /// Files copied into the store (tiktoken.model, tokenizer_config.json, generation_config.json).
+    pub files: Vec<String>,
+}
+
+impl Manifest {
+    pub fn load(store: &Path) -> Result<Self, StoreError> {
+        let path = store.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        let m: Manifest = serde_json::from_str(&text).map_err(|e| StoreError::Store {
+            path: path.clone(),
+            msg: format!("manifest is not valid: {e}"),
+        })?;
+        if m.format != FORMAT_NAME {
+            return Err(StoreError::Store {
+                path,
+                msg: format!("format '{}' is not a Deltafin store", m.format),
+            });
+        }
+        if m.version != FORMAT_VERSION {
+            return Err(StoreError::Store {
+                path,
+                msg: format!(
+                    "store format version {} is not supported (this build reads {FORMAT_VERSION})",
+                    m.version
+                ),
+            });
+        }
+        m.config.validate(&path.display().to_string())?;
+        Ok(m)
+    }
+
+    /// Write to a temporary file, sync, then rename over the old manifest: readers see the old or
+    /// the new manifest, never half of one.
+    pub fn save(&self, store: &Path) -> Result<(), StoreError> {
+        let path = store.join(MANIFEST_FILE);
+        let tmp = store.join(".manifest.json.tmp");
+        let text = serde_json::to_vec_pretty(self).map_err(|e| StoreError::Store {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+            f.write_all(&text).map_err(io_err(&tmp))?;
+            f.sync_all().map_err(io_err(&tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+        Ok(())
+    }
+}
