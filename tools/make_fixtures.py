@@ -46,7 +46,7 @@ SPECS = {
         kda_heads=4, kda_head_dim=16, mla_heads=4, q_lora=32, kv_lora=16, nope=8, rope=4, v=8,
         latent=32, moe_inter=32, inter=96, experts=16, top_k=4, attn_res_block=3,
         gate_lower_bound=-5.0, routed_scaling_factor=1.0, n_ranks=300, max_pos=4096,
-        shard_layout="release", seed=8,
+        shard_layout="release", seed=27,
     ),
     "k3-small": dict(
         hidden=128, layers=10, kda_layers=[1, 2, 3, 5, 6, 7, 9], full_attn_layers=[4, 8, 10],
@@ -843,6 +843,7 @@ def build_fixture(name, out_root):
         tensors = make_weights(s, vocab, seed)
         total = write_checkpoint(hf_dir, s, tensors)
         model, notes = load_reference_model(hf_dir, s, tensors)
+        n_mx = check_mxfp4(model, s, tensors)  # before trusting any output: mlx's MXFP4 == our decoding
         probe.margins = []
         ref = run_reference(model, s, seed)
         rmin = probe.min_margin()
@@ -855,7 +856,6 @@ def build_fixture(name, out_root):
         raise RuntimeError(f"no seed met the margin thresholds: {tried}")
 
     assert ref["step5_rel"] < 1e-4, ref["step5_rel"]
-    n_mx = check_mxfp4(model, s, tensors)
     n_tensors = verify_shards(hf_dir, tensors)
 
     reference = {

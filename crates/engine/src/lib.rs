@@ -1,1 +1,9 @@
+//! The Deltafin engine: model families over shared blocks, the expert interface, tokenizer and
+//! generation.
 
+pub mod blocks;
+pub mod experts;
+pub mod generate;
+pub mod k3;
+pub mod tokenizer;
+pub mod weights;

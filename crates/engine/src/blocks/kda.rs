@@ -1,0 +1,214 @@
+//! Kimi Delta Attention: a gated delta-rule linear attention with a short causal convolution.
+//!
+//! Per token and head, with the recurrent state `S [Dv, Dk]`:
+//! `S <- S * g` (per key channel), `S <- S + k (beta (v - S k))^T`, `y = S q`,
+//! then a per-head RMSNorm gated by `sigmoid(g_proj x)`.
+
+use anyhow::Result;
+use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
+use deltafin_store::Store;
+use deltafin_store::config::LinearAttnConfig;
+
+use crate::weights::{Linear, load_vec, load_vec_prefix};
+
+pub enum Gate {
+    /// `g_proj [P, H]`.
+    FullRank(Linear),
+    /// `g_b_proj (g_a_proj x)`: `[D, H]` then `[P, D]`.
+    LowRank(Linear, Linear),
+}
+
+pub struct Kda {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub kernel: usize,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    /// Conv taps `[3][P * K]`: for q, k, v; tap `j` of channel `c` at `c*K + j`, tap `K-1`
+    /// multiplying the newest input.
+    pub conv: [Vec<f32>; 3],
+    pub f_a: Linear,
+    pub f_b: Linear,
+    pub b_proj: Linear,
+    pub gate: Gate,
+    /// `[heads]`.
+    pub a_log: Vec<f32>,
+    /// `[P]`.
+    pub dt_bias: Vec<f32>,
+    /// `[D]`.
+    pub o_norm: Vec<f32>,
+    pub o_proj: Linear,
+    pub lower_bound: Option<f32>,
+    pub eps: f32,
+}
+
+/// Per-sequence state of one KDA layer.
+pub struct KdaState {
+    /// The last `K-1` inputs of the q, k, v convolutions, oldest first: `[3][(K-1) * P]`.
+    pub conv: [Vec<f32>; 3],
+    /// Recurrent state `[heads, Dv, Dk]`.
+    pub s: Vec<f32>,
+}
+
+impl Kda {
+    /// `prefix` ends with `self_attn.`.
+    pub fn load(
+        store: &Store,
+        prefix: &str,
+        c: &LinearAttnConfig,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<Self> {
+        let (nh, d, k) = (c.num_heads, c.head_dim, c.short_conv_kernel_size);
+        let p = nh * d;
+        let lin =
+            |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
+        let conv = |n: &str| load_vec(store, &format!("{prefix}{n}_conv1d.weight"), p * k);
+        let gate = if c.use_full_rank_gate {
+            Gate::FullRank(lin("g_proj", p, hidden)?)
+        } else {
+            Gate::LowRank(lin("g_a_proj", d, hidden)?, lin("g_b_proj", p, d)?)
+        };
+        Ok(Kda {
+            heads: nh,
+            head_dim: d,
+            kernel: k,
+            q_proj: lin("q_proj", p, hidden)?,
+            k_proj: lin("k_proj", p, hidden)?,
+            v_proj: lin("v_proj", p, hidden)?,
+            conv: [conv("q")?, conv("k")?, conv("v")?],
+            f_a: lin("f_a_proj", d, hidden)?,
+            f_b: lin("f_b_proj", p, d)?,
+            b_proj: lin("b_proj", nh, hidden)?,
+            gate,
+            a_log: load_vec_prefix(store, &format!("{prefix}A_log"), nh)?,
+            dt_bias: load_vec(store, &format!("{prefix}dt_bias"), p)?,
+            o_norm: load_vec(store, &format!("{prefix}o_norm.weight"), d)?,
+            o_proj: lin("o_proj", hidden, p)?,
+            lower_bound: c.gate_lower_bound,
+            eps,
+        })
+    }
+
+    pub fn new_state(&self) -> KdaState {
+        let p = self.heads * self.head_dim;
+        let hist = (self.kernel - 1) * p;
+        KdaState {
+            conv: [vec![0.0; hist], vec![0.0; hist], vec![0.0; hist]],
+            s: vec![0.0; self.heads * self.head_dim * self.head_dim],
+        }
+    }
+
+    /// Causal depthwise conv over (history, x) then SiLU; shifts `x` into the history.
+    /// Shapes: x, out `[P]`, hist `[(K-1) * P]`, taps `[P * K]`.
+    fn conv_step(taps: &[f32], kernel: usize, hist: &mut [f32], x: &[f32], out: &mut [f32]) {
+        let p = x.len();
+        for c in 0..p {
+            let w = &taps[c * kernel..(c + 1) * kernel];
+            let mut acc = w[kernel - 1] * x[c];
+            for j in 0..kernel - 1 {
+                acc += w[j] * hist[j * p + c];
+            }
+            out[c] = silu(acc);
+        }
+        if kernel > 1 {
+            hist.copy_within(p.., 0);
+            hist[(kernel - 2) * p..].copy_from_slice(x);
+        }
+    }
+
+    /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
+    pub fn forward(&self, st: &mut KdaState, x: &[f32], out: &mut [f32]) {
+        let (nh, d) = (self.heads, self.head_dim);
+        let p = nh * d;
+        let mut pre = vec![0f32; p]; // [P] projection before the conv
+        let mut q = vec![0f32; p]; // [P]
+        let mut k = vec![0f32; p]; // [P]
+        let mut v = vec![0f32; p]; // [P]
+        for (i, (proj, dst)) in [
+            (&self.q_proj, &mut q),
+            (&self.k_proj, &mut k),
+            (&self.v_proj, &mut v),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            proj.forward(x, &mut pre);
+            Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre, dst);
+        }
+        // L2-normalise q and k per head (eps added to the sum of squares); q also takes the
+        // 1/sqrt(D) readout scale.
+        let scale = (d as f32).powf(-0.5);
+        for h in 0..nh {
+            for (t, s) in [(&mut q, scale), (&mut k, 1.0)] {
+                let seg = &mut t[h * d..(h + 1) * d];
+                let ss: f32 = seg.iter().map(|v| v * v).sum();
+                let inv = s / (ss + 1e-6).sqrt();
+                seg.iter_mut().for_each(|v| *v *= inv);
+            }
+        }
+        let mut fa = vec![0f32; d]; // [D]
+        self.f_a.forward(x, &mut fa);
+        let mut a = vec![0f32; p]; // [P] decay logits
+        self.f_b.forward(&fa, &mut a);
+        let mut b = vec![0f32; nh]; // [heads]
+        self.b_proj.forward(x, &mut b);
+
+        let mut y = vec![0f32; p]; // [P]
+        let mut g = vec![0f32; d]; // [Dk] decay of this head
+        let mut delta = vec![0f32; d]; // [Dv]
+        for h in 0..nh {
+            let ea = self.a_log[h].exp();
+            for j in 0..d {
+                let z = a[h * d + j] + self.dt_bias[h * d + j];
+                g[j] = match self.lower_bound {
+                    Some(lb) => (lb * sigmoid(ea * z)).exp(),
+                    None => (-ea * softplus(z)).exp(),
+                };
+            }
+            let beta = sigmoid(b[h]);
+            let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
+            let (qh, kh, vh) = (
+                &q[h * d..(h + 1) * d],
+                &k[h * d..(h + 1) * d],
+                &v[h * d..(h + 1) * d],
+            );
+            for vi in 0..d {
+                let row = &mut s[vi * d..(vi + 1) * d];
+                let mut mem = 0.0f32;
+                for j in 0..d {
+                    row[j] *= g[j];
+                    mem += row[j] * kh[j];
+                }
+                delta[vi] = (vh[vi] - mem) * beta;
+            }
+            for vi in 0..d {
+                let row = &mut s[vi * d..(vi + 1) * d];
+                let mut acc = 0.0f32;
+                for j in 0..d {
+                    row[j] += kh[j] * delta[vi];
+                    acc += row[j] * qh[j];
+                }
+                y[h * d + vi] = acc;
+            }
+        }
+        let mut gate = vec![0f32; p]; // [P]
+        match &self.gate {
+            Gate::FullRank(gp) => gp.forward(x, &mut gate),
+            Gate::LowRank(ga, gb) => {
+                let mut t = vec![0f32; d]; // [D]
+                ga.forward(x, &mut t);
+                gb.forward(&t, &mut gate);
+            }
+        }
+        for h in 0..nh {
+            let seg = &mut y[h * d..(h + 1) * d];
+            rms_norm_inplace(seg, &self.o_norm, self.eps);
+            for (j, v) in seg.iter_mut().enumerate() {
+                *v *= sigmoid(gate[h * d + j]);
+            }
+        }
+        self.o_proj.forward(&y, out);
+    }
+}

@@ -1,0 +1,163 @@
+//! Multi-head latent attention without positional encoding (K3's NoPE MLA), with an optional
+//! sigmoid output gate.
+//!
+//! Decode caches only the compressed latent (`kv_lora`, RMS-normed) and the `rope` channels of
+//! each position; the key and value projections are absorbed into the query and the output:
+//! `score = scale * (q_nope^T W_k c + q_pe^T k_pe)` is computed as `(W_k^T q_nope) . c`, and the
+//! value `W_v (sum_t p_t c_t)`. K3 projects and caches the 64 "rope" channels but never rotates
+//! them.
+
+use anyhow::Result;
+use deltafin_kernels::ops::{dot, rms_norm_inplace, sigmoid, softmax_inplace};
+use deltafin_store::{K3Config, Store};
+
+use crate::weights::{Linear, load_vec};
+
+/// The reference's q_a/kv_a layer norms use a fixed eps, not the model's rms_norm_eps.
+const LORA_NORM_EPS: f32 = 1e-6;
+
+pub enum QProj {
+    /// `q_b (norm (q_a x))`.
+    LowRank {
+        a: Linear,
+        norm: Vec<f32>,
+        b: Linear,
+    },
+    Full(Linear),
+}
+
+pub struct Mla {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_dim: usize,
+    pub kv_lora: usize,
+    pub q: QProj,
+    /// `[kv_lora + rope, H]`.
+    pub kv_a: Linear,
+    /// `[kv_lora]`.
+    pub kv_a_norm: Vec<f32>,
+    /// `[heads * (nope + v), kv_lora]`: per head, `nope` key rows then `v` value rows.
+    pub kv_b: Linear,
+    pub gate: Option<Linear>,
+    pub o_proj: Linear,
+}
+
+/// Per-sequence cache of one MLA layer.
+pub struct MlaState {
+    /// `[t, kv_lora]`.
+    pub latents: Vec<f32>,
+    /// `[t, rope]`.
+    pub k_pe: Vec<f32>,
+    pub len: usize,
+}
+
+impl Mla {
+    pub fn load(store: &Store, prefix: &str, c: &K3Config) -> Result<Self> {
+        let h = c.hidden_size;
+        let nh = c.num_attention_heads;
+        let (nope, rope, vd, kvl) = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let lin =
+            |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
+        let q = match c.q_lora_rank {
+            Some(r) => QProj::LowRank {
+                a: lin("q_a_proj", r, h)?,
+                norm: load_vec(store, &format!("{prefix}q_a_layernorm.weight"), r)?,
+                b: lin("q_b_proj", nh * (nope + rope), r)?,
+            },
+            None => QProj::Full(lin("q_proj", nh * (nope + rope), h)?),
+        };
+        Ok(Mla {
+            heads: nh,
+            nope,
+            rope,
+            v_dim: vd,
+            kv_lora: kvl,
+            q,
+            kv_a: lin("kv_a_proj_with_mqa", kvl + rope, h)?,
+            kv_a_norm: load_vec(store, &format!("{prefix}kv_a_layernorm.weight"), kvl)?,
+            kv_b: lin("kv_b_proj", nh * (nope + vd), kvl)?,
+            gate: if c.mla_use_output_gate {
+                Some(lin("g_proj", nh * vd, h)?)
+            } else {
+                None
+            },
+            o_proj: lin("o_proj", h, nh * vd)?,
+        })
+    }
+
+    pub fn new_state(&self) -> MlaState {
+        MlaState {
+            latents: Vec::new(),
+            k_pe: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
+    pub fn forward(&self, st: &mut MlaState, x: &[f32], out: &mut [f32]) {
+        let (nh, nope, rope, vd, kvl) =
+            (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
+        let qd = nope + rope;
+        let mut q = vec![0f32; nh * qd]; // [heads, nope + rope]
+        match &self.q {
+            QProj::LowRank { a, norm, b } => {
+                let mut t = vec![0f32; a.rows]; // [q_lora]
+                a.forward(x, &mut t);
+                rms_norm_inplace(&mut t, norm, LORA_NORM_EPS);
+                b.forward(&t, &mut q);
+            }
+            QProj::Full(p) => p.forward(x, &mut q),
+        }
+        let mut ckv = vec![0f32; kvl + rope]; // [kv_lora + rope]
+        self.kv_a.forward(x, &mut ckv);
+        rms_norm_inplace(&mut ckv[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
+        st.latents.extend_from_slice(&ckv[..kvl]);
+        st.k_pe.extend_from_slice(&ckv[kvl..]);
+        st.len += 1;
+        let t_len = st.len;
+
+        let scale = (qd as f32).powf(-0.5);
+        let mut attn = vec![0f32; nh * vd]; // [heads, v]
+        let mut q_lat = vec![0f32; kvl]; // [kv_lora]
+        let mut scores = vec![0f32; t_len]; // [t]
+        let mut o_lat = vec![0f32; kvl]; // [kv_lora]
+        for h in 0..nh {
+            let qh = &q[h * qd..(h + 1) * qd];
+            // Absorb the key projection: q_lat = W_k^T q_nope.
+            q_lat.fill(0.0);
+            let krow = h * (nope + vd);
+            for n in 0..nope {
+                self.kv_b.axpy_row(krow + n, qh[n], &mut q_lat);
+            }
+            for (t, s) in scores.iter_mut().enumerate() {
+                let c = &st.latents[t * kvl..(t + 1) * kvl];
+                let pe = &st.k_pe[t * rope..(t + 1) * rope];
+                *s = scale * (dot(&q_lat, c) + dot(&qh[nope..], pe));
+            }
+            softmax_inplace(&mut scores);
+            o_lat.fill(0.0);
+            for (t, &p) in scores.iter().enumerate() {
+                for (o, &c) in o_lat.iter_mut().zip(&st.latents[t * kvl..(t + 1) * kvl]) {
+                    *o += p * c;
+                }
+            }
+            // Absorb the value projection: out_h = W_v o_lat.
+            self.kv_b
+                .forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
+        }
+        if let Some(g) = &self.gate {
+            let mut gv = vec![0f32; nh * vd]; // [heads * v]
+            g.forward(x, &mut gv);
+            for (a, &gg) in attn.iter_mut().zip(&gv) {
+                *a *= sigmoid(gg);
+            }
+        }
+        self.o_proj.forward(&attn, out);
+    }
+}

@@ -1,0 +1,48 @@
+//! Gated MLP with K3's SiTU activation: `down(situ(gate(x), up(x)))`. Used for dense layers and
+//! for shared experts.
+
+use anyhow::Result;
+use deltafin_kernels::ops::situ;
+use deltafin_store::Store;
+
+use crate::weights::Linear;
+
+pub struct GatedMlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub beta: f32,
+    pub linear_beta: Option<f32>,
+}
+
+impl GatedMlp {
+    /// `prefix` ends with a dot, e.g. `layers.0.mlp.`.
+    pub fn load(
+        store: &Store,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        beta: f32,
+        linear_beta: Option<f32>,
+    ) -> Result<Self> {
+        Ok(GatedMlp {
+            gate: Linear::load_shaped(store, &format!("{prefix}gate_proj.weight"), inter, hidden)?,
+            up: Linear::load_shaped(store, &format!("{prefix}up_proj.weight"), inter, hidden)?,
+            down: Linear::load_shaped(store, &format!("{prefix}down_proj.weight"), hidden, inter)?,
+            beta,
+            linear_beta,
+        })
+    }
+
+    /// Shapes: x `[hidden]`, out `[hidden]`.
+    pub fn forward(&self, x: &[f32], out: &mut [f32]) {
+        let inter = self.gate.rows;
+        let mut g = vec![0f32; inter]; // [inter]
+        let mut u = vec![0f32; inter]; // [inter]
+        self.gate.forward(x, &mut g);
+        self.up.forward(x, &mut u);
+        let mut a = vec![0f32; inter]; // [inter]
+        situ(&g, &u, self.beta, self.linear_beta, &mut a);
+        self.down.forward(&a, out);
+    }
+}

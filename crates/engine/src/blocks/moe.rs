@@ -1,0 +1,195 @@
+//! Latent mixture-of-experts (Kimi K3): the router picks experts on the full hidden state; the
+//! chosen experts work in a narrower latent space,
+//! `y = up(norm(sum_k w_k E_k(down(x)))) + shared(x)`.
+//!
+//! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
+
+use anyhow::Result;
+use deltafin_kernels::mxfp4_matvec;
+use deltafin_kernels::ops::{rms_norm_inplace, situ};
+use deltafin_store::{K3Config, Store};
+
+use super::mlp::GatedMlp;
+use super::router::select_experts;
+use crate::experts::{ExpertSource, RecordLayout};
+use crate::weights::{Linear, load_vec};
+
+pub struct LatentMoe {
+    pub layer: usize,
+    pub top_k: usize,
+    pub renormalize: bool,
+    pub scaling: f32,
+    /// `[E, H]`.
+    pub gate: Linear,
+    /// `[E]`.
+    pub bias: Vec<f32>,
+    /// `[LAT, H]`, absent when experts work at full width.
+    pub down: Option<Linear>,
+    /// `[LAT]`.
+    pub norm: Option<Vec<f32>>,
+    /// `[H, LAT]`.
+    pub up: Option<Linear>,
+    pub shared: Option<GatedMlp>,
+    pub inter: usize,
+    pub latent: usize,
+    pub beta: f32,
+    pub linear_beta: Option<f32>,
+    pub eps: f32,
+}
+
+/// What the router chose for one token of one layer (kept for traces and tests).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Routing {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+impl LatentMoe {
+    pub fn load(store: &Store, layer: usize, c: &K3Config) -> Result<Self> {
+        let p = format!("layers.{layer}.block_sparse_moe.");
+        let h = c.hidden_size;
+        let lat = c.expert_input_dim();
+        let (down, norm, up) = match c.routed_expert_hidden_size {
+            Some(l) => (
+                Some(Linear::load_shaped(
+                    store,
+                    &format!("{p}routed_expert_down_proj.weight"),
+                    l,
+                    h,
+                )?),
+                if c.latent_moe_use_norm {
+                    Some(load_vec(
+                        store,
+                        &format!("{p}routed_expert_norm.weight"),
+                        l,
+                    )?)
+                } else {
+                    None
+                },
+                Some(Linear::load_shaped(
+                    store,
+                    &format!("{p}routed_expert_up_proj.weight"),
+                    h,
+                    l,
+                )?),
+            ),
+            None => (None, None, None),
+        };
+        let shared = if c.num_shared_experts > 0 {
+            let si = c.moe_intermediate_size * c.num_shared_experts;
+            Some(GatedMlp::load(
+                store,
+                &format!("{p}shared_experts."),
+                h,
+                si,
+                c.situ_beta(),
+                c.activation_situ_linear_beta,
+            )?)
+        } else {
+            None
+        };
+        Ok(LatentMoe {
+            layer,
+            top_k: c.num_experts_per_token,
+            renormalize: c.moe_renormalize,
+            scaling: c.routed_scaling_factor,
+            gate: Linear::load_shaped(store, &format!("{p}gate.weight"), c.num_experts, h)?,
+            bias: load_vec(
+                store,
+                &format!("{p}gate.e_score_correction_bias"),
+                c.num_experts,
+            )?,
+            down,
+            norm,
+            up,
+            shared,
+            inter: c.moe_intermediate_size,
+            latent: lat,
+            beta: c.situ_beta(),
+            linear_beta: c.activation_situ_linear_beta,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        experts: &mut dyn ExpertSource,
+        layout: &RecordLayout,
+        record: &mut Vec<u8>,
+        routing: &mut Routing,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let mut logits = vec![0f32; self.gate.rows]; // [E]
+        self.gate.forward(x, &mut logits);
+        select_experts(
+            &logits,
+            &self.bias,
+            self.top_k,
+            self.renormalize,
+            self.scaling,
+            &mut routing.experts,
+            &mut routing.weights,
+        );
+
+        let mut xl = vec![0f32; self.latent]; // [LAT]
+        match &self.down {
+            Some(d) => d.forward(x, &mut xl),
+            None => xl.copy_from_slice(x),
+        }
+        let (i, lat) = (self.inter, self.latent);
+        let mut acc = vec![0f32; lat]; // [LAT] weighted sum of expert outputs
+        let mut g = vec![0f32; i]; // [I]
+        let mut u = vec![0f32; i]; // [I]
+        let mut a = vec![0f32; i]; // [I]
+        let mut eo = vec![0f32; lat]; // [LAT]
+        for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
+            experts.load(self.layer, e, record)?;
+            // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I].
+            mxfp4_matvec(
+                layout.part(record, 0),
+                layout.part(record, 1),
+                i,
+                lat,
+                &xl,
+                &mut g,
+            );
+            mxfp4_matvec(
+                layout.part(record, 4),
+                layout.part(record, 5),
+                i,
+                lat,
+                &xl,
+                &mut u,
+            );
+            situ(&g, &u, self.beta, self.linear_beta, &mut a);
+            mxfp4_matvec(
+                layout.part(record, 2),
+                layout.part(record, 3),
+                lat,
+                i,
+                &a,
+                &mut eo,
+            );
+            for (s, &v) in acc.iter_mut().zip(&eo) {
+                *s += w * v;
+            }
+        }
+        if let Some(n) = &self.norm {
+            rms_norm_inplace(&mut acc, n, self.eps);
+        }
+        match &self.up {
+            Some(up) => up.forward(&acc, out),
+            None => out.copy_from_slice(&acc),
+        }
+        if let Some(sh) = &self.shared {
+            let mut s = vec![0f32; out.len()]; // [hidden]
+            sh.forward(x, &mut s);
+            for (o, v) in out.iter_mut().zip(&s) {
+                *o += v;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,53 @@
+//! Sigmoid router with an additive correction bias used for selection only (DeepSeek-V3 / K3).
+
+use deltafin_kernels::ops::sigmoid;
+
+/// Pick `top_k` experts from router logits. Shapes: logits, bias `[E]`.
+///
+/// Scores are `sigmoid(logits)`; selection ranks `score + bias`; the returned weights are the
+/// unbiased scores of the chosen experts, renormalised to sum to one when `renormalize` (with
+/// the reference's 1e-20 guard), then multiplied by `scaling`. Ties rank the lower id first.
+pub fn select_experts(
+    logits: &[f32],
+    bias: &[f32],
+    top_k: usize,
+    renormalize: bool,
+    scaling: f32,
+    out_ids: &mut Vec<usize>,
+    out_weights: &mut Vec<f32>,
+) {
+    let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect(); // [E]
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    let key = |i: usize| scores[i] + bias[i];
+    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    out_ids.clear();
+    out_ids.extend_from_slice(&order[..top_k]);
+    out_weights.clear();
+    out_weights.extend(out_ids.iter().map(|&i| scores[i]));
+    if top_k > 1 && renormalize {
+        let denom: f32 = out_weights.iter().sum::<f32>() + 1e-20;
+        for w in out_weights.iter_mut() {
+            *w /= denom;
+        }
+    }
+    for w in out_weights.iter_mut() {
+        *w *= scaling;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bias_selects_but_does_not_weight() {
+        let logits = [0.0, 1.0, 2.0, -1.0];
+        let bias = [10.0, 0.0, 0.0, 0.0];
+        let (mut ids, mut w) = (vec![], vec![]);
+        select_experts(&logits, &bias, 2, true, 2.0, &mut ids, &mut w);
+        assert_eq!(ids, vec![0, 2]);
+        let (s0, s2) = (sigmoid(0.0), sigmoid(2.0));
+        assert!((w[0] - 2.0 * s0 / (s0 + s2)).abs() < 1e-6);
+        assert!((w[1] - 2.0 * s2 / (s0 + s2)).abs() < 1e-6);
+    }
+}

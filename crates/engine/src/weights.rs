@@ -1,0 +1,130 @@
+//! Spine weights as the model uses them: matrices behind one `Linear` type whatever their storage
+//! dtype, vectors as plain f32.
+
+use anyhow::{Context, Result, bail};
+use deltafin_kernels as k;
+use deltafin_store::{LoadedTensor, SpineData, Store};
+use half::bf16;
+
+/// A `[rows, cols]` weight used as `out = W x`.
+pub struct Linear {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    data: SpineData,
+}
+
+impl Linear {
+    pub fn from_tensor(t: LoadedTensor) -> Result<Self> {
+        if t.shape.len() != 2 {
+            bail!(
+                "spine tensor '{}' has shape {:?}, expected a matrix",
+                t.name,
+                t.shape
+            );
+        }
+        Ok(Linear {
+            name: t.name,
+            rows: t.shape[0],
+            cols: t.shape[1],
+            data: t.data,
+        })
+    }
+
+    pub fn load(store: &Store, name: &str) -> Result<Self> {
+        Self::from_tensor(store.load_spine(name)?)
+    }
+
+    /// Load and check the shape the model expects.
+    pub fn load_shaped(store: &Store, name: &str, rows: usize, cols: usize) -> Result<Self> {
+        let l = Self::load(store, name)?;
+        if (l.rows, l.cols) != (rows, cols) {
+            bail!(
+                "spine tensor '{name}' is [{}, {}], the config implies [{rows}, {cols}]",
+                l.rows,
+                l.cols
+            );
+        }
+        Ok(l)
+    }
+
+    /// `out = W x`. Shapes: x `[cols]`, out `[rows]`.
+    pub fn forward(&self, x: &[f32], out: &mut [f32]) {
+        self.forward_rows(0, self.rows, x, out);
+    }
+
+    /// Rows `r0 .. r0+n` of `W x`. Shapes: x `[cols]`, out `[n]`.
+    pub fn forward_rows(&self, r0: usize, n: usize, x: &[f32], out: &mut [f32]) {
+        let c = self.cols;
+        let span = r0 * c..(r0 + n) * c;
+        match &self.data {
+            SpineData::F32(w) => k::f32_matvec(&w[span], n, c, x, out),
+            SpineData::Bf16(w) => k::bf16_matvec(&w[span], n, c, x, out),
+            SpineData::Int8 { q, scales, group } => {
+                let g = c / group;
+                k::int8_matvec(
+                    &q[span],
+                    &scales[r0 * g..(r0 + n) * g],
+                    *group,
+                    n,
+                    c,
+                    x,
+                    out,
+                )
+            }
+        }
+    }
+
+    /// `out += alpha * W[r, :]`: used to apply a matrix transposed (MLA's absorbed key).
+    pub fn axpy_row(&self, r: usize, alpha: f32, out: &mut [f32]) {
+        let c = self.cols;
+        match &self.data {
+            SpineData::F32(w) => k::ops::axpy(alpha, &w[r * c..(r + 1) * c], out),
+            SpineData::Bf16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
+                    *o += alpha * bf16::from_bits(b).to_f32();
+                }
+            }
+            SpineData::Int8 { q, scales, group } => {
+                let g = c / group;
+                for (j, (o, &v)) in out.iter_mut().zip(&q[r * c..(r + 1) * c]).enumerate() {
+                    *o += alpha * scales[r * g + j / group] * v as f32;
+                }
+            }
+        }
+    }
+
+    /// Row `r` as f32 (the embedding lookup). Shape: out `[cols]`.
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        out.fill(0.0);
+        self.axpy_row(r, 1.0, out);
+    }
+}
+
+/// A vector spine tensor as f32, with its element count checked.
+pub fn load_vec(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
+    let t = store.load_spine(name)?;
+    let v = t.to_f32();
+    if v.len() != len {
+        bail!(
+            "spine tensor '{name}' has {} elements, the config implies {len}",
+            v.len()
+        );
+    }
+    Ok(v)
+}
+
+/// The first `len` elements of a vector tensor (K3 stores `A_log` head_dim long, `num_heads` real).
+pub fn load_vec_prefix(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
+    let v = store
+        .load_spine(name)
+        .with_context(|| format!("loading '{name}'"))?
+        .to_f32();
+    if v.len() < len {
+        bail!(
+            "spine tensor '{name}' has {} elements, the config needs at least {len}",
+            v.len()
+        );
+    }
+    Ok(v[..len].to_vec())
+}
