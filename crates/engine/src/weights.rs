@@ -128,3 +128,60 @@ pub fn load_vec_prefix(store: &Store, name: &str, len: usize) -> Result<Vec<f32>
     }
     Ok(v[..len].to_vec())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltafin_store::quant::{dequantize_int8, quantize_int8};
+
+    /// Every storage dtype must give the same products as its dequantised f32 matrix, including
+    /// on row sub-ranges and transposed row accumulation (both used by MLA's absorbed heads).
+    #[test]
+    fn storage_dtypes_agree_on_row_ranges() {
+        let (rows, cols) = (12, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.3)
+            .collect();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.21).sin()).collect();
+        let (q, s) = quantize_int8(&w, cols, 32);
+        let deq = dequantize_int8(&q, &s, 32);
+        let int8 = Linear {
+            name: "q".into(),
+            rows,
+            cols,
+            data: SpineData::Int8 {
+                q,
+                scales: s,
+                group: 32,
+            },
+        };
+        let f32m = Linear {
+            name: "f".into(),
+            rows,
+            cols,
+            data: SpineData::F32(deq),
+        };
+        let bf16m = Linear {
+            name: "b".into(),
+            rows,
+            cols,
+            data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()),
+        };
+        let (mut a, mut b) = (vec![0f32; 5], vec![0f32; 5]);
+        int8.forward_rows(4, 5, &x, &mut a);
+        f32m.forward_rows(4, 5, &x, &mut b);
+        for (u, v) in a.iter().zip(&b) {
+            assert!((u - v).abs() < 1e-5, "{u} vs {v}");
+        }
+        let (mut a, mut b, mut c) = (vec![0f32; cols], vec![0f32; cols], vec![0f32; cols]);
+        int8.axpy_row(7, 0.5, &mut a);
+        f32m.axpy_row(7, 0.5, &mut b);
+        bf16m.axpy_row(7, 0.5, &mut c);
+        for j in 0..cols {
+            assert!((a[j] - b[j]).abs() < 1e-6);
+            assert!(
+                (c[j] - 0.5 * w[7 * cols + j]).abs() < 0.5 * w[7 * cols + j].abs() / 128.0 + 1e-7
+            );
+        }
+    }
+}

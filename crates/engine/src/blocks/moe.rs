@@ -10,7 +10,7 @@ use deltafin_kernels::ops::{rms_norm_inplace, situ};
 use deltafin_store::{K3Config, Store};
 
 use super::mlp::GatedMlp;
-use super::router::select_experts;
+use super::router::{select_experts, weights_for};
 use crate::experts::{ExpertSource, RecordLayout};
 use crate::weights::{Linear, load_vec};
 
@@ -42,6 +42,10 @@ pub struct LatentMoe {
 pub struct Routing {
     pub experts: Vec<usize>,
     pub weights: Vec<f32>,
+    /// When set, the next token uses `experts` as given instead of the router's choice (weights
+    /// still come from this run's router scores). For studies that separate routing flips from
+    /// numerical error.
+    pub pinned: bool,
 }
 
 impl LatentMoe {
@@ -123,15 +127,29 @@ impl LatentMoe {
     ) -> Result<()> {
         let mut logits = vec![0f32; self.gate.rows]; // [E]
         self.gate.forward(x, &mut logits);
-        select_experts(
-            &logits,
-            &self.bias,
-            self.top_k,
-            self.renormalize,
-            self.scaling,
-            &mut routing.experts,
-            &mut routing.weights,
-        );
+        if routing.pinned {
+            anyhow::ensure!(
+                routing.experts.iter().all(|&e| e < self.gate.rows),
+                "pinned expert id out of range"
+            );
+            weights_for(
+                &logits,
+                &routing.experts,
+                self.renormalize,
+                self.scaling,
+                &mut routing.weights,
+            );
+        } else {
+            select_experts(
+                &logits,
+                &self.bias,
+                self.top_k,
+                self.renormalize,
+                self.scaling,
+                &mut routing.experts,
+                &mut routing.weights,
+            );
+        }
 
         let mut xl = vec![0f32; self.latent]; // [LAT]
         match &self.down {

@@ -22,9 +22,21 @@ pub fn select_experts(
     order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
     out_ids.clear();
     out_ids.extend_from_slice(&order[..top_k]);
+    weights_for(logits, out_ids, renormalize, scaling, out_weights);
+}
+
+/// Weights for a given choice of experts (used when the choice is pinned, e.g. to replay another
+/// run's routing): the same normalisation as [`select_experts`].
+pub fn weights_for(
+    logits: &[f32],
+    ids: &[usize],
+    renormalize: bool,
+    scaling: f32,
+    out_weights: &mut Vec<f32>,
+) {
     out_weights.clear();
-    out_weights.extend(out_ids.iter().map(|&i| scores[i]));
-    if top_k > 1 && renormalize {
+    out_weights.extend(ids.iter().map(|&i| sigmoid(logits[i])));
+    if ids.len() > 1 && renormalize {
         let denom: f32 = out_weights.iter().sum::<f32>() + 1e-20;
         for w in out_weights.iter_mut() {
             *w /= denom;

@@ -1,0 +1,79 @@
+//! Shared helpers for the engine's integration tests: fixture paths, conversion into temp stores,
+//! and the reference outputs recorded by mlx-lm 0.32.2 (`tools/make_fixtures.py`).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use deltafin_store::convert::{ConvertOptions, convert};
+use deltafin_store::{ExpertLayout, SpineDtype};
+use serde::Deserialize;
+
+pub const FIXTURES: [&str; 2] = ["k3-tiny", "k3-small"];
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+#[derive(Deserialize)]
+pub struct RefPrompt {
+    pub tokens: Vec<u32>,
+    pub last_logits: Vec<f32>,
+    pub greedy: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+pub struct Reference {
+    pub prompts: Vec<RefPrompt>,
+    pub all_logits_17: Vec<Vec<f32>>,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let p = fixture_dir(name).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("read reference.json"))
+        .expect("parse reference.json")
+}
+
+/// Convert a fixture into a fresh temporary store.
+pub fn convert_fixture(
+    name: &str,
+    spine: SpineDtype,
+    int8_group: usize,
+    experts: ExpertLayout,
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = ConvertOptions {
+        spine,
+        int8_group,
+        experts,
+        progress: false,
+    };
+    convert(&fixture_dir(name).join("hf"), dir.path(), &opts).expect("convert");
+    dir
+}
+
+/// Max absolute difference divided by max |reference|.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let d = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let s = want.iter().fold(0f32, |m, b| m.max(b.abs()));
+    d / s
+}
+
+/// Copy a directory tree (fixture checkpoints are small).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).unwrap();
+        }
+    }
+}
