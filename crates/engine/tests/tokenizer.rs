@@ -1,0 +1,58 @@
+//! The tiktoken-format tokenizer against ids from the Python `tiktoken` package (recorded in
+//! each fixture's `tokenizer_check.json` with K3's pre-tokenisation regex), on English, digits,
+//! whitespace runs, contractions, mixed scripts (Han, accents, emoji) and special tokens.
+
+mod common;
+
+use common::*;
+use deltafin_engine::tokenizer::{K3_PATTERN, Tokenizer};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+    #[serde(default)]
+    allowed_special: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Check {
+    pat_str: String,
+    cases: Vec<Case>,
+}
+
+#[test]
+fn matches_python_tiktoken() {
+    for name in FIXTURES {
+        let dir = fixture_dir(name);
+        let check: Check =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_check.json")).unwrap()).unwrap();
+        assert_eq!(check.pat_str, K3_PATTERN, "the fixture was made with K3's regex");
+        let tok = Tokenizer::load(&dir.join("hf")).unwrap();
+        assert!(check.cases.len() >= 6);
+        for c in &check.cases {
+            let got = match c.allowed_special.as_deref() {
+                Some("all") => tok.encode(&c.text),
+                _ => tok.encode_ordinary(&c.text),
+            };
+            assert_eq!(got, c.ids, "{name}: {:?}", c.text);
+            assert_eq!(tok.decode(&got), c.text, "{name}: round trip of {:?}", c.text);
+        }
+        assert_eq!(tok.eos_id, Some(tok.specials["<|end_of_msg|>"]), "generation stops on <|end_of_msg|>");
+    }
+}
+
+#[test]
+fn bad_tokenizer_files_are_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("tiktoken.model"), "IQ== 0\nIQ== 1\n").unwrap();
+    let msg = Tokenizer::load(tmp.path()).err().unwrap().to_string();
+    assert!(msg.contains("appear twice"), "{msg}");
+    std::fs::write(tmp.path().join("tiktoken.model"), "!!notbase64 0\n").unwrap();
+    let msg = Tokenizer::load(tmp.path()).err().unwrap().to_string();
+    assert!(msg.contains("base64"), "{msg}");
+    std::fs::write(tmp.path().join("tiktoken.model"), "IQ== x\n").unwrap();
+    let msg = Tokenizer::load(tmp.path()).err().unwrap().to_string();
+    assert!(msg.contains("rank"), "{msg}");
+}

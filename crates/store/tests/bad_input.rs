@@ -1,0 +1,169 @@
+//! Bad and changed input: every failure is a clear error naming what is wrong, never a panic and
+//! never silently wrong numbers.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use deltafin_store::convert::{ConvertOptions, convert};
+use deltafin_store::{ExpertLayout, SpineDtype, Store, StoreError};
+
+fn fixture_hf() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/k3-tiny/hf")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn opts(experts: ExpertLayout) -> ConvertOptions {
+    ConvertOptions { spine: SpineDtype::Int8, int8_group: 0, experts, progress: false }
+}
+
+/// A private copy of the tiny checkpoint, and a store converted from it.
+fn setup(experts: ExpertLayout) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    let store = tmp.path().join("store");
+    convert(&hf, &store, &opts(experts)).unwrap();
+    (tmp, hf, store)
+}
+
+fn flip_byte(path: &Path, offset: u64) {
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0x5A;
+    f.write_all_at(&b, offset).unwrap();
+}
+
+#[test]
+fn corrupt_packed_expert_is_reported_with_layer_and_expert() {
+    let (_t, _hf, store_dir) = setup(ExpertLayout::Pack);
+    let store = Store::open(&store_dir, None).unwrap();
+    let loc = store.experts.location(2, 5).unwrap().clone();
+    let file = store_dir.join(&store.manifest.experts.files[loc.ranges[0][0] as usize]);
+    flip_byte(&file, loc.ranges[0][1] + 17);
+    let store = Store::open(&store_dir, None).unwrap();
+    let mut buf = Vec::new();
+    let err = store.experts.read(2, 5, &mut buf).unwrap_err();
+    assert!(matches!(err, StoreError::Checksum { layer: 2, expert: 5, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("layer 2 expert 5") && msg.contains("checksum"), "{msg}");
+    // Its neighbours are untouched.
+    store.experts.read(2, 4, &mut buf).unwrap();
+    store.experts.read(2, 6, &mut buf).unwrap();
+}
+
+#[test]
+fn corrupt_in_place_expert_is_reported() {
+    let (_t, hf, store_dir) = setup(ExpertLayout::InPlace);
+    let store = Store::open(&store_dir, None).unwrap();
+    let loc = store.experts.location(3, 11).unwrap().clone();
+    let shard = hf.join(&store.manifest.experts.files[loc.ranges[0][0] as usize]);
+    flip_byte(&shard, loc.ranges[0][1] + loc.ranges[0][2] - 1);
+    let store = Store::open(&store_dir, None).unwrap();
+    let err = store.experts.read(3, 11, &mut Vec::new()).unwrap_err();
+    assert!(matches!(err, StoreError::Checksum { layer: 3, expert: 11, .. }), "{err}");
+}
+
+#[test]
+fn changed_or_moved_checkpoint_is_detected() {
+    let (t, hf, store_dir) = setup(ExpertLayout::InPlace);
+    // A shard that grew.
+    let store = Store::open(&store_dir, None).unwrap();
+    let shard = hf.join(&store.manifest.experts.files[0]);
+    let f = std::fs::OpenOptions::new().append(true).open(&shard).unwrap();
+    f.set_len(f.metadata().unwrap().len() + 1).unwrap();
+    let msg = Store::open(&store_dir, None).err().expect("grown shard must be refused").to_string();
+    assert!(msg.contains("has changed") && msg.contains(&shard.file_name().unwrap().to_string_lossy().to_string()), "{msg}");
+    f.set_len(f.metadata().unwrap().len() - 1).unwrap();
+    Store::open(&store_dir, None).unwrap();
+    // A moved checkpoint: a clear message, and --source finds it at its new place.
+    let moved = t.path().join("moved");
+    std::fs::rename(&hf, &moved).unwrap();
+    let msg = Store::open(&store_dir, None).err().expect("moved checkpoint must be refused").to_string();
+    assert!(msg.contains("is gone") && msg.contains("--source"), "{msg}");
+    let store = Store::open(&store_dir, Some(&moved)).unwrap();
+    store.experts.read(1, 0, &mut Vec::new()).unwrap();
+}
+
+#[test]
+fn corrupt_spine_is_reported() {
+    let (_t, _hf, store_dir) = setup(ExpertLayout::InPlace);
+    let store = Store::open(&store_dir, None).unwrap();
+    let t = store.spine_tensor_info("layers.3.self_attn.kv_b_proj.weight").unwrap().clone();
+    flip_byte(&store_dir.join("spine.bin"), t.offset + 3);
+    let msg = store.load_spine(&t.name).unwrap_err().to_string();
+    assert!(msg.contains("kv_b_proj") && msg.contains("checksum"), "{msg}");
+}
+
+#[test]
+fn missing_tensor_names_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    let idx = hf.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
+    let name = "language_model.model.layers.2.self_attn.f_b_proj.weight";
+    assert!(v["weight_map"].as_object_mut().unwrap().remove(name).is_some());
+    std::fs::write(&idx, v.to_string()).unwrap();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains(name) && msg.contains("missing"), "{msg}");
+}
+
+#[test]
+fn inconsistent_config_names_file_and_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    let cfg = hf.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["text_config"]["kv_lora_rank"] = serde_json::json!(24);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("kv_a_proj_with_mqa") && msg.contains(".safetensors") && msg.contains("shape"), "{msg}");
+    // A missing field names config.json and the field.
+    v["text_config"].as_object_mut().unwrap().remove("kv_lora_rank");
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("config.json") && msg.contains("kv_lora_rank"), "{msg}");
+    // Not JSON at all.
+    std::fs::write(&cfg, "{ nope").unwrap();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("config.json") && msg.contains("JSON"), "{msg}");
+}
+
+#[test]
+fn nan_mxfp4_scale_is_a_conversion_error() {
+    let (_t, hf, store_dir) = setup(ExpertLayout::InPlace);
+    let store = Store::open(&store_dir, None).unwrap();
+    // w1.weight_scale is the second part of the record: its first byte follows w1's packed bytes.
+    let w1_packed = store.manifest.experts.parts[0].len;
+    let loc = store.experts.location(4, 7).unwrap().clone();
+    let shard = hf.join(&store.manifest.experts.files[loc.ranges[0][0] as usize]);
+    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    f.write_all_at(&[0xFF], loc.ranges[0][1] + w1_packed).unwrap();
+    let msg = convert(&hf, &store_dir.with_file_name("s2"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("layer 4 expert 7") && msg.contains("0xFF") && msg.contains("w1.weight_scale"), "{msg}");
+}
+
+#[test]
+fn bad_manifest_is_a_clear_error() {
+    let (_t, _hf, store_dir) = setup(ExpertLayout::Pack);
+    let path = store_dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace("\"version\": 1", "\"version\": 99")).unwrap();
+    let msg = Store::open(&store_dir, None).err().unwrap().to_string();
+    assert!(msg.contains("version 99"), "{msg}");
+    std::fs::write(&path, &text[..text.len() / 2]).unwrap();
+    let msg = Store::open(&store_dir, None).err().unwrap().to_string();
+    assert!(msg.contains("manifest is not valid"), "{msg}");
+    std::fs::remove_file(&path).unwrap();
+    let msg = Store::open(&store_dir, None).err().unwrap().to_string();
+    assert!(msg.contains("manifest.json"), "{msg}");
+}
