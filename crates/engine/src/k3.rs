@@ -14,13 +14,13 @@ use crate::experts::{ExpertSource, RecordLayout};
 use crate::weights::{Linear, load_vec};
 
 pub enum Attention {
-    Kda(Kda),
-    Mla(Mla),
+    Kda(Box<Kda>),
+    Mla(Box<Mla>),
 }
 
 pub enum Ffn {
-    Dense(GatedMlp),
-    Moe(LatentMoe),
+    Dense(Box<GatedMlp>),
+    Moe(Box<LatentMoe>),
 }
 
 pub struct Layer {
@@ -77,26 +77,28 @@ impl K3Model {
         for l in 0..c.num_hidden_layers {
             let p = format!("layers.{l}.");
             let attn = match c.attn_kind(l) {
-                AttnKind::Kda => Attention::Kda(Kda::load(
+                AttnKind::Kda => Attention::Kda(Box::new(Kda::load(
                     store,
                     &format!("{p}self_attn."),
                     &c.linear_attn_config,
                     h,
                     c.rms_norm_eps,
-                )?),
-                AttnKind::Mla => Attention::Mla(Mla::load(store, &format!("{p}self_attn."), &c)?),
+                )?)),
+                AttnKind::Mla => {
+                    Attention::Mla(Box::new(Mla::load(store, &format!("{p}self_attn."), &c)?))
+                }
             };
             let ffn = if c.is_moe_layer(l) {
-                Ffn::Moe(LatentMoe::load(store, l, &c)?)
+                Ffn::Moe(Box::new(LatentMoe::load(store, l, &c)?))
             } else {
-                Ffn::Dense(GatedMlp::load(
+                Ffn::Dense(Box::new(GatedMlp::load(
                     store,
                     &format!("{p}mlp."),
                     h,
                     c.intermediate_size,
                     c.situ_beta(),
                     c.activation_situ_linear_beta,
-                )?)
+                )?))
             };
             let res = if c.attn_res_block_size.is_some() {
                 Some((
@@ -186,7 +188,7 @@ impl K3Model {
             let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);
             match &layer.res_w {
                 Some((w_attn, _)) => {
-                    let p = partial.as_ref().map(|v| v.as_slice()).unwrap_or(&[]);
+                    let p = partial.as_deref().unwrap_or(&[]);
                     blocks.mix(p, w_attn, &mut hmix);
                     if block_start {
                         blocks.push(p);

@@ -67,7 +67,7 @@ pub fn int8_matvec(
     out: &mut [f32],
 ) {
     assert!(
-        group > 0 && cols % group == 0,
+        group > 0 && cols.is_multiple_of(group),
         "int8 group must divide the row"
     );
     assert_eq!(q.len(), rows * cols);

@@ -38,7 +38,10 @@ pub fn mxfp4_matvec(
     x: &[f32],
     out: &mut [f32],
 ) {
-    assert!(cols % BLOCK == 0, "MXFP4 rows must be whole blocks of 32");
+    assert!(
+        cols.is_multiple_of(BLOCK),
+        "MXFP4 rows must be whole blocks of 32"
+    );
     assert_eq!(packed.len(), rows * cols / 2);
     assert_eq!(scales.len(), rows * cols / BLOCK);
     assert_eq!(x.len(), cols);

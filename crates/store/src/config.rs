@@ -189,7 +189,7 @@ impl K3Config {
             return Err(bad("moe_layer_freq must be positive".into()));
         }
         let lat = self.expert_input_dim();
-        if lat % 32 != 0 || self.moe_intermediate_size % 32 != 0 {
+        if !lat.is_multiple_of(32) || !self.moe_intermediate_size.is_multiple_of(32) {
             return Err(bad(format!(
                 "MXFP4 experts need latent ({lat}) and moe_intermediate_size ({}) to be multiples of 32",
                 self.moe_intermediate_size
@@ -212,7 +212,7 @@ impl K3Config {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.num_experts > 0
             && layer >= self.first_k_dense_replace
-            && layer % self.moe_layer_freq == 0
+            && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     pub fn moe_layers(&self) -> Vec<usize> {

@@ -325,19 +325,18 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
                     })?;
                 let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
                 shard.read_at(t.offset, &mut record[pos..pos + t.len as usize])?;
-                if name.ends_with("weight_scale") {
-                    if let Some(i) = record[pos..pos + t.len as usize]
+                if name.ends_with("weight_scale")
+                    && let Some(i) = record[pos..pos + t.len as usize]
                         .iter()
                         .position(|&b| b == 0xFF)
-                    {
-                        return Err(StoreError::Tensor {
-                            path: shard.path.clone(),
-                            tensor: full,
-                            msg: format!(
-                                "layer {l} expert {e}: E8M0 scale byte {i} is 0xFF (NaN); the checkpoint is corrupt"
-                            ),
-                        });
-                    }
+                {
+                    return Err(StoreError::Tensor {
+                        path: shard.path.clone(),
+                        tensor: full,
+                        msg: format!(
+                            "layer {l} expert {e}: E8M0 scale byte {i} is 0xFF (NaN); the checkpoint is corrupt"
+                        ),
+                    });
                 }
                 pos += t.len as usize;
                 match ranges.last_mut() {

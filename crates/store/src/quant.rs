@@ -5,7 +5,7 @@
 
 /// Quantise `rows` rows of `w` (`[rows, cols]`). Returns `(q [rows, cols], scales [rows, cols/group])`.
 pub fn quantize_int8(w: &[f32], cols: usize, group: usize) -> (Vec<i8>, Vec<f32>) {
-    assert!(group > 0 && cols % group == 0);
+    assert!(group > 0 && cols.is_multiple_of(group));
     assert_eq!(w.len() % cols, 0);
     let mut q = Vec::with_capacity(w.len());
     let mut scales = Vec::with_capacity(w.len() / group);
@@ -36,7 +36,7 @@ pub fn dequantize_int8(q: &[i8], scales: &[f32], group: usize) -> Vec<f32> {
 /// The group size actually used for a row of `cols`: the requested one when it divides the row,
 /// else per-row (so odd widths still convert).
 pub fn effective_group(cols: usize, requested: usize) -> usize {
-    if requested == 0 || cols % requested != 0 {
+    if requested == 0 || !cols.is_multiple_of(requested) {
         cols
     } else {
         requested

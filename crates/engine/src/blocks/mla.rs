@@ -132,9 +132,10 @@ impl Mla {
             // Absorb the key projection: q_lat = W_k^T q_nope.
             q_lat.fill(0.0);
             let krow = h * (nope + vd);
-            for n in 0..nope {
-                self.kv_b.axpy_row(krow + n, qh[n], &mut q_lat);
+            for (n, &qn) in qh[..nope].iter().enumerate() {
+                self.kv_b.axpy_row(krow + n, qn, &mut q_lat);
             }
+
             for (t, s) in scores.iter_mut().enumerate() {
                 let c = &st.latents[t * kvl..(t + 1) * kvl];
                 let pe = &st.k_pe[t * rope..(t + 1) * rope];
