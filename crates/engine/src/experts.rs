@@ -6,31 +6,64 @@ use anyhow::Result;
 use deltafin_store::Store;
 use deltafin_store::manifest::ExpertPart;
 
+/// The model announces each layer's chosen experts with [`begin`](ExpertSource::begin) as soon as
+/// its router has picked them, may compute other work (shared experts) while reads are in
+/// flight, then takes the records with [`drain`](ExpertSource::drain) in whatever order they
+/// become available. Callers combine expert outputs in a fixed order, so results do not depend
+/// on completion order.
 pub trait ExpertSource {
-    /// Fill `out` with the record of (layer, expert): the six MXFP4 tensors back to back in the
-    /// order of [`RecordLayout`].
-    fn load(&mut self, layer: usize, expert: usize, out: &mut Vec<u8>) -> Result<()>;
+    /// The experts `layer` needs now. Sources that read from disk start every missing read here.
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()>;
+
+    /// Hand each announced expert's record to `f` as `(index into the begin() list, bytes)`:
+    /// the six MXFP4 tensors back to back in the order of [`RecordLayout`].
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()>;
+
+    /// Experts `layer` will probably need soon: a low-priority hint. Default: ignored.
+    fn prefetch(&mut self, _layer: usize, _experts: &[usize]) -> Result<()> {
+        Ok(())
+    }
 
     /// Bytes read from storage so far (for reporting).
     fn bytes_read(&self) -> u64;
 }
 
-/// Reads every record from the store, verifying its checksum; no caching.
+/// Reads every record from the store with plain positioned reads, verifying its checksum; no
+/// caching, no overlap. The simplest correct source, and the reference the streaming source is
+/// tested against.
 pub struct StoreExperts<'a> {
     store: &'a Store,
     bytes: u64,
+    pending: Option<(usize, Vec<usize>)>,
+    record: Vec<u8>,
 }
 
 impl<'a> StoreExperts<'a> {
     pub fn new(store: &'a Store) -> Self {
-        StoreExperts { store, bytes: 0 }
+        StoreExperts {
+            store,
+            bytes: 0,
+            pending: None,
+            record: Vec::new(),
+        }
     }
 }
 
 impl ExpertSource for StoreExperts<'_> {
-    fn load(&mut self, layer: usize, expert: usize, out: &mut Vec<u8>) -> Result<()> {
-        self.store.experts.read(layer, expert, out)?;
-        self.bytes += out.len() as u64;
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.pending = Some((layer, experts.to_vec()));
+        Ok(())
+    }
+
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        let Some((layer, experts)) = self.pending.take() else {
+            anyhow::bail!("drain() without begin()")
+        };
+        for (i, &e) in experts.iter().enumerate() {
+            self.store.experts.read(layer, e, &mut self.record)?;
+            self.bytes += self.record.len() as u64;
+            f(i, &self.record)?;
+        }
         Ok(())
     }
 

@@ -46,6 +46,8 @@ pub struct K3Model {
     /// `[vocab, H]`; `None` when tied to the embedding.
     pub lm_head: Option<Linear>,
     pub layout: RecordLayout,
+    /// Predict the next MoE layer's experts and hint them to the expert source.
+    pub prefetch: bool,
 }
 
 pub enum LayerState {
@@ -60,7 +62,6 @@ pub struct K3State {
     pub position: usize,
     /// Router choices of the last token, per layer (empty for dense layers).
     pub routing: Vec<Routing>,
-    record: Vec<u8>,
 }
 
 impl K3Model {
@@ -135,11 +136,39 @@ impl K3Model {
                     h,
                 )?)
             },
+            prefetch: false,
             layout: RecordLayout::from_manifest(&ex.parts, ex.record_bytes)
                 .context("expert record layout")?,
             layers,
             config: c,
         })
+    }
+
+    /// The next MoE layer after `l`, when prefetching is on.
+    fn next_moe(&self, l: usize) -> Option<&LatentMoe> {
+        if !self.prefetch {
+            return None;
+        }
+        self.layers[l + 1..].iter().find_map(|ly| match &ly.ffn {
+            Ffn::Moe(m) => Some(&**m),
+            Ffn::Dense(_) => None,
+        })
+    }
+
+    /// Override the number of routed experts per token (a different model: callers must say so).
+    pub fn set_experts_per_token(&mut self, k: usize) -> Result<()> {
+        anyhow::ensure!(
+            k >= 1 && k <= self.config.num_experts,
+            "--experts-per-token must be in 1..={}",
+            self.config.num_experts
+        );
+        for l in &mut self.layers {
+            if let Ffn::Moe(m) = &mut l.ffn {
+                m.top_k = k;
+            }
+        }
+        self.config.num_experts_per_token = k;
+        Ok(())
     }
 
     pub fn new_state(&self) -> K3State {
@@ -154,7 +183,6 @@ impl K3Model {
                 .collect(),
             position: 0,
             routing: vec![Routing::default(); self.layers.len()],
-            record: Vec::new(),
         }
     }
 
@@ -221,7 +249,7 @@ impl K3Model {
                     &normed,
                     experts,
                     &self.layout,
-                    &mut st.record,
+                    self.next_moe(l),
                     &mut st.routing[l],
                     &mut y,
                 )?,

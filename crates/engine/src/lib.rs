@@ -5,5 +5,6 @@ pub mod blocks;
 pub mod experts;
 pub mod generate;
 pub mod k3;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;

@@ -115,6 +115,11 @@ impl ExpertFiles {
         Ok(())
     }
 
+    /// The files expert ranges point into, by the index the ranges use.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
     pub fn location(&self, layer: usize, expert: usize) -> Option<&ExpertLocation> {
         self.layers.get(&layer)?.get(expert)
     }

@@ -115,13 +115,36 @@ impl LatentMoe {
         })
     }
 
+    /// The experts this layer's router would pick for `x` (used on an earlier layer's hidden
+    /// state to predict this layer's picks for prefetch). Shape: x `[hidden]`.
+    pub fn predict(&self, x: &[f32]) -> Vec<usize> {
+        let mut logits = vec![0f32; self.gate.rows]; // [E]
+        self.gate.forward(x, &mut logits);
+        let (mut ids, mut w) = (Vec::new(), Vec::new());
+        select_experts(
+            &logits,
+            &self.bias,
+            self.top_k,
+            self.renormalize,
+            self.scaling,
+            &mut ids,
+            &mut w,
+        );
+        ids
+    }
+
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
+    ///
+    /// Reads for the chosen experts start as soon as the router has picked them; the shared
+    /// experts (and, with `next`, the next MoE layer's router for prefetch) run while they are in
+    /// flight; each expert is computed when its record arrives, into its own slot, and the slots
+    /// are summed in routing order so the result does not depend on arrival order.
     pub fn forward(
         &self,
         x: &[f32],
         experts: &mut dyn ExpertSource,
         layout: &RecordLayout,
-        record: &mut Vec<u8>,
+        next: Option<&LatentMoe>,
         routing: &mut Routing,
         out: &mut [f32],
     ) -> Result<()> {
@@ -150,6 +173,15 @@ impl LatentMoe {
                 &mut routing.weights,
             );
         }
+        experts.begin(self.layer, &routing.experts)?;
+
+        let mut shared = vec![0f32; out.len()]; // [hidden]
+        if let Some(sh) = &self.shared {
+            sh.forward(x, &mut shared);
+        }
+        if let Some(n) = next {
+            experts.prefetch(n.layer, &n.predict(x))?;
+        }
 
         let mut xl = vec![0f32; self.latent]; // [LAT]
         match &self.down {
@@ -157,13 +189,17 @@ impl LatentMoe {
             None => xl.copy_from_slice(x),
         }
         let (i, lat) = (self.inter, self.latent);
-        let mut acc = vec![0f32; lat]; // [LAT] weighted sum of expert outputs
+        let k = routing.experts.len();
+        let mut eo = vec![0f32; k * lat]; // [k, LAT] each expert's output, in routing order
         let mut g = vec![0f32; i]; // [I]
         let mut u = vec![0f32; i]; // [I]
         let mut a = vec![0f32; i]; // [I]
-        let mut eo = vec![0f32; lat]; // [LAT]
-        for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
-            experts.load(self.layer, e, record)?;
+        let mut done = vec![false; k];
+        experts.drain(&mut |slot, record| {
+            anyhow::ensure!(
+                record.len() >= layout.record_bytes,
+                "expert record is too short"
+            );
             // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I].
             mxfp4_matvec(
                 layout.part(record, 0),
@@ -188,9 +224,19 @@ impl LatentMoe {
                 lat,
                 i,
                 &a,
-                &mut eo,
+                &mut eo[slot * lat..(slot + 1) * lat],
             );
-            for (s, &v) in acc.iter_mut().zip(&eo) {
+            done[slot] = true;
+            Ok(())
+        })?;
+        anyhow::ensure!(
+            done.iter().all(|&d| d),
+            "expert source did not deliver every expert of layer {}",
+            self.layer
+        );
+        let mut acc = vec![0f32; lat]; // [LAT] weighted sum of expert outputs
+        for (slot, &w) in routing.weights.iter().enumerate() {
+            for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {
                 *s += w * v;
             }
         }
@@ -201,10 +247,8 @@ impl LatentMoe {
             Some(up) => up.forward(&acc, out),
             None => out.copy_from_slice(&acc),
         }
-        if let Some(sh) = &self.shared {
-            let mut s = vec![0f32; out.len()]; // [hidden]
-            sh.forward(x, &mut s);
-            for (o, v) in out.iter_mut().zip(&s) {
+        if self.shared.is_some() {
+            for (o, v) in out.iter_mut().zip(&shared) {
                 *o += v;
             }
         }

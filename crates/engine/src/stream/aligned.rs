@@ -1,0 +1,69 @@
+//! Page-aligned, heap-allocated byte buffers for O_DIRECT reads.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+/// Alignment of O_DIRECT buffers, offsets and lengths. 4096 also satisfies 512-byte devices.
+pub const DIRECT_ALIGN: usize = 4096;
+
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain owned memory; ownership rules are enforced by the pool that hands
+// out `&`/`&mut` to it (a buffer lent to an in-flight read is not touched until it completes).
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only allow reads of initialised bytes.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes rounded up to the alignment.
+    pub fn new(len: usize) -> Self {
+        let len = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
+        let layout = Layout::from_size_align(len, DIRECT_ALIGN).expect("aligned layout");
+        // SAFETY: the layout has non-zero size; a null result is handled below.
+        let p = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed at allocation) bytes for our lifetime.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Raw pointer for handing to the kernel or an I/O thread.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len, DIRECT_ALIGN).expect("aligned layout");
+        // SAFETY: allocated in `new` with exactly this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+pub fn align_down(v: u64) -> u64 {
+    v / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64
+}
+
+pub fn align_up(v: u64) -> u64 {
+    v.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64
+}

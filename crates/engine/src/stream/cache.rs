@@ -1,0 +1,215 @@
+//! Expert cache policies, one per MoE layer. The same code runs the live cache (values are
+//! buffer ids) and the offline trace replay of `deltafin trace stats` (values are `()`), so the
+//! policy we measure is the policy we run.
+
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Least recently used.
+    Lru,
+    /// Segmented LRU: new entries are probationary; a second use promotes them to a protected
+    /// segment (80% of capacity), so one-off experts cannot flush the reused ones.
+    Slru,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "lru" => Ok(Policy::Lru),
+            "slru" => Ok(Policy::Slru),
+            _ => Err(format!("unknown cache policy '{s}' (expected lru or slru)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Entry<V> {
+    value: V,
+    last_use: u64,
+    protected: bool,
+    pins: u32,
+}
+
+/// The cache of one layer: expert id -> value, at most `capacity` entries.
+#[derive(Debug, Clone)]
+pub struct LayerCache<V> {
+    pub capacity: usize,
+    policy: Policy,
+    entries: HashMap<usize, Entry<V>>,
+    clock: u64,
+}
+
+impl<V: Clone> LayerCache<V> {
+    pub fn new(capacity: usize, policy: Policy) -> Self {
+        LayerCache {
+            capacity,
+            policy,
+            entries: HashMap::new(),
+            clock: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn contains(&self, expert: usize) -> bool {
+        self.entries.contains_key(&expert)
+    }
+
+    /// A demand access: returns the value on a hit and records the use.
+    pub fn get(&mut self, expert: usize) -> Option<V> {
+        self.clock += 1;
+        let clock = self.clock;
+        let e = self.entries.get_mut(&expert)?;
+        e.last_use = clock;
+        if self.policy == Policy::Slru && !e.protected {
+            e.protected = true;
+            self.rebalance();
+        }
+        self.entries.get(&expert).map(|e| e.value.clone())
+    }
+
+    pub fn pin(&mut self, expert: usize) {
+        if let Some(e) = self.entries.get_mut(&expert) {
+            e.pins += 1;
+        }
+    }
+
+    pub fn unpin(&mut self, expert: usize) {
+        if let Some(e) = self.entries.get_mut(&expert) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    /// Keep the protected segment within 80% of capacity by demoting its least recent entries.
+    fn rebalance(&mut self) {
+        let max_protected = (self.capacity * 4 / 5).max(1);
+        loop {
+            let protected: Vec<(usize, u64)> = self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.protected)
+                .map(|(&k, e)| (k, e.last_use))
+                .collect();
+            if protected.len() <= max_protected {
+                return;
+            }
+            if let Some(&(k, _)) = protected.iter().min_by_key(|(_, t)| *t)
+                && let Some(e) = self.entries.get_mut(&k)
+            {
+                e.protected = false;
+            }
+        }
+    }
+
+    /// The entry to evict: least recent unpinned probationary entry, else least recent unpinned.
+    fn victim(&self) -> Option<usize> {
+        let pick = |want_probation: bool| {
+            self.entries
+                .iter()
+                .filter(|(_, e)| e.pins == 0 && (!want_probation || !e.protected))
+                .min_by_key(|(k, e)| (e.last_use, **k))
+                .map(|(&k, _)| k)
+        };
+        match self.policy {
+            Policy::Lru => pick(false),
+            Policy::Slru => pick(true).or_else(|| pick(false)),
+        }
+    }
+
+    /// Insert `expert`. Returns the evicted values (to be recycled), or gives `value` back in
+    /// `Err` when there is no room (capacity 0, or every entry pinned).
+    pub fn insert(&mut self, expert: usize, value: V) -> Result<Vec<V>, V> {
+        let mut evicted = Vec::new();
+        if self.capacity == 0 {
+            return Err(value);
+        }
+        if let Some(old) = self.entries.remove(&expert) {
+            evicted.push(old.value);
+        }
+        while self.entries.len() >= self.capacity {
+            match self.victim() {
+                Some(k) => {
+                    if let Some(e) = self.entries.remove(&k) {
+                        evicted.push(e.value);
+                    }
+                }
+                None => return Err(value),
+            }
+        }
+        self.clock += 1;
+        self.entries.insert(
+            expert,
+            Entry {
+                value,
+                last_use: self.clock,
+                protected: false,
+                pins: 0,
+            },
+        );
+        Ok(evicted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_least_recent() {
+        let mut c = LayerCache::new(2, Policy::Lru);
+        c.insert(1, ()).unwrap();
+        c.insert(2, ()).unwrap();
+        assert!(c.get(1).is_some());
+        c.insert(3, ()).unwrap();
+        assert!(c.contains(1) && c.contains(3) && !c.contains(2));
+    }
+
+    #[test]
+    fn slru_protects_reused_entries_from_a_scan() {
+        let mut c = LayerCache::new(4, Policy::Slru);
+        for e in [1, 2] {
+            c.insert(e, ()).unwrap();
+            c.get(e);
+        }
+        for e in 10..20 {
+            c.insert(e, ()).unwrap();
+        }
+        assert!(
+            c.contains(1) && c.contains(2),
+            "reused experts survive a one-off scan"
+        );
+        let mut l = LayerCache::new(4, Policy::Lru);
+        for e in [1, 2] {
+            l.insert(e, ()).unwrap();
+            l.get(e);
+        }
+        for e in 10..20 {
+            l.insert(e, ()).unwrap();
+        }
+        assert!(
+            !l.contains(1) && !l.contains(2),
+            "plain LRU is flushed by the scan"
+        );
+    }
+
+    #[test]
+    fn pinned_entries_are_never_evicted() {
+        let mut c = LayerCache::new(1, Policy::Lru);
+        c.insert(1, 10).unwrap();
+        c.pin(1);
+        assert_eq!(c.insert(2, 20), Err(20));
+        c.unpin(1);
+        assert_eq!(c.insert(2, 20), Ok(vec![10]));
+        let mut z: LayerCache<u32> = LayerCache::new(0, Policy::Slru);
+        assert_eq!(z.insert(5, 1), Err(1));
+    }
+}

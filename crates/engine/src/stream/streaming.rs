@@ -1,0 +1,497 @@
+//! Routed experts streamed from disk through a bounded set of aligned buffers: a per-layer cache
+//! of recently used experts, demand reads issued all at once as soon as the router has chosen,
+//! records handed to compute in completion order, and low-priority prefetch reads for the next
+//! layer's likely experts.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow, bail};
+use deltafin_store::manifest::ExpertLocation;
+use deltafin_store::{Store, StoreError};
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::aligned::{AlignedBuf, DIRECT_ALIGN, align_down, align_up};
+use super::cache::{LayerCache, Policy};
+use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
+use crate::experts::ExpertSource;
+
+#[derive(Debug, Clone)]
+pub struct StreamOptions {
+    /// Cache slots of each MoE layer (0: every expert is read when used).
+    pub cache_slots_per_layer: usize,
+    pub policy: Policy,
+    /// Force a back-end; `None` picks io_uring when available.
+    pub backend: Option<BackendKind>,
+    /// Use O_DIRECT (falls back to buffered reads where the file system refuses it).
+    pub direct: bool,
+    /// Reads in flight at most (io_uring ring size; pread threads).
+    pub queue_depth: usize,
+    /// Buffers for reads in flight, beyond the cache slots: the demand set plus prefetch room.
+    pub io_buffers: usize,
+    /// How many of `io_buffers` prefetch may hold; the rest stay free for demand reads.
+    pub prefetch_buffers: usize,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LayerStats {
+    /// Demand accesses.
+    pub accesses: u64,
+    /// Demand accesses served from memory without a demand read (cache or a prefetch).
+    pub hits: u64,
+    /// Demand reads issued.
+    pub demand_reads: u64,
+    pub prefetch_reads: u64,
+    /// Prefetched records that a demand later used.
+    pub prefetch_used: u64,
+    pub bytes_read: u64,
+}
+
+struct Flight {
+    key: (usize, usize),
+    buf: usize,
+    parts_left: usize,
+    demanded: bool,
+    prefetched: bool,
+    error: Option<String>,
+}
+
+struct Demand {
+    layer: usize,
+    experts: Vec<usize>,
+    /// Buffer of each expert once available.
+    ready: Vec<Option<usize>>,
+    /// Whether that buffer is owned by the cache (pinned) rather than by this demand.
+    cached: Vec<bool>,
+    delivered: Vec<bool>,
+}
+
+pub struct StreamingExperts {
+    // Declared first so it is dropped first: it waits for in-flight reads before the buffers
+    // they write into are freed.
+    backend: Box<dyn ReadBackend>,
+    pub backend_kind: BackendKind,
+    pub o_direct: bool,
+    locs: HashMap<usize, Vec<ExpertLocation>>,
+    record_bytes: usize,
+    pub slot_bytes: usize,
+    bufs: Vec<AlignedBuf>,
+    /// Where the record starts inside each buffer.
+    data_start: Vec<usize>,
+    free: Vec<usize>,
+    caches: HashMap<usize, LayerCache<usize>>,
+    flights: HashMap<u64, Flight>,
+    /// Read tag -> flight id.
+    tags: HashMap<u64, u64>,
+    by_key: HashMap<(usize, usize), u64>,
+    next_id: u64,
+    pending_prefetch: VecDeque<(usize, usize)>,
+    prefetch_in_flight: usize,
+    /// Cached records brought in by prefetch and not used yet.
+    prefetched_unused: HashSet<(usize, usize)>,
+    demand: Option<Demand>,
+    opts: StreamOptions,
+    pub stats: HashMap<usize, LayerStats>,
+    bytes_read: u64,
+    pub io_wait: Duration,
+    paths: Vec<PathBuf>,
+}
+
+impl StreamingExperts {
+    pub fn new(store: &Store, opts: StreamOptions) -> Result<Self> {
+        let ex = &store.manifest.experts;
+        let paths = store.experts.paths().to_vec();
+        let (files, o_direct) = open_files(&paths, opts.direct)?;
+        let files = Arc::new(files);
+        let backend = make_backend(files, opts.backend, opts.queue_depth.max(1))?;
+        let locs: HashMap<usize, Vec<ExpertLocation>> = ex
+            .layers
+            .iter()
+            .map(|l| (l.layer, l.experts.clone()))
+            .collect();
+        // A buffer holds the aligned windows of all of a record's ranges back to back.
+        let slot_bytes = locs
+            .values()
+            .flatten()
+            .map(|l| {
+                l.ranges
+                    .iter()
+                    .map(|r| (align_up(r[1] + r[2]) - align_down(r[1])) as usize)
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(DIRECT_ALIGN);
+        let layers = locs.len();
+        let n_bufs = opts.cache_slots_per_layer * layers + opts.io_buffers.max(1);
+        let bufs: Vec<AlignedBuf> = (0..n_bufs).map(|_| AlignedBuf::new(slot_bytes)).collect();
+        let caches = locs
+            .keys()
+            .map(|&l| (l, LayerCache::new(opts.cache_slots_per_layer, opts.policy)))
+            .collect();
+        Ok(StreamingExperts {
+            backend_kind: backend.kind(),
+            backend,
+            o_direct,
+            record_bytes: ex.record_bytes as usize,
+            slot_bytes,
+            data_start: vec![0; bufs.len()],
+            free: (0..bufs.len()).rev().collect(),
+            bufs,
+            locs,
+            caches,
+            flights: HashMap::new(),
+            tags: HashMap::new(),
+            by_key: HashMap::new(),
+            next_id: 0,
+            pending_prefetch: VecDeque::new(),
+            prefetch_in_flight: 0,
+            prefetched_unused: HashSet::new(),
+            demand: None,
+            stats: HashMap::new(),
+            bytes_read: 0,
+            io_wait: Duration::ZERO,
+            paths,
+            opts,
+        })
+    }
+
+    /// Total bytes of the aligned buffers this source allocated.
+    pub fn buffer_bytes(&self) -> usize {
+        self.bufs.len() * self.slot_bytes
+    }
+
+    fn location(&self, layer: usize, expert: usize) -> Result<&ExpertLocation> {
+        self.locs
+            .get(&layer)
+            .and_then(|v| v.get(expert))
+            .ok_or_else(|| anyhow!("no routed expert {expert} in layer {layer}"))
+    }
+
+    /// Start reading (layer, expert) into a free buffer.
+    fn start_read(&mut self, key: (usize, usize), demanded: bool) -> Result<()> {
+        let buf = self
+            .free
+            .pop()
+            .ok_or_else(|| anyhow!("no free expert buffer (plan too small)"))?;
+        let loc = self.location(key.0, key.1)?.clone();
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut reqs = Vec::with_capacity(loc.ranges.len());
+        let mut pos = 0usize;
+        let base = self.bufs[buf].as_mut_ptr();
+        for (i, r) in loc.ranges.iter().enumerate() {
+            let (file, off, len) = (r[0] as usize, r[1], r[2]);
+            let start = align_down(off);
+            let end = align_up(off + len);
+            let tag = (id << 8) | i as u64;
+            reqs.push(ReadReq {
+                file,
+                offset: start,
+                len: (end - start) as usize,
+                need: (off + len - start) as usize,
+                // SAFETY: `pos + window` fits in the buffer by construction of `slot_bytes`.
+                buf: unsafe { base.add(pos) },
+                tag,
+            });
+            self.tags.insert(tag, id);
+            pos += (end - start) as usize;
+        }
+        let bytes: u64 = reqs.iter().map(|r| r.len as u64).sum();
+        self.flights.insert(
+            id,
+            Flight {
+                key,
+                buf,
+                parts_left: reqs.len(),
+                demanded,
+                prefetched: !demanded,
+                error: None,
+            },
+        );
+        self.by_key.insert(key, id);
+        let st = self.stats.entry(key.0).or_default();
+        st.bytes_read += bytes;
+        if demanded {
+            st.demand_reads += 1;
+        } else {
+            st.prefetch_reads += 1;
+            self.prefetch_in_flight += 1;
+        }
+        self.bytes_read += bytes;
+        self.backend.submit(&reqs)?;
+        Ok(())
+    }
+
+    /// Move each range's bytes to their place in the canonical record and check the checksum.
+    /// Returns where the record starts in the buffer.
+    fn finalize(&mut self, buf: usize, key: (usize, usize)) -> Result<usize> {
+        let loc = self.location(key.0, key.1)?.clone();
+        let b = self.bufs[buf].as_mut_slice();
+        let start = if loc.ranges.len() == 1 {
+            let r = loc.ranges[0];
+            (r[1] - align_down(r[1])) as usize
+        } else {
+            // Ranges were read as consecutive aligned windows; compact them leftwards into
+            // record order (each destination precedes its source, so copies never clobber).
+            let (mut src, mut dst) = (0usize, 0usize);
+            for r in &loc.ranges {
+                let (off, len) = (r[1], r[2] as usize);
+                let skip = (off - align_down(off)) as usize;
+                b.copy_within(src + skip..src + skip + len, dst);
+                src += (align_up(off + len as u64) - align_down(off)) as usize;
+                dst += len;
+            }
+            0
+        };
+        let rec = &b[start..start + self.record_bytes];
+        let actual = xxh3_64(rec);
+        if actual != loc.xxh3 {
+            return Err(StoreError::Checksum {
+                layer: key.0,
+                expert: key.1,
+                expected: loc.xxh3,
+                actual,
+            }
+            .into());
+        }
+        Ok(start)
+    }
+
+    /// Reap completions; finished demanded records are returned as (demand index, buffer).
+    fn reap(&mut self) -> Result<Vec<(usize, usize)>> {
+        let mut done = Vec::new();
+        let t0 = Instant::now();
+        self.backend.wait(&mut done)?;
+        self.io_wait += t0.elapsed();
+        let mut ready = Vec::new();
+        for (tag, res) in done {
+            let Some(id) = self.tags.remove(&tag) else {
+                continue;
+            };
+            let Some(f) = self.flights.get_mut(&id) else {
+                continue;
+            };
+            if let Err(e) = res {
+                f.error.get_or_insert_with(|| e.to_string());
+            }
+            f.parts_left -= 1;
+            if f.parts_left > 0 {
+                continue;
+            }
+            let Some(f) = self.flights.remove(&id) else {
+                continue;
+            };
+            self.by_key.remove(&f.key);
+            if f.prefetched {
+                self.prefetch_in_flight -= 1;
+            }
+            let result = match f.error {
+                Some(e) => Err(anyhow!(
+                    "reading layer {} expert {} from {}: {e}",
+                    f.key.0,
+                    f.key.1,
+                    self.paths
+                        .first()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                )),
+                None => self.finalize(f.buf, f.key),
+            };
+            let start = match result {
+                Ok(s) => s,
+                Err(e) => {
+                    self.free.push(f.buf);
+                    return Err(e);
+                }
+            };
+            self.data_start[f.buf] = start;
+            let demand_idx = self.demand.as_ref().and_then(|d| {
+                (d.layer == f.key.0 && f.demanded)
+                    .then(|| {
+                        d.experts
+                            .iter()
+                            .enumerate()
+                            .position(|(i, &e)| e == f.key.1 && d.ready[i].is_none())
+                    })
+                    .flatten()
+            });
+            match demand_idx {
+                Some(i) => {
+                    if let Some(d) = self.demand.as_mut() {
+                        d.ready[i] = Some(f.buf);
+                    }
+                    ready.push((i, f.buf));
+                }
+                None => {
+                    // A prefetch finished: keep it as a probationary cache entry.
+                    let cache = self
+                        .caches
+                        .entry(f.key.0)
+                        .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+                    match cache.insert(f.key.1, f.buf) {
+                        Ok(evicted) => {
+                            self.free.extend(evicted);
+                            self.prefetched_unused.insert(f.key);
+                        }
+                        Err(b) => self.free.push(b),
+                    }
+                }
+            }
+        }
+        Ok(ready)
+    }
+
+    /// Submit queued prefetches while prefetch buffers are available.
+    fn pump_prefetch(&mut self) -> Result<()> {
+        while self.prefetch_in_flight < self.opts.prefetch_buffers && !self.free.is_empty() {
+            let Some(key) = self.pending_prefetch.pop_front() else {
+                break;
+            };
+            let cached = self.caches.get(&key.0).is_some_and(|c| c.contains(key.1));
+            if cached || self.by_key.contains_key(&key) {
+                continue;
+            }
+            self.start_read(key, false)?;
+        }
+        Ok(())
+    }
+
+    pub fn total_stats(&self) -> LayerStats {
+        let mut t = LayerStats::default();
+        for s in self.stats.values() {
+            t.accesses += s.accesses;
+            t.hits += s.hits;
+            t.demand_reads += s.demand_reads;
+            t.prefetch_reads += s.prefetch_reads;
+            t.prefetch_used += s.prefetch_used;
+            t.bytes_read += s.bytes_read;
+        }
+        t
+    }
+}
+
+impl ExpertSource for StreamingExperts {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        if self.demand.is_some() {
+            bail!("expert source: begin() called twice without drain()");
+        }
+        // Speculation for this layer or earlier ones is stale now: drop what was not submitted.
+        self.pending_prefetch.retain(|&(l, _)| l > layer);
+        let n = experts.len();
+        let mut d = Demand {
+            layer,
+            experts: experts.to_vec(),
+            ready: vec![None; n],
+            cached: vec![false; n],
+            delivered: vec![false; n],
+        };
+        let mut misses = Vec::new();
+        for (i, &e) in experts.iter().enumerate() {
+            self.location(layer, e)?;
+            let st = self.stats.entry(layer).or_default();
+            st.accesses += 1;
+            let cache = self
+                .caches
+                .entry(layer)
+                .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+            if let Some(b) = cache.get(e) {
+                cache.pin(e);
+                d.ready[i] = Some(b);
+                d.cached[i] = true;
+                st.hits += 1;
+                if self.prefetched_unused.remove(&(layer, e)) {
+                    st.prefetch_used += 1;
+                }
+            } else if let Some(&id) = self.by_key.get(&(layer, e)) {
+                // A prefetch is already reading it: adopt that read.
+                if let Some(f) = self.flights.get_mut(&id) {
+                    f.demanded = true;
+                }
+                st.hits += 1;
+                st.prefetch_used += 1;
+            } else {
+                misses.push(e);
+            }
+        }
+        self.demand = Some(d);
+        for e in misses {
+            self.start_read((layer, e), true)?;
+        }
+        Ok(())
+    }
+
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        let Some(d) = self.demand.as_ref() else {
+            bail!("expert source: drain() without begin()")
+        };
+        let layer = d.layer;
+        let rb = self.record_bytes;
+        // Records already in memory first, in order, while the reads are in flight.
+        let mut queue: Vec<(usize, usize)> = d
+            .ready
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.map(|b| (i, b)))
+            .collect();
+        loop {
+            for (i, b) in queue.drain(..) {
+                let s = self.data_start[b];
+                f(i, &self.bufs[b].as_slice()[s..s + rb])?;
+                if let Some(d) = self.demand.as_mut() {
+                    d.delivered[i] = true;
+                }
+            }
+            let all = self
+                .demand
+                .as_ref()
+                .is_some_and(|d| d.delivered.iter().all(|&x| x));
+            if all {
+                break;
+            }
+            queue = self.reap()?;
+        }
+        // Settle ownership: cache hits are unpinned; fresh records enter the cache or go free.
+        let d = self
+            .demand
+            .take()
+            .ok_or_else(|| anyhow!("demand vanished"))?;
+        let cache = self
+            .caches
+            .entry(layer)
+            .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+        for (i, &e) in d.experts.iter().enumerate() {
+            let Some(b) = d.ready[i] else { continue };
+            if d.cached[i] {
+                cache.unpin(e);
+            } else {
+                match cache.insert(e, b) {
+                    Ok(evicted) => self.free.extend(evicted),
+                    Err(b) => self.free.push(b),
+                }
+            }
+        }
+        self.pump_prefetch()
+    }
+
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        if self.opts.prefetch_buffers == 0 {
+            return Ok(());
+        }
+        for &e in experts {
+            self.location(layer, e)?;
+            let key = (layer, e);
+            let cached = self.caches.get(&layer).is_some_and(|c| c.contains(e));
+            if !cached && !self.by_key.contains_key(&key) && !self.pending_prefetch.contains(&key) {
+                self.pending_prefetch.push_back(key);
+            }
+        }
+        self.pump_prefetch()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+}
