@@ -1,17 +1,18 @@
 //! `deltafin`: convert Hugging Face checkpoints into Deltafin stores and run them.
 
+mod bench;
+mod run;
+mod trace_cmd;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use deltafin_engine::experts::StoreExperts;
-use deltafin_engine::generate::generate_greedy;
-use deltafin_engine::k3::K3Model;
-use deltafin_engine::tokenizer::Tokenizer;
 use deltafin_store::convert::{ConvertOptions, convert};
-use deltafin_store::{ExpertLayout, SpineDtype, Store};
+use deltafin_store::synth::{SynthOptions, SynthSpine, synth};
+use deltafin_store::{ExpertLayout, SpineDtype};
 
 #[derive(Parser)]
 #[command(
@@ -22,16 +23,6 @@ use deltafin_store::{ExpertLayout, SpineDtype, Store};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
-}
-
-#[derive(clap::Args)]
-struct ModelArgs {
-    /// Deltafin store directory (made by `deltafin convert`).
-    #[arg(long)]
-    model: PathBuf,
-    /// Checkpoint directory holding the in-place experts, if it moved since conversion.
-    #[arg(long)]
-    source: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -56,31 +47,37 @@ enum Cmd {
         experts: ExpertLayout,
     },
     /// Generate text greedily.
-    Generate {
-        #[command(flatten)]
-        model: ModelArgs,
-        /// Prompt text (needs a store with a tokenizer).
-        #[arg(long, conflicts_with = "prompt_tokens")]
-        prompt: Option<String>,
-        /// Prompt token ids, comma separated.
-        #[arg(long, value_delimiter = ',')]
-        prompt_tokens: Option<Vec<u32>>,
-        #[arg(long, default_value_t = 16)]
-        max_tokens: usize,
-        /// Print one JSON object instead of text.
-        #[arg(long)]
-        json: bool,
-        /// Keep generating past the end-of-message token.
-        #[arg(long)]
-        ignore_eos: bool,
-    },
+    Generate(run::GenerateArgs),
     /// Print the last position's logits for a prompt as JSON.
-    Logits {
-        #[command(flatten)]
-        model: ModelArgs,
-        #[arg(long, value_delimiter = ',', required = true)]
-        prompt_tokens: Vec<u32>,
+    Logits(run::LogitsArgs),
+    /// Measure decode speed against the drive's raw bandwidth (fresh process per run).
+    Bench(bench::BenchArgs),
+    /// Write a store with Kimi K3's real expert geometry and random weights.
+    Synth {
+        /// Model geometry to copy.
+        #[arg(long, default_value = "kimi-k3")]
+        preset: String,
+        /// MoE layers to write.
+        #[arg(long)]
+        layers: usize,
+        /// Routed experts per layer.
+        #[arg(long, default_value_t = 896)]
+        experts: usize,
+        /// real: K3's per-layer spine (attention, shared experts, full vocab); minimal: only
+        /// what routing needs.
+        #[arg(long, default_value = "minimal")]
+        spine: SynthSpine,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
     },
+    /// Router traces.
+    #[command(subcommand)]
+    Trace(trace_cmd::TraceCmd),
+    /// Raw O_DIRECT read bandwidth of a store's expert files (the limit bench compares with).
+    #[command(hide = true)]
+    ProbeDisk(bench::ProbeArgs),
 }
 
 fn main() -> ExitCode {
@@ -92,7 +89,7 @@ fn main() -> ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    match run(cli) {
+    match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -101,19 +98,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn open_store(m: &ModelArgs) -> Result<Store> {
-    Store::open(&m.model, m.source.as_deref())
-        .with_context(|| format!("opening store {}", m.model.display()))
-}
-
-fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
-    match store.tokenizer_file("tiktoken.model") {
-        Some(_) => Ok(Some(Tokenizer::load(&store.dir)?)),
-        None => Ok(None),
-    }
-}
-
-fn run(cli: Cli) -> Result<()> {
+fn dispatch(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Convert {
             from,
@@ -143,99 +128,46 @@ fn run(cli: Cli) -> Result<()> {
                 r.expert_ranges,
                 experts
             );
+            Ok(())
         }
-        Cmd::Generate {
-            model,
-            prompt,
-            prompt_tokens,
-            max_tokens,
-            json,
-            ignore_eos,
+        Cmd::Generate(a) => run::generate(a),
+        Cmd::Logits(a) => run::logits(a),
+        Cmd::Bench(a) => bench::bench(a),
+        Cmd::ProbeDisk(a) => bench::probe(a),
+        Cmd::Trace(t) => trace_cmd::run(t),
+        Cmd::Synth {
+            preset,
+            layers,
+            experts,
+            spine,
+            seed,
+            out,
         } => {
-            let store = open_store(&model)?;
-            let tok = load_tokenizer(&store)?;
-            let prompt_ids = match (prompt, prompt_tokens) {
-                (Some(text), None) => match &tok {
-                    Some(t) => t.encode(&text),
-                    None => bail!(
-                        "this store has no tokenizer; pass --prompt-tokens instead of --prompt"
-                    ),
+            if preset != "kimi-k3" {
+                bail!("unknown preset '{preset}' (only kimi-k3)");
+            }
+            let t0 = std::time::Instant::now();
+            let m = synth(
+                &out,
+                &SynthOptions {
+                    layers,
+                    experts,
+                    spine,
+                    seed,
+                    progress: std::io::stderr().is_terminal(),
                 },
-                (None, Some(ids)) => ids,
-                _ => bail!("pass exactly one of --prompt or --prompt-tokens"),
-            };
-            if prompt_ids.is_empty() {
-                bail!("the prompt encodes to no tokens");
-            }
-            let m = K3Model::load(&store)?;
-            let mut src = StoreExperts::new(&store);
-            let eos = if ignore_eos {
-                None
-            } else {
-                tok.as_ref().and_then(|t| t.eos_id)
-            };
-            let g = generate_greedy(&m, &mut src, &prompt_ids, max_tokens, eos)?;
-            let text = tok.as_ref().map(|t| t.decode(&g.tokens));
-            let decode_tps = if g.timing.decode_step_s.is_empty() {
-                None
-            } else {
-                Some(
-                    g.timing.decode_step_s.len() as f64
-                        / g.timing.decode_step_s.iter().sum::<f64>(),
-                )
-            };
-            if json {
-                let out = serde_json::json!({
-                    "prompt_tokens": g.prompt_tokens,
-                    "tokens": g.tokens,
-                    "text": text,
-                    "stopped_at_eos": g.stopped_at_eos,
-                    "spine_dtype": store.manifest.spine.matrix_dtype,
-                    "experts_per_token": m.config.num_experts_per_token,
-                    "timing": {
-                        "prompt_s": g.timing.prompt_s,
-                        "ttft_s": g.timing.prompt_s,
-                        "decode_step_s": g.timing.decode_step_s,
-                        "decode_tokens_per_s": decode_tps,
-                        "total_s": g.timing.total_s,
-                        "expert_bytes_read": g.timing.expert_bytes_read,
-                    },
-                });
-                println!("{out}");
-            } else {
-                match text {
-                    Some(t) => println!("{t}"),
-                    None => println!(
-                        "{}",
-                        g.tokens
-                            .iter()
-                            .map(|t| t.to_string())
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    ),
-                }
-                eprintln!(
-                    "{} prompt tokens, {} generated; prompt {:.3}s, decode {} tok/s, expert bytes read {}",
-                    g.prompt_tokens.len(),
-                    g.tokens.len(),
-                    g.timing.prompt_s,
-                    decode_tps
-                        .map(|v| format!("{v:.2}"))
-                        .unwrap_or_else(|| "-".into()),
-                    g.timing.expert_bytes_read
-                );
-            }
-        }
-        Cmd::Logits {
-            model,
-            prompt_tokens,
-        } => {
-            let store = open_store(&model)?;
-            let m = K3Model::load(&store)?;
-            let mut src = StoreExperts::new(&store);
-            let g = generate_greedy(&m, &mut src, &prompt_tokens, 0, None)?;
-            println!("{}", serde_json::json!({ "logits": g.prompt_logits }));
+            )?;
+            let expert_bytes: u64 =
+                m.experts.layers.len() as u64 * experts as u64 * m.experts.record_bytes;
+            eprintln!(
+                "wrote {} in {:.1}s: {layers} layers x {experts} experts of {} bytes ({:.2} GB of experts), spine {} bytes",
+                out.display(),
+                t0.elapsed().as_secs_f64(),
+                m.experts.record_bytes,
+                expert_bytes as f64 / 1e9,
+                m.spine.bytes
+            );
+            Ok(())
         }
     }
-    Ok(())
 }

@@ -48,6 +48,8 @@ pub struct K3Model {
     pub layout: RecordLayout,
     /// Predict the next MoE layer's experts and hint them to the expert source.
     pub prefetch: bool,
+    /// Predict the next MoE layer's experts without hinting (recorded in traces).
+    pub predict: bool,
 }
 
 pub enum LayerState {
@@ -137,6 +139,8 @@ impl K3Model {
                 )?)
             },
             prefetch: false,
+            predict: false,
+
             layout: RecordLayout::from_manifest(&ex.parts, ex.record_bytes)
                 .context("expert record layout")?,
             layers,
@@ -144,9 +148,9 @@ impl K3Model {
         })
     }
 
-    /// The next MoE layer after `l`, when prefetching is on.
+    /// The next MoE layer after `l`, when predictions are wanted (prefetch or traces).
     fn next_moe(&self, l: usize) -> Option<&LatentMoe> {
-        if !self.prefetch {
+        if !self.prefetch && !self.predict {
             return None;
         }
         self.layers[l + 1..].iter().find_map(|ly| match &ly.ffn {
@@ -250,6 +254,7 @@ impl K3Model {
                     experts,
                     &self.layout,
                     self.next_moe(l),
+                    self.prefetch,
                     &mut st.routing[l],
                     &mut y,
                 )?,

@@ -15,6 +15,7 @@ pub mod quant;
 pub mod schema;
 pub mod shard;
 pub mod store;
+pub mod synth;
 
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;

@@ -46,6 +46,9 @@ pub struct Routing {
     /// still come from this run's router scores). For studies that separate routing flips from
     /// numerical error.
     pub pinned: bool,
+    /// The next MoE layer's experts as predicted from this layer's input (empty unless the
+    /// model predicts: for prefetch or for a trace).
+    pub predicted_next: Vec<usize>,
 }
 
 impl LatentMoe {
@@ -145,6 +148,7 @@ impl LatentMoe {
         experts: &mut dyn ExpertSource,
         layout: &RecordLayout,
         next: Option<&LatentMoe>,
+        hint: bool,
         routing: &mut Routing,
         out: &mut [f32],
     ) -> Result<()> {
@@ -179,8 +183,12 @@ impl LatentMoe {
         if let Some(sh) = &self.shared {
             sh.forward(x, &mut shared);
         }
+        routing.predicted_next.clear();
         if let Some(n) = next {
-            experts.prefetch(n.layer, &n.predict(x))?;
+            routing.predicted_next = n.predict(x);
+            if hint {
+                experts.prefetch(n.layer, &routing.predicted_next)?;
+            }
         }
 
         let mut xl = vec![0f32; self.latent]; // [LAT]

@@ -3,5 +3,6 @@
 
 pub mod aligned;
 pub mod cache;
+pub mod probe;
 pub mod reader;
 pub mod streaming;

@@ -359,6 +359,10 @@ impl StreamingExperts {
         Ok(())
     }
 
+    pub fn policy(&self) -> Policy {
+        self.opts.policy
+    }
+
     pub fn total_stats(&self) -> LayerStats {
         let mut t = LayerStats::default();
         for s in self.stats.values() {

@@ -1,0 +1,272 @@
+//! `generate` and `logits`: the options every model-running command shares, and the two
+//! commands themselves.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use deltafin_engine::generate::{GenerateHooks, RoutingOverride, generate_with};
+use deltafin_engine::plan::{parse_size, peak_rss_bytes};
+use deltafin_engine::session::{RunOptions, Session};
+use deltafin_engine::stream::cache::Policy;
+use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_engine::trace::{TraceHeader, TraceWriter, read_trace};
+use deltafin_store::Store;
+
+#[derive(clap::Args, Clone)]
+pub struct ModelArgs {
+    /// Deltafin store directory (made by `deltafin convert` or `deltafin synth`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Checkpoint directory holding the in-place experts, if it moved since conversion.
+    #[arg(long)]
+    pub source: Option<PathBuf>,
+    /// Memory budget (e.g. 20G, 512M); default 85% of available memory.
+    #[arg(long, value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Context length the plan reserves attention cache for.
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Expert read back-end: auto (io_uring when the kernel allows, else pread), io-uring, pread.
+    #[arg(long, default_value = "auto")]
+    pub io_backend: String,
+    /// Reads in flight at most.
+    #[arg(long, default_value_t = 32)]
+    pub queue_depth: usize,
+    /// Expert cache policy: slru or lru.
+    #[arg(long, default_value = "slru")]
+    pub cache_policy: Policy,
+    /// Do not prefetch the next layer's predicted experts.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Read experts through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    /// Routed experts per token (default: the model's). Fewer experts is a different model.
+    #[arg(long)]
+    pub experts_per_token: Option<usize>,
+}
+
+impl ModelArgs {
+    pub fn run_options(&self) -> Result<RunOptions> {
+        let backend = match self.io_backend.as_str() {
+            "auto" => None,
+            other => Some(other.parse().map_err(|e: String| anyhow::anyhow!(e))?),
+        };
+        Ok(RunOptions {
+            memory_budget: self.memory_budget,
+            context_tokens: self.context,
+            backend,
+            queue_depth: self.queue_depth,
+            policy: self.cache_policy,
+            prefetch: !self.no_prefetch,
+            direct: !self.buffered,
+            experts_per_token: self.experts_per_token,
+        })
+    }
+
+    pub fn open(&self) -> Result<(Store, Session)> {
+        let store = Store::open(&self.model, self.source.as_deref())
+            .with_context(|| format!("opening store {}", self.model.display()))?;
+        let session = Session::open(&store, &self.run_options()?)?;
+        eprintln!("{}", session.plan.describe());
+        if session.modified_top_k() {
+            eprintln!("note: {}", session.variant());
+        }
+        Ok((store, session))
+    }
+}
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text (needs a store with a tokenizer).
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_tokens: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep generating past the end-of-message token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Record every token's router choices to this file (JSON lines).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replace the router's choices with a synthetic pattern: each pick repeats one of the
+    /// previous token's experts with this probability (0..1), else is uniform. For cache studies.
+    #[arg(long)]
+    pub routing_locality: Option<f64>,
+    /// Replace the router's choices with a recorded trace's. For cache studies.
+    #[arg(long, conflicts_with = "routing_locality")]
+    pub routing_trace: Option<PathBuf>,
+    /// Generate this many times in this process and report the last (warm-cache measurement).
+    #[arg(long, default_value_t = 1, hide = true)]
+    pub repeat: usize,
+}
+
+#[derive(clap::Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub prompt_tokens: Vec<u32>,
+}
+
+fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
+    match store.tokenizer_file("tiktoken.model") {
+        Some(_) => Ok(Some(Tokenizer::load(&store.dir)?)),
+        None => Ok(None),
+    }
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    if let Some(p) = a.routing_locality
+        && !(0.0..=1.0).contains(&p)
+    {
+        bail!("--routing-locality must be between 0 and 1");
+    }
+    let (store, mut s) = a.model.open()?;
+    let tok = load_tokenizer(&store)?;
+    let prompt_ids = match (&a.prompt, &a.prompt_tokens) {
+        (Some(text), None) => match &tok {
+            Some(t) => t.encode(text),
+            None => bail!("this store has no tokenizer; pass --prompt-tokens instead of --prompt"),
+        },
+        (None, Some(ids)) => ids.clone(),
+        _ => bail!("pass exactly one of --prompt or --prompt-tokens"),
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let eos = if a.ignore_eos {
+        None
+    } else {
+        tok.as_ref().and_then(|t| t.eos_id)
+    };
+    let mut trace = match &a.trace {
+        Some(p) => {
+            s.model.predict = true;
+            Some(TraceWriter::create(
+                p,
+                TraceHeader {
+                    deltafin_trace: 1,
+                    experts_per_layer: s.model.config.num_experts,
+                    experts_per_token: s.model.config.num_experts_per_token,
+                    moe_layers: s.model.config.moe_layers(),
+                },
+            )?)
+        }
+        None => None,
+    };
+    let mut routing = match (&a.routing_locality, &a.routing_trace) {
+        (Some(p), _) => Some(RoutingOverride::synthetic(*p, 7)),
+        (None, Some(path)) => Some(RoutingOverride::Trace {
+            trace: read_trace(path)?,
+            next: 0,
+        }),
+        _ => None,
+    };
+    let mut g = None;
+    for seq in 0..a.repeat.max(1) {
+        let hooks = GenerateHooks {
+            trace: trace.as_mut(),
+            seq,
+            routing: routing.as_mut(),
+        };
+        g = Some(generate_with(
+            &s.model,
+            &mut s.experts,
+            &prompt_ids,
+            a.max_tokens,
+            eos,
+            hooks,
+        )?);
+    }
+    let g = g.ok_or_else(|| anyhow::anyhow!("nothing generated"))?;
+    if let Some(t) = trace {
+        t.finish()?;
+    }
+    let text = tok.as_ref().map(|t| t.decode(&g.tokens));
+    let steps = &g.timing.decode_step_s;
+    let decode_tps = (!steps.is_empty()).then(|| steps.len() as f64 / steps.iter().sum::<f64>());
+    let report = s.report();
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_tokens": g.prompt_tokens,
+            "tokens": g.tokens,
+            "text": text,
+            "stopped_at_eos": g.stopped_at_eos,
+            "model": s.variant(),
+            "experts_per_token": s.model.config.num_experts_per_token,
+            "modified_top_k": s.modified_top_k(),
+            "spine_dtype": store.manifest.spine.matrix_dtype,
+            "numerics": "exact",
+            "kernel_path": "scalar",
+            "timing": {
+                "prompt_s": g.timing.prompt_s,
+                "ttft_s": g.timing.prompt_s,
+                "decode_step_s": g.timing.decode_step_s,
+                "decode_step_bytes": g.timing.decode_step_bytes,
+                "decode_tokens_per_s": decode_tps,
+                "total_s": g.timing.total_s,
+                "expert_bytes_read": g.timing.expert_bytes_read,
+            },
+            "plan": s.plan,
+            "stream": report,
+            "memory_budget_bytes": s.plan.budget_bytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+        });
+        println!("{out}");
+    } else {
+        match text {
+            Some(t) => println!("{t}"),
+            None => println!(
+                "{}",
+                g.tokens
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
+        eprintln!(
+            "{} prompt tokens, {} generated; prompt {:.3}s, decode {} tok/s; experts: hit rate {:.1}%, {} bytes read ({:?}, O_DIRECT {}); peak RSS {}",
+            g.prompt_tokens.len(),
+            g.tokens.len(),
+            g.timing.prompt_s,
+            decode_tps
+                .map(|v| format!("{v:.2}"))
+                .unwrap_or_else(|| "-".into()),
+            100.0 * report.hit_rate,
+            report.expert_bytes_read,
+            report.io_backend,
+            report.o_direct,
+            peak_rss_bytes()
+                .map(deltafin_engine::plan::human)
+                .unwrap_or_default(),
+        );
+    }
+    Ok(())
+}
+
+pub fn logits(a: LogitsArgs) -> Result<()> {
+    let (_store, mut s) = a.model.open()?;
+    let g = generate_with(
+        &s.model,
+        &mut s.experts,
+        &a.prompt_tokens,
+        0,
+        None,
+        GenerateHooks::default(),
+    )?;
+    println!(
+        "{}",
+        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant() })
+    );
+    Ok(())
+}

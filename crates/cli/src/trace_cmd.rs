@@ -1,0 +1,88 @@
+//! `deltafin trace stats`: replay recorded router traces through the cache policies.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use deltafin_engine::stream::cache::Policy;
+use deltafin_engine::trace::{Trace, predictor_recall, read_trace, replay, reuse_distances};
+
+#[derive(clap::Subcommand)]
+pub enum TraceCmd {
+    /// Hit rate against cache size per policy and per layer, reuse distances, and the
+    /// look-ahead predictor's recall.
+    Stats {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+}
+
+pub fn run(c: TraceCmd) -> Result<()> {
+    let TraceCmd::Stats { files } = c;
+    let mut merged: Option<Trace> = None;
+    for f in &files {
+        let t = read_trace(f)?;
+        match &mut merged {
+            None => merged = Some(t),
+            Some(m) => {
+                if m.header.experts_per_layer != t.header.experts_per_layer {
+                    bail!(
+                        "{}: a different model's trace (experts per layer differ)",
+                        f.display()
+                    );
+                }
+                let base = m.tokens.iter().map(|t| t.seq + 1).max().unwrap_or(0);
+                m.tokens.extend(t.tokens.into_iter().map(|mut x| {
+                    x.seq += base;
+                    x
+                }));
+            }
+        }
+    }
+    let Some(t) = merged else {
+        bail!("no trace files")
+    };
+    let e = t.header.experts_per_layer;
+    println!(
+        "{} tokens, {} MoE layers, {} experts per layer, top-{}",
+        t.tokens.len(),
+        t.header.moe_layers.len(),
+        e,
+        t.header.experts_per_token
+    );
+    let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |s| Some(s * 2))
+        .take_while(|&s| s < e)
+        .collect();
+    sizes.push(e);
+    println!("\nhit rate by cache slots per layer:");
+    println!("{:>8} {:>8} {:>8}", "slots", "lru", "slru");
+    for &s in &sizes {
+        let (l, _) = replay(&t, Policy::Lru, s);
+        let (sl, _) = replay(&t, Policy::Slru, s);
+        println!("{s:>8} {:>7.1}% {:>7.1}%", 100.0 * l, 100.0 * sl);
+    }
+    let mid = t.header.experts_per_token.max(1) * 2;
+    let (_, per) = replay(&t, Policy::Slru, mid.min(e));
+    let mut per: Vec<(usize, f64)> = per.into_iter().collect();
+    per.sort_by_key(|(l, _)| *l);
+    println!(
+        "\nper-layer hit rate, slru, {} slots per layer:",
+        mid.min(e)
+    );
+    for (l, h) in per {
+        println!("  layer {l:>3}: {:>5.1}%", 100.0 * h);
+    }
+    let (hist, first) = reuse_distances(&t);
+    println!("\nreuse distance (tokens since the same expert was used in the same layer):");
+    for (label, n) in hist.iter().filter(|(_, n)| *n > 0) {
+        println!("  {label:>8}: {n}");
+    }
+    println!("  {:>8}: {first}", "first use");
+    match predictor_recall(&t) {
+        Some(r) => println!(
+            "\nlook-ahead predictor recall (next layer's router on this layer's input): {:.1}%",
+            100.0 * r
+        ),
+        None => println!("\nlook-ahead predictor recall: no predictions in these traces"),
+    }
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! A loaded model ready to run: spine in memory, experts streamed under the memory plan. One
+//! place that turns run options into a plan, a model and an expert source, for every command
+//! that runs the model.
+
+use anyhow::Result;
+use deltafin_store::Store;
+use serde::Serialize;
+
+use crate::k3::K3Model;
+use crate::plan::{Plan, default_budget, make_plan};
+use crate::stream::cache::Policy;
+use crate::stream::reader::BackendKind;
+use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Bytes; `None` = 85% of available memory.
+    pub memory_budget: Option<u64>,
+    /// Context length the plan reserves MLA cache for.
+    pub context_tokens: usize,
+    pub backend: Option<BackendKind>,
+    pub queue_depth: usize,
+    pub policy: Policy,
+    pub prefetch: bool,
+    pub direct: bool,
+    /// Override of the model's routed experts per token.
+    pub experts_per_token: Option<usize>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            memory_budget: None,
+            context_tokens: 4096,
+            backend: None,
+            queue_depth: 32,
+            policy: Policy::Slru,
+            prefetch: true,
+            direct: true,
+            experts_per_token: None,
+        }
+    }
+}
+
+pub struct Session {
+    pub model: K3Model,
+    pub experts: StreamingExperts,
+    pub plan: Plan,
+    /// The model's own top-k, to label runs that override it.
+    pub default_top_k: usize,
+}
+
+/// How a run read its experts, for reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamReport {
+    pub io_backend: BackendKind,
+    pub o_direct: bool,
+    pub cache_policy: Policy,
+    pub prefetch: bool,
+    pub accesses: u64,
+    pub hits: u64,
+    pub hit_rate: f64,
+    pub demand_reads: u64,
+    pub prefetch_reads: u64,
+    pub prefetch_precision: Option<f64>,
+    pub prefetch_recall: Option<f64>,
+    pub expert_bytes_read: u64,
+    pub io_wait_s: f64,
+    pub per_layer: Vec<(usize, LayerStats)>,
+}
+
+impl Session {
+    pub fn open(store: &Store, opts: &RunOptions) -> Result<Self> {
+        let mut model = K3Model::load(store)?;
+        let default_top_k = model.config.num_experts_per_token;
+        if let Some(k) = opts.experts_per_token {
+            model.set_experts_per_token(k)?;
+        }
+        model.prefetch = opts.prefetch;
+        let k = model.config.num_experts_per_token;
+        // Demand reads for one layer, plus as many for the next layer's prefetch.
+        let prefetch_buffers = if opts.prefetch { k } else { 0 };
+        let io_buffers = k + prefetch_buffers;
+        let budget = opts.memory_budget.unwrap_or_else(default_budget);
+        let plan = make_plan(&store.manifest, budget, opts.context_tokens, k, io_buffers)?;
+        let experts = StreamingExperts::new(
+            store,
+            StreamOptions {
+                cache_slots_per_layer: plan.cache_slots_per_layer,
+                policy: opts.policy,
+                backend: opts.backend,
+                direct: opts.direct,
+                queue_depth: opts.queue_depth,
+                io_buffers,
+                prefetch_buffers,
+            },
+        )?;
+        Ok(Session {
+            model,
+            experts,
+            plan,
+            default_top_k,
+        })
+    }
+
+    /// Whether this run uses a different number of experts than the model was trained with.
+    pub fn modified_top_k(&self) -> bool {
+        self.model.config.num_experts_per_token != self.default_top_k
+    }
+
+    /// A label for outputs: the model, and the top-k override if any.
+    pub fn variant(&self) -> String {
+        if self.modified_top_k() {
+            format!(
+                "kimi_k3 with {} of {} routed experts per token (model default {}): a different model",
+                self.model.config.num_experts_per_token,
+                self.model.config.num_experts,
+                self.default_top_k
+            )
+        } else {
+            "kimi_k3".into()
+        }
+    }
+
+    pub fn report(&self) -> StreamReport {
+        let t = self.experts.total_stats();
+        let mut per_layer: Vec<(usize, LayerStats)> = self
+            .experts
+            .stats
+            .iter()
+            .map(|(l, s)| (*l, s.clone()))
+            .collect();
+        per_layer.sort_by_key(|(l, _)| *l);
+        let demand_misses_or_covered = t.demand_reads + t.prefetch_used;
+        StreamReport {
+            io_backend: self.experts.backend_kind,
+            o_direct: self.experts.o_direct,
+            cache_policy: self.experts_policy(),
+            prefetch: self.model.prefetch,
+            accesses: t.accesses,
+            hits: t.hits,
+            hit_rate: if t.accesses == 0 {
+                0.0
+            } else {
+                t.hits as f64 / t.accesses as f64
+            },
+            demand_reads: t.demand_reads,
+            prefetch_reads: t.prefetch_reads,
+            prefetch_precision: (t.prefetch_reads > 0)
+                .then(|| t.prefetch_used as f64 / t.prefetch_reads as f64),
+            prefetch_recall: (demand_misses_or_covered > 0 && self.model.prefetch)
+                .then(|| t.prefetch_used as f64 / demand_misses_or_covered as f64),
+            expert_bytes_read: t.bytes_read,
+            io_wait_s: self.experts.io_wait.as_secs_f64(),
+            per_layer,
+        }
+    }
+
+    fn experts_policy(&self) -> Policy {
+        self.experts.policy()
+    }
+}
