@@ -45,7 +45,6 @@ pub struct K3Model {
     pub output_res_w: Option<Vec<f32>>,
     /// `[vocab, H]`; `None` when tied to the embedding.
     pub lm_head: Option<Linear>,
-    pub layout: RecordLayout,
     /// Predict the next MoE layer's experts and hint them to the expert source.
     pub prefetch: bool,
     /// Predict the next MoE layer's experts without hinting (recorded in traces).
@@ -76,6 +75,9 @@ impl K3Model {
                 &load_vec(store, &format!("{p}_proj.weight"), h)?,
             ))
         };
+        let ex = &store.manifest.experts;
+        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes)
+            .context("expert record layout")?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("layers.{l}.");
@@ -92,7 +94,7 @@ impl K3Model {
                 }
             };
             let ffn = if c.is_moe_layer(l) {
-                Ffn::Moe(Box::new(LatentMoe::load(store, l, &c)?))
+                Ffn::Moe(Box::new(LatentMoe::load(store, l, &c, &layout)?))
             } else {
                 Ffn::Dense(Box::new(GatedMlp::load(
                     store,
@@ -119,7 +121,6 @@ impl K3Model {
                 ffn,
             });
         }
-        let ex = &store.manifest.experts;
         Ok(K3Model {
             embed: Linear::load_shaped(store, "embed_tokens.weight", c.vocab_size, h)?,
             norm: load_vec(store, "norm.weight", h)?,
@@ -140,9 +141,6 @@ impl K3Model {
             },
             prefetch: false,
             predict: false,
-
-            layout: RecordLayout::from_manifest(&ex.parts, ex.record_bytes)
-                .context("expert record layout")?,
             layers,
             config: c,
         })
@@ -252,7 +250,6 @@ impl K3Model {
                 Ffn::Moe(m) => m.forward(
                     &normed,
                     experts,
-                    &self.layout,
                     self.next_moe(l),
                     self.prefetch,
                     &mut st.routing[l],

@@ -97,16 +97,11 @@ pub fn make_plan(
             human(FIXED_OVERHEAD)
         );
     }
-    let slots_total = if slot == 0 {
-        0
-    } else {
-        (budget - fixed) / slot
-    };
-    let per_layer = if moe_layers == 0 {
-        0
-    } else {
-        (slots_total as usize / moe_layers).min(experts)
-    };
+    let slots_total = (budget - fixed).checked_div(slot).unwrap_or(0);
+    let per_layer = (slots_total as usize)
+        .checked_div(moe_layers)
+        .unwrap_or(0)
+        .min(experts);
     let miss = if experts == 0 {
         0.0
     } else {

@@ -35,6 +35,8 @@ pub struct LatentMoe {
     pub beta: f32,
     pub linear_beta: Option<f32>,
     pub eps: f32,
+    /// Where the six tensors sit in this store's expert records.
+    pub layout: RecordLayout,
 }
 
 /// What the router chose for one token of one layer (kept for traces and tests).
@@ -52,7 +54,7 @@ pub struct Routing {
 }
 
 impl LatentMoe {
-    pub fn load(store: &Store, layer: usize, c: &K3Config) -> Result<Self> {
+    pub fn load(store: &Store, layer: usize, c: &K3Config, layout: &RecordLayout) -> Result<Self> {
         let p = format!("layers.{layer}.block_sparse_moe.");
         let h = c.hidden_size;
         let lat = c.expert_input_dim();
@@ -115,6 +117,7 @@ impl LatentMoe {
             beta: c.situ_beta(),
             linear_beta: c.activation_situ_linear_beta,
             eps: c.rms_norm_eps,
+            layout: layout.clone(),
         })
     }
 
@@ -146,7 +149,6 @@ impl LatentMoe {
         &self,
         x: &[f32],
         experts: &mut dyn ExpertSource,
-        layout: &RecordLayout,
         next: Option<&LatentMoe>,
         hint: bool,
         routing: &mut Routing,
@@ -203,6 +205,7 @@ impl LatentMoe {
         let mut u = vec![0f32; i]; // [I]
         let mut a = vec![0f32; i]; // [I]
         let mut done = vec![false; k];
+        let layout = &self.layout;
         experts.drain(&mut |slot, record| {
             anyhow::ensure!(
                 record.len() >= layout.record_bytes,

@@ -103,7 +103,7 @@ fn pread_req(file: &File, req: &ReadReq) -> io::Result<()> {
             Err(e) => return Err(e),
         }
         // O_DIRECT continues only at aligned positions; a short read happens at end of file.
-        if got % crate::stream::aligned::DIRECT_ALIGN != 0 {
+        if !got.is_multiple_of(crate::stream::aligned::DIRECT_ALIGN) {
             break;
         }
     }
