@@ -53,6 +53,9 @@ pub struct ProbeArgs {
     pub reads: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Issue reads in groups of --queue-depth and wait for each whole group.
+    #[arg(long)]
+    pub batched: bool,
 }
 
 pub fn probe(a: ProbeArgs) -> Result<()> {
@@ -61,7 +64,7 @@ pub fn probe(a: ProbeArgs) -> Result<()> {
         "auto" => None,
         o => Some(o.parse().map_err(|e: String| anyhow::anyhow!(e))?),
     };
-    let r = raw_read_bandwidth(&store, backend, a.queue_depth, a.reads, a.seed)?;
+    let r = raw_read_bandwidth(&store, backend, a.queue_depth, a.reads, a.seed, a.batched)?;
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
 }
@@ -72,11 +75,7 @@ fn median(v: &mut [f64]) -> f64 {
     }
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
 fn stat(vals: &[f64]) -> Value {
@@ -87,38 +86,21 @@ fn stat(vals: &[f64]) -> Value {
 
 fn run_self(args: &[String]) -> Result<Value> {
     let exe = std::env::current_exe().context("locating the deltafin binary")?;
-    let out = Command::new(exe)
-        .args(args)
-        .output()
-        .context("spawning a benchmark run")?;
+    let out = Command::new(exe).args(args).output().context("spawning a benchmark run")?;
     if !out.status.success() {
-        bail!(
-            "benchmark run failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("benchmark run failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     serde_json::from_slice(&out.stdout).context("parsing a benchmark run's JSON")
 }
 
 fn machine() -> Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
-        t.lines()
-            .find(|l| l.starts_with("model name"))
-            .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        t.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
     });
     let mem = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-        t.lines().next().map(|l| {
-            l.split_whitespace()
-                .nth(1)
-                .unwrap_or("0")
-                .parse::<u64>()
-                .unwrap_or(0)
-                * 1024
-        })
+        t.lines().next().map(|l| l.split_whitespace().nth(1).unwrap_or("0").parse::<u64>().unwrap_or(0) * 1024)
     });
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .ok()
-        .map(|s| s.trim().to_string());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_string());
     json!({
         "cpu": cpu,
         "cores": std::thread::available_parallelism().map(|n| n.get()).ok(),
@@ -128,29 +110,15 @@ fn machine() -> Value {
 }
 
 fn storage(path: &std::path::Path) -> Value {
-    let out = Command::new("df")
-        .arg("-B1")
-        .arg("--output=source,size,avail")
-        .arg(path)
-        .output()
-        .ok();
-    let line = out
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.lines().nth(1).map(str::to_string));
-    let f: Vec<String> = line
-        .map(|l| l.split_whitespace().map(str::to_string).collect())
-        .unwrap_or_default();
+    let out = Command::new("df").arg("-B1").arg("--output=source,size,avail").arg(path).output().ok();
+    let line = out.and_then(|o| String::from_utf8(o.stdout).ok()).and_then(|s| s.lines().nth(1).map(str::to_string));
+    let f: Vec<String> = line.map(|l| l.split_whitespace().map(str::to_string).collect()).unwrap_or_default();
     json!({ "device": f.first(), "size_bytes": f.get(1).and_then(|v| v.parse::<u64>().ok()), "free_bytes": f.get(2).and_then(|v| v.parse::<u64>().ok()) })
 }
 
 fn git_commit() -> Option<String> {
-    let o = Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()?;
-    o.status
-        .success()
-        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    let o = Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()?;
+    o.status.success().then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
@@ -158,20 +126,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     if a.max_tokens < 3 {
-        bail!(
-            "--max-tokens must be at least 3 (the first decode step is excluded from the steady rate)"
-        );
+        bail!("--max-tokens must be at least 3 (the first decode step is excluded from the steady rate)");
     }
     let m = &a.model;
-    let prompt = a
-        .prompt_tokens
-        .clone()
-        .unwrap_or_else(|| vec![11, 22, 33, 44, 55]);
-    let prompt_s = prompt
-        .iter()
-        .map(|t| t.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let prompt = a.prompt_tokens.clone().unwrap_or_else(|| vec![11, 22, 33, 44, 55]);
+    let prompt_s = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     let mut gen_args: Vec<String> = vec![
         "generate".into(),
         "--json".into(),
@@ -213,9 +172,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         gen_args.extend(["--repeat".into(), "2".into()]);
     }
     let store = Store::open(&m.model, m.source.as_deref())?;
-    let k = m
-        .experts_per_token
-        .unwrap_or(store.manifest.config.num_experts_per_token);
+    let k = m.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
     let probe_args: Vec<String> = vec![
         "probe-disk".into(),
         "--model".into(),
@@ -229,34 +186,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     ];
 
     let mut runs = Vec::new();
-    let (
-        mut raw,
-        mut spt,
-        mut ttft,
-        mut bpt,
-        mut hit,
-        mut ach,
-        mut frac,
-        mut floor,
-        mut rss,
-        mut iow,
-    ) = (
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-    );
+    let mut raw_batched = Vec::new();
+    let (mut raw, mut spt, mut ttft, mut bpt, mut hit, mut ach, mut frac, mut floor, mut rss, mut iow) =
+        (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
     for i in 0..a.runs {
         // Alternate probe and run so drift affects both alike.
         let mut pa = probe_args.clone();
         pa.extend(["--seed".into(), (i + 1).to_string()]);
         let p = run_self(&pa)?;
+        pa.push("--batched".into());
+        let pb = run_self(&pa)?;
+        raw_batched.push(pb["gbps"].as_f64().unwrap_or(f64::NAN));
         let g = run_self(&gen_args)?;
         let raw_gbps = p["gbps"].as_f64().unwrap_or(f64::NAN);
         let steps: Vec<f64> = g["timing"]["decode_step_s"]
@@ -286,10 +226,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         rss.push(g["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN));
         iow.push(io_wait / total_s);
         eprintln!(
-            "run {}/{}: raw {:.2} GB/s; {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
+            "run {}/{}: raw {:.2} GB/s (batched {:.2}); {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
             i + 1,
             a.runs,
             raw_gbps,
+            raw_batched.last().copied().unwrap_or(f64::NAN),
             s_per_token,
             human(bytes_per_token as u64),
             achieved,
@@ -297,7 +238,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             100.0 * hit.last().copied().unwrap_or(0.0),
             human(rss.last().copied().unwrap_or(0.0) as u64)
         );
-        runs.push(json!({ "probe": p, "run": g }));
+        runs.push(json!({ "probe": p, "probe_batched": pb, "run": g }));
     }
     let med = |v: &[f64]| median(&mut v.to_vec());
     let first = &runs[0]["run"];
@@ -310,6 +251,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "hit_rate": med(&hit),
         "achieved_gbps": med(&ach),
         "raw_gbps": med(&raw),
+        "raw_batched_gbps": med(&raw_batched),
+        "bandwidth_fraction_of_batched": med(&ach) / med(&raw_batched),
         "bandwidth_fraction": med(&frac),
         "floor_s_per_token": med(&floor),
         "decode_vs_floor": med(&spt) / med(&floor),
@@ -319,7 +262,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "runs": a.runs,
         "ranges": {
             "s_per_token": stat(&spt), "raw_gbps": stat(&raw), "achieved_gbps": stat(&ach),
-            "bandwidth_fraction": stat(&frac), "hit_rate": stat(&hit), "peak_rss_bytes": stat(&rss),
+            "bandwidth_fraction": stat(&frac), "hit_rate": stat(&hit), "raw_batched_gbps": stat(&raw_batched), "peak_rss_bytes": stat(&rss),
         },
         "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
         "prompt_tokens": prompt,
@@ -344,10 +287,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("{out}");
     } else {
         if out["modified_top_k"].as_bool() == Some(true) {
-            println!(
-                "NOTE: {} -- not comparable with default-k figures",
-                out["model"].as_str().unwrap_or("")
-            );
+            println!("NOTE: {} -- not comparable with default-k figures", out["model"].as_str().unwrap_or(""));
         }
         println!(
             "{} runs, {}: {:.3} s/token median ({:.3}-{:.3}), {:.4} tokens/s; TTFT {:.3} s",
@@ -360,12 +300,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             med(&ttft)
         );
         println!(
-            "expert reads {} per token, hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}%; floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
+            "expert reads {} per token, hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
             human(med(&bpt) as u64),
             100.0 * med(&hit),
             med(&ach),
             med(&raw),
             100.0 * med(&frac),
+            med(&raw_batched),
             med(&floor),
             med(&spt) / med(&floor),
             100.0 * med(&iow),

@@ -15,11 +15,7 @@ use deltafin_store::synth::{SynthOptions, SynthSpine, synth};
 use deltafin_store::{ExpertLayout, SpineDtype};
 
 #[derive(Parser)]
-#[command(
-    name = "deltafin",
-    version,
-    about = "Run giant mixture-of-experts models from local disk"
-)]
+#[command(name = "deltafin", version, about = "Run giant mixture-of-experts models from local disk")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -83,10 +79,7 @@ enum Cmd {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     let cli = Cli::parse();
     match dispatch(cli) {
@@ -100,22 +93,10 @@ fn main() -> ExitCode {
 
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Convert {
-            from,
-            to,
-            spine,
-            int8_group,
-            experts,
-        } => {
-            let opts = ConvertOptions {
-                spine,
-                int8_group,
-                experts,
-                progress: std::io::stderr().is_terminal(),
-            };
+        Cmd::Convert { from, to, spine, int8_group, experts } => {
+            let opts = ConvertOptions { spine, int8_group, experts, progress: std::io::stderr().is_terminal() };
             let t0 = std::time::Instant::now();
-            let r = convert(&from, &to, &opts)
-                .with_context(|| format!("converting {}", from.display()))?;
+            let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
             eprintln!(
                 "converted {} -> {} in {:.2}s: spine {} bytes ({:?}), {} expert records of {} bytes in {} byte ranges ({:?})",
                 from.display(),
@@ -135,30 +116,14 @@ fn dispatch(cli: Cli) -> Result<()> {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::ProbeDisk(a) => bench::probe(a),
         Cmd::Trace(t) => trace_cmd::run(t),
-        Cmd::Synth {
-            preset,
-            layers,
-            experts,
-            spine,
-            seed,
-            out,
-        } => {
+        Cmd::Synth { preset, layers, experts, spine, seed, out } => {
             if preset != "kimi-k3" {
                 bail!("unknown preset '{preset}' (only kimi-k3)");
             }
             let t0 = std::time::Instant::now();
-            let m = synth(
-                &out,
-                &SynthOptions {
-                    layers,
-                    experts,
-                    spine,
-                    seed,
-                    progress: std::io::stderr().is_terminal(),
-                },
-            )?;
-            let expert_bytes: u64 =
-                m.experts.layers.len() as u64 * experts as u64 * m.experts.record_bytes;
+            let m =
+                synth(&out, &SynthOptions { layers, experts, spine, seed, progress: std::io::stderr().is_terminal() })?;
+            let expert_bytes: u64 = m.experts.layers.len() as u64 * experts as u64 * m.experts.record_bytes;
             eprintln!(
                 "wrote {} in {:.1}s: {layers} layers x {experts} experts of {} bytes ({:.2} GB of experts), spine {} bytes",
                 out.display(),

@@ -143,11 +143,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let eos = if a.ignore_eos {
-        None
-    } else {
-        tok.as_ref().and_then(|t| t.eos_id)
-    };
+    let eos = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos_id) };
     let mut trace = match &a.trace {
         Some(p) => {
             s.model.predict = true;
@@ -165,27 +161,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let mut routing = match (&a.routing_locality, &a.routing_trace) {
         (Some(p), _) => Some(RoutingOverride::synthetic(*p, 7)),
-        (None, Some(path)) => Some(RoutingOverride::Trace {
-            trace: read_trace(path)?,
-            next: 0,
-        }),
+        (None, Some(path)) => Some(RoutingOverride::Trace { trace: read_trace(path)?, next: 0 }),
         _ => None,
     };
     let mut g = None;
     for seq in 0..a.repeat.max(1) {
-        let hooks = GenerateHooks {
-            trace: trace.as_mut(),
-            seq,
-            routing: routing.as_mut(),
-        };
-        g = Some(generate_with(
-            &s.model,
-            &mut s.experts,
-            &prompt_ids,
-            a.max_tokens,
-            eos,
-            hooks,
-        )?);
+        let hooks = GenerateHooks { trace: trace.as_mut(), seq, routing: routing.as_mut() };
+        g = Some(generate_with(&s.model, &mut s.experts, &prompt_ids, a.max_tokens, eos, hooks)?);
     }
     let g = g.ok_or_else(|| anyhow::anyhow!("nothing generated"))?;
     if let Some(t) = trace {
@@ -206,7 +188,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "modified_top_k": s.modified_top_k(),
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": "exact",
-            "kernel_path": "scalar",
+            "kernel_path": deltafin_engine::kernel_path(),
             "timing": {
                 "prompt_s": g.timing.prompt_s,
                 "ttft_s": g.timing.prompt_s,
@@ -225,30 +207,19 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     } else {
         match text {
             Some(t) => println!("{t}"),
-            None => println!(
-                "{}",
-                g.tokens
-                    .iter()
-                    .map(|t| t.to_string())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
+            None => println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
         }
         eprintln!(
             "{} prompt tokens, {} generated; prompt {:.3}s, decode {} tok/s; experts: hit rate {:.1}%, {} bytes read ({:?}, O_DIRECT {}); peak RSS {}",
             g.prompt_tokens.len(),
             g.tokens.len(),
             g.timing.prompt_s,
-            decode_tps
-                .map(|v| format!("{v:.2}"))
-                .unwrap_or_else(|| "-".into()),
+            decode_tps.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into()),
             100.0 * report.hit_rate,
             report.expert_bytes_read,
             report.io_backend,
             report.o_direct,
-            peak_rss_bytes()
-                .map(deltafin_engine::plan::human)
-                .unwrap_or_default(),
+            peak_rss_bytes().map(deltafin_engine::plan::human).unwrap_or_default(),
         );
     }
     Ok(())
@@ -256,17 +227,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let (_store, mut s) = a.model.open()?;
-    let g = generate_with(
-        &s.model,
-        &mut s.experts,
-        &a.prompt_tokens,
-        0,
-        None,
-        GenerateHooks::default(),
-    )?;
-    println!(
-        "{}",
-        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant() })
-    );
+    let g = generate_with(&s.model, &mut s.experts, &a.prompt_tokens, 0, None, GenerateHooks::default())?;
+    println!("{}", serde_json::json!({ "logits": g.prompt_logits, "model": s.variant() }));
     Ok(())
 }

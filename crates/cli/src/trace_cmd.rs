@@ -25,10 +25,7 @@ pub fn run(c: TraceCmd) -> Result<()> {
             None => merged = Some(t),
             Some(m) => {
                 if m.header.experts_per_layer != t.header.experts_per_layer {
-                    bail!(
-                        "{}: a different model's trace (experts per layer differ)",
-                        f.display()
-                    );
+                    bail!("{}: a different model's trace (experts per layer differ)", f.display());
                 }
                 let base = m.tokens.iter().map(|t| t.seq + 1).max().unwrap_or(0);
                 m.tokens.extend(t.tokens.into_iter().map(|mut x| {
@@ -38,9 +35,7 @@ pub fn run(c: TraceCmd) -> Result<()> {
             }
         }
     }
-    let Some(t) = merged else {
-        bail!("no trace files")
-    };
+    let Some(t) = merged else { bail!("no trace files") };
     let e = t.header.experts_per_layer;
     println!(
         "{} tokens, {} MoE layers, {} experts per layer, top-{}",
@@ -49,9 +44,7 @@ pub fn run(c: TraceCmd) -> Result<()> {
         e,
         t.header.experts_per_token
     );
-    let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |s| Some(s * 2))
-        .take_while(|&s| s < e)
-        .collect();
+    let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |s| Some(s * 2)).take_while(|&s| s < e).collect();
     sizes.push(e);
     println!("\nhit rate by cache slots per layer:");
     println!("{:>8} {:>8} {:>8}", "slots", "lru", "slru");
@@ -64,10 +57,7 @@ pub fn run(c: TraceCmd) -> Result<()> {
     let (_, per) = replay(&t, Policy::Slru, mid.min(e));
     let mut per: Vec<(usize, f64)> = per.into_iter().collect();
     per.sort_by_key(|(l, _)| *l);
-    println!(
-        "\nper-layer hit rate, slru, {} slots per layer:",
-        mid.min(e)
-    );
+    println!("\nper-layer hit rate, slru, {} slots per layer:", mid.min(e));
     for (l, h) in per {
         println!("  layer {l:>3}: {:>5.1}%", 100.0 * h);
     }
@@ -78,10 +68,9 @@ pub fn run(c: TraceCmd) -> Result<()> {
     }
     println!("  {:>8}: {first}", "first use");
     match predictor_recall(&t) {
-        Some(r) => println!(
-            "\nlook-ahead predictor recall (next layer's router on this layer's input): {:.1}%",
-            100.0 * r
-        ),
+        Some(r) => {
+            println!("\nlook-ahead predictor recall (next layer's router on this layer's input): {:.1}%", 100.0 * r)
+        }
         None => println!("\nlook-ahead predictor recall: no predictions in these traces"),
     }
     Ok(())

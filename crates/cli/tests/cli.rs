@@ -9,9 +9,7 @@ fn bin() -> Command {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
 }
 
 fn run(args: &[&str]) -> Output {
@@ -20,11 +18,7 @@ fn run(args: &[&str]) -> Output {
 
 fn ok(args: &[&str]) -> String {
     let o = run(args);
-    assert!(
-        o.status.success(),
-        "deltafin {args:?} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert!(o.status.success(), "deltafin {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8(o.stdout).unwrap()
 }
 
@@ -33,10 +27,7 @@ fn fails(args: &[&str]) -> String {
     let o = run(args);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(!o.status.success(), "deltafin {args:?} should fail");
-    assert!(
-        !err.contains("panicked"),
-        "deltafin {args:?} panicked: {err}"
-    );
+    assert!(!err.contains("panicked"), "deltafin {args:?} panicked: {err}");
     assert!(!err.trim().is_empty(), "deltafin {args:?} failed silently");
     err
 }
@@ -44,13 +35,7 @@ fn fails(args: &[&str]) -> String {
 fn convert(name: &str, extra: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let from = fixture(name).join("hf");
-    let mut args = vec![
-        "convert",
-        "--from",
-        from.to_str().unwrap(),
-        "--to",
-        dir.path().to_str().unwrap(),
-    ];
+    let mut args = vec!["convert", "--from", from.to_str().unwrap(), "--to", dir.path().to_str().unwrap()];
     args.extend_from_slice(extra);
     ok(&args);
     dir
@@ -60,26 +45,9 @@ fn convert(name: &str, extra: &[&str]) -> tempfile::TempDir {
 fn generate_text_and_json() {
     let store = convert("k3-tiny", &[]);
     let s = store.path().to_str().unwrap();
-    let text = ok(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt",
-        "The lighthouse keeper",
-        "--max-tokens",
-        "8",
-    ]);
+    let text = ok(&["generate", "--model", s, "--prompt", "The lighthouse keeper", "--max-tokens", "8"]);
     assert!(!text.trim().is_empty());
-    let out = ok(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt",
-        "The lighthouse keeper",
-        "--max-tokens",
-        "8",
-        "--json",
-    ]);
+    let out = ok(&["generate", "--model", s, "--prompt", "The lighthouse keeper", "--max-tokens", "8", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object on stdout");
     assert!(v["prompt_tokens"].as_array().unwrap().len() > 1);
     let toks = v["tokens"].as_array().unwrap();
@@ -95,37 +63,16 @@ fn generate_text_and_json() {
 fn logits_and_greedy_match_the_reference() {
     let store = convert("k3-small", &["--spine", "f32", "--experts", "pack"]);
     let s = store.path().to_str().unwrap();
-    let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("k3-small").join("reference.json")).unwrap(),
-    )
-    .unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("k3-small").join("reference.json")).unwrap()).unwrap();
     let p = &reference["prompts"][1];
-    let ids: Vec<String> = p["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.to_string())
-        .collect();
+    let ids: Vec<String> = p["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
     let ids = ids.join(",");
-    let v: serde_json::Value =
-        serde_json::from_str(&ok(&["logits", "--model", s, "--prompt-tokens", &ids])).unwrap();
-    let got: Vec<f64> = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
-    let want: Vec<f64> = p["last_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
+    let v: serde_json::Value = serde_json::from_str(&ok(&["logits", "--model", s, "--prompt-tokens", &ids])).unwrap();
+    let got: Vec<f64> = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let want: Vec<f64> = p["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
     assert_eq!(got.len(), want.len());
-    let d = got
-        .iter()
-        .zip(&want)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    let d = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
     let scale = want.iter().fold(0f64, |m, b| m.max(b.abs()));
     assert!(d / scale < 1e-3, "rel err {}", d / scale);
     let v: serde_json::Value = serde_json::from_str(&ok(&[
@@ -147,37 +94,17 @@ fn logits_and_greedy_match_the_reference() {
 fn bad_input_is_a_clear_error() {
     let store = convert("k3-tiny", &[]);
     let s = store.path().to_str().unwrap();
-    let e = fails(&[
-        "generate",
-        "--model",
-        "/nonexistent/store",
-        "--prompt",
-        "hi",
-    ]);
+    let e = fails(&["generate", "--model", "/nonexistent/store", "--prompt", "hi"]);
     assert!(e.contains("/nonexistent/store"), "{e}");
     let e = fails(&["generate", "--model", s, "--prompt-tokens", "1,99999"]);
     assert!(e.contains("99999") && e.contains("vocabulary"), "{e}");
     let e = fails(&["generate", "--model", s, "--prompt", ""]);
     assert!(e.contains("no tokens"), "{e}");
     fails(&["generate", "--model", s, "--prompt-tokens", "a,b"]);
-    fails(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt",
-        "x",
-        "--prompt-tokens",
-        "1",
-    ]);
+    fails(&["generate", "--model", s, "--prompt", "x", "--prompt-tokens", "1"]);
     fails(&["generate", "--model", s]);
     fails(&["convert", "--from", s, "--to", "/tmp/x", "--spine", "int3"]);
-    let e = fails(&[
-        "convert",
-        "--from",
-        "/nonexistent/hf",
-        "--to",
-        "/tmp/deltafin-never",
-    ]);
+    let e = fails(&["convert", "--from", "/nonexistent/hf", "--to", "/tmp/deltafin-never"]);
     assert!(e.contains("config.json"), "{e}");
     fails(&["logits", "--model", s, "--prompt-tokens", ""]);
     fails(&["frobnicate"]);
@@ -194,17 +121,6 @@ fn corrupt_expert_stops_generation_with_its_name() {
         *b ^= 0xA5;
     }
     std::fs::write(&f, bytes).unwrap();
-    let e = fails(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2,3",
-        "--max-tokens",
-        "2",
-    ]);
-    assert!(
-        e.contains("layer 1 expert") && e.contains("checksum"),
-        "{e}"
-    );
+    let e = fails(&["generate", "--model", s, "--prompt-tokens", "1,2,3", "--max-tokens", "2"]);
+    assert!(e.contains("layer 1 expert") && e.contains("checksum"), "{e}");
 }

@@ -5,10 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args(args)
-        .output()
-        .expect("spawn deltafin")
+    Command::new(env!("CARGO_BIN_EXE_deltafin")).args(args).output().expect("spawn deltafin")
 }
 
 fn ok(args: &[&str]) -> (String, String) {
@@ -19,21 +16,12 @@ fn ok(args: &[&str]) -> (String, String) {
 }
 
 fn fixture_hf(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-        .join("hf")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name).join("hf")
 }
 
 fn tiny_store() -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
-    ok(&[
-        "convert",
-        "--from",
-        fixture_hf("k3-tiny").to_str().unwrap(),
-        "--to",
-        d.path().to_str().unwrap(),
-    ]);
+    ok(&["convert", "--from", fixture_hf("k3-tiny").to_str().unwrap(), "--to", d.path().to_str().unwrap()]);
     d
 }
 
@@ -41,44 +29,13 @@ fn tiny_store() -> tempfile::TempDir {
 fn plan_is_printed_and_a_too_small_budget_is_refused() {
     let d = tiny_store();
     let s = d.path().to_str().unwrap();
-    let (_, err) = ok(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2",
-        "--max-tokens",
-        "2",
-        "--memory-budget",
-        "1G",
-    ]);
-    assert!(
-        err.contains("memory plan") && err.contains("spine") && err.contains("expert cache"),
-        "{err}"
-    );
-    let o = run(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2",
-        "--memory-budget",
-        "1M",
-    ]);
+    let (_, err) =
+        ok(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "2", "--memory-budget", "1G"]);
+    assert!(err.contains("memory plan") && err.contains("spine") && err.contains("expert cache"), "{err}");
+    let o = run(&["generate", "--model", s, "--prompt-tokens", "1,2", "--memory-budget", "1M"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("below the minimum") && !err.contains("panicked"),
-        "{err}"
-    );
-    let o = run(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2",
-        "--memory-budget",
-        "lots",
-    ]);
+    assert!(!o.status.success() && err.contains("below the minimum") && !err.contains("panicked"), "{err}");
+    let o = run(&["generate", "--model", s, "--prompt-tokens", "1,2", "--memory-budget", "lots"]);
     assert!(!o.status.success());
 }
 
@@ -101,11 +58,8 @@ fn trace_records_routing_and_stats_replays_it() {
         trace.to_str().unwrap(),
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&trace).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     // Header + one line per forward pass (5 prompt tokens + 5 decode steps).
     assert_eq!(lines.len(), 1 + 5 + 5);
     assert_eq!(lines[0]["experts_per_token"], 4);
@@ -115,42 +69,17 @@ fn trace_records_routing_and_stats_replays_it() {
         assert_eq!(layers.len(), moe_layers);
         for ly in layers {
             assert_eq!(ly["experts"].as_array().unwrap().len(), 4);
-            let w: f64 = ly["weights"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .sum();
-            assert!(
-                (w - 1.0).abs() < 1e-4,
-                "renormalised weights sum to 1 (scaling 1.0)"
-            );
+            let w: f64 = ly["weights"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).sum();
+            assert!((w - 1.0).abs() < 1e-4, "renormalised weights sum to 1 (scaling 1.0)");
         }
     }
-    assert_eq!(
-        lines[6]["token"], v["tokens"][0],
-        "the first generated token is fed back next"
-    );
-    let (stats, _) = ok(&[
-        "trace",
-        "stats",
-        trace.to_str().unwrap(),
-        trace.to_str().unwrap(),
-    ]);
+    assert_eq!(lines[6]["token"], v["tokens"][0], "the first generated token is fed back next");
+    let (stats, _) = ok(&["trace", "stats", trace.to_str().unwrap(), trace.to_str().unwrap()]);
     assert!(stats.contains("20 tokens"), "{stats}");
-    assert!(
-        stats.contains("hit rate by cache slots per layer"),
-        "{stats}"
-    );
-    assert!(
-        stats.contains("look-ahead predictor recall") && stats.contains('%'),
-        "{stats}"
-    );
+    assert!(stats.contains("hit rate by cache slots per layer"), "{stats}");
+    assert!(stats.contains("look-ahead predictor recall") && stats.contains('%'), "{stats}");
     // A full-size cache hits on everything but first uses.
-    assert!(
-        stats.lines().any(|l| l.trim_start().starts_with("16 ")),
-        "{stats}"
-    );
+    assert!(stats.lines().any(|l| l.trim_start().starts_with("16 ")), "{stats}");
     let bad = d.path().join("bad.jsonl");
     std::fs::write(&bad, "not a trace\n").unwrap();
     let o = run(&["trace", "stats", bad.to_str().unwrap()]);
@@ -178,37 +107,12 @@ fn fewer_experts_per_token_is_labelled_everywhere() {
     assert_eq!(v["experts_per_token"], 2);
     assert!(v["model"].as_str().unwrap().contains("different model"));
     assert!(err.contains("different model"));
-    let (out, _) = ok(&[
-        "logits",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2",
-        "--experts-per-token",
-        "2",
-    ]);
+    let (out, _) = ok(&["logits", "--model", s, "--prompt-tokens", "1,2", "--experts-per-token", "2"]);
     assert!(out.contains("different model"));
-    let (out, _) = ok(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1,2",
-        "--max-tokens",
-        "2",
-        "--json",
-    ]);
+    let (out, _) = ok(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "2", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["modified_top_k"], false);
-    let o = run(&[
-        "generate",
-        "--model",
-        s,
-        "--prompt-tokens",
-        "1",
-        "--experts-per-token",
-        "99",
-    ]);
+    let o = run(&["generate", "--model", s, "--prompt-tokens", "1", "--experts-per-token", "99"]);
     assert!(!o.status.success());
 }
 
@@ -217,24 +121,10 @@ fn synth_has_k3_geometry_and_runs_within_its_budget() {
     let d = tempfile::tempdir().unwrap();
     let s = d.path().join("syn");
     let s = s.to_str().unwrap();
-    ok(&[
-        "synth",
-        "--preset",
-        "kimi-k3",
-        "--layers",
-        "1",
-        "--experts",
-        "20",
-        "--out",
-        s,
-    ]);
+    ok(&["synth", "--preset", "kimi-k3", "--layers", "1", "--experts", "20", "--out", s]);
     let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(Path::new(s).join("manifest.json")).unwrap())
-            .unwrap();
-    assert_eq!(
-        m["experts"]["record_bytes"], 17_547_264,
-        "one K3 expert record"
-    );
+        serde_json::from_str(&std::fs::read_to_string(Path::new(s).join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["experts"]["record_bytes"], 17_547_264, "one K3 expert record");
     assert_eq!(m["config"]["hidden_size"], 7168);
     assert_eq!(m["config"]["routed_expert_hidden_size"], 3584);
     assert_eq!(m["config"]["num_experts_per_token"], 16);
@@ -255,15 +145,9 @@ fn synth_has_k3_geometry_and_runs_within_its_budget() {
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rss = v["peak_rss_bytes"].as_u64().unwrap();
-    assert!(
-        rss as f64 <= budget as f64 * 1.05,
-        "peak RSS {rss} exceeds the 1 GiB budget by more than 5%"
-    );
+    assert!(rss as f64 <= budget as f64 * 1.05, "peak RSS {rss} exceeds the 1 GiB budget by more than 5%");
     assert_eq!(v["stream"]["io_backend"], "pread");
-    assert!(
-        v["plan"]["cache_slots_per_layer"].as_u64().unwrap() < 20,
-        "the budget cannot hold every expert"
-    );
+    assert!(v["plan"]["cache_slots_per_layer"].as_u64().unwrap() < 20, "the budget cannot hold every expert");
     let o = run(&["synth", "--layers", "1", "--experts", "4", "--out", s]);
     assert!(!o.status.success());
 }
@@ -272,18 +156,7 @@ fn synth_has_k3_geometry_and_runs_within_its_budget() {
 fn bench_reports_the_paired_limit() {
     let d = tiny_store();
     let s = d.path().to_str().unwrap();
-    let (out, _) = ok(&[
-        "bench",
-        "--model",
-        s,
-        "--runs",
-        "2",
-        "--max-tokens",
-        "4",
-        "--probe-reads",
-        "16",
-        "--json",
-    ]);
+    let (out, _) = ok(&["bench", "--model", s, "--runs", "2", "--max-tokens", "4", "--probe-reads", "16", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     for key in [
         "s_per_token",

@@ -40,12 +40,7 @@ pub struct StoreExperts<'a> {
 
 impl<'a> StoreExperts<'a> {
     pub fn new(store: &'a Store) -> Self {
-        StoreExperts {
-            store,
-            bytes: 0,
-            pending: None,
-            record: Vec::new(),
-        }
+        StoreExperts { store, bytes: 0, pending: None, record: Vec::new() }
     }
 }
 
@@ -56,9 +51,7 @@ impl ExpertSource for StoreExperts<'_> {
     }
 
     fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
-        let Some((layer, experts)) = self.pending.take() else {
-            anyhow::bail!("drain() without begin()")
-        };
+        let Some((layer, experts)) = self.pending.take() else { anyhow::bail!("drain() without begin()") };
         for (i, &e) in experts.iter().enumerate() {
             self.store.experts.read(layer, e, &mut self.record)?;
             self.bytes += self.record.len() as u64;
@@ -101,10 +94,7 @@ impl RecordLayout {
             }
             out[i] = (p.offset as usize, p.len as usize);
         }
-        Ok(RecordLayout {
-            parts: out,
-            record_bytes: record_bytes as usize,
-        })
+        Ok(RecordLayout { parts: out, record_bytes: record_bytes as usize })
     }
 
     pub fn part<'r>(&self, record: &'r [u8], i: usize) -> &'r [u8] {

@@ -58,10 +58,7 @@ pub enum RoutingOverride {
 
 impl RoutingOverride {
     pub fn synthetic(locality: f64, seed: u64) -> Self {
-        RoutingOverride::Synthetic {
-            locality,
-            rng: SmallRng::seed_from_u64(seed),
-        }
+        RoutingOverride::Synthetic { locality, rng: SmallRng::seed_from_u64(seed) }
     }
 
     fn apply(&mut self, model: &K3Model, st: &mut K3State) {
@@ -76,13 +73,7 @@ impl RoutingOverride {
                 *next += 1;
                 for tl in &t.layers {
                     if let Some(r) = st.routing.get_mut(tl.layer) {
-                        r.experts = tl
-                            .experts
-                            .iter()
-                            .copied()
-                            .filter(|&e| e < experts)
-                            .take(k)
-                            .collect();
+                        r.experts = tl.experts.iter().copied().filter(|&e| e < experts).take(k).collect();
                         r.pinned = !r.experts.is_empty();
                     }
                 }
@@ -129,14 +120,7 @@ pub fn generate_greedy(
     max_tokens: usize,
     eos: Option<u32>,
 ) -> Result<Generation> {
-    generate_with(
-        model,
-        experts,
-        prompt,
-        max_tokens,
-        eos,
-        GenerateHooks::default(),
-    )
+    generate_with(model, experts, prompt, max_tokens, eos, GenerateHooks::default())
 }
 
 pub fn generate_with(
@@ -212,11 +196,7 @@ fn step(
 }
 
 /// Logits at every position of `tokens`, one row per token. Shape: `[len, vocab]`.
-pub fn all_logits(
-    model: &K3Model,
-    experts: &mut dyn ExpertSource,
-    tokens: &[u32],
-) -> Result<Vec<Vec<f32>>> {
+pub fn all_logits(model: &K3Model, experts: &mut dyn ExpertSource, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     let mut st = model.new_state();
     let mut out = Vec::with_capacity(tokens.len());
     for &t in tokens {

@@ -76,8 +76,7 @@ impl K3Model {
             ))
         };
         let ex = &store.manifest.experts;
-        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes)
-            .context("expert record layout")?;
+        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes).context("expert record layout")?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("layers.{l}.");
@@ -89,9 +88,7 @@ impl K3Model {
                     h,
                     c.rms_norm_eps,
                 )?)),
-                AttnKind::Mla => {
-                    Attention::Mla(Box::new(Mla::load(store, &format!("{p}self_attn."), &c)?))
-                }
+                AttnKind::Mla => Attention::Mla(Box::new(Mla::load(store, &format!("{p}self_attn."), &c)?)),
             };
             let ffn = if c.is_moe_layer(l) {
                 Ffn::Moe(Box::new(LatentMoe::load(store, l, &c, &layout)?))
@@ -106,10 +103,7 @@ impl K3Model {
                 )?))
             };
             let res = if c.attn_res_block_size.is_some() {
-                Some((
-                    res_w(&format!("{p}self_attention_res"))?,
-                    res_w(&format!("{p}mlp_res"))?,
-                ))
+                Some((res_w(&format!("{p}self_attention_res"))?, res_w(&format!("{p}mlp_res"))?))
             } else {
                 None
             };
@@ -124,20 +118,11 @@ impl K3Model {
         Ok(K3Model {
             embed: Linear::load_shaped(store, "embed_tokens.weight", c.vocab_size, h)?,
             norm: load_vec(store, "norm.weight", h)?,
-            output_res_w: if c.attn_res_block_size.is_some() {
-                Some(res_w("output_attn_res")?)
-            } else {
-                None
-            },
+            output_res_w: if c.attn_res_block_size.is_some() { Some(res_w("output_attn_res")?) } else { None },
             lm_head: if c.tie_word_embeddings {
                 None
             } else {
-                Some(Linear::load_shaped(
-                    store,
-                    "lm_head.weight",
-                    c.vocab_size,
-                    h,
-                )?)
+                Some(Linear::load_shaped(store, "lm_head.weight", c.vocab_size, h)?)
             },
             prefetch: false,
             predict: false,
@@ -201,10 +186,7 @@ impl K3Model {
         let h = c.hidden_size;
         let tok = token as usize;
         if tok >= c.vocab_size {
-            anyhow::bail!(
-                "token id {tok} is outside the vocabulary (size {})",
-                c.vocab_size
-            );
+            anyhow::bail!("token id {tok} is outside the vocabulary (size {})", c.vocab_size);
         }
         let mut x = vec![0f32; h]; // [H] the running partial sum entering each layer
         self.embed.row(tok, &mut x);
@@ -247,14 +229,9 @@ impl K3Model {
             rms_norm(&hmix, &layer.post_norm, c.rms_norm_eps, &mut normed);
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&normed, &mut y),
-                Ffn::Moe(m) => m.forward(
-                    &normed,
-                    experts,
-                    self.next_moe(l),
-                    self.prefetch,
-                    &mut st.routing[l],
-                    &mut y,
-                )?,
+                Ffn::Moe(m) => {
+                    m.forward(&normed, experts, self.next_moe(l), self.prefetch, &mut st.routing[l], &mut y)?
+                }
             }
             part.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
             x = part;

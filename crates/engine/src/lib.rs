@@ -11,3 +11,4 @@ pub mod stream;
 pub mod tokenizer;
 pub mod trace;
 pub mod weights;
+pub use deltafin_kernels::cpu::kernel_path;

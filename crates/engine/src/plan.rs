@@ -39,12 +39,7 @@ pub fn slot_bytes(m: &Manifest) -> u64 {
         .layers
         .iter()
         .flat_map(|l| &l.experts)
-        .map(|e| {
-            e.ranges
-                .iter()
-                .map(|r| align_up(r[1] + r[2]) - align_down(r[1]))
-                .sum::<u64>()
-        })
+        .map(|e| e.ranges.iter().map(|r| align_up(r[1] + r[2]) - align_down(r[1])).sum::<u64>())
         .max()
         .unwrap_or(4096)
 }
@@ -62,9 +57,7 @@ pub fn state_bytes(m: &Manifest, context: usize) -> u64 {
     (0..c.num_hidden_layers)
         .map(|l| match c.attn_kind(l) {
             AttnKind::Kda => {
-                (lac.num_heads * lac.head_dim * lac.head_dim
-                    + 3 * (lac.short_conv_kernel_size - 1) * p)
-                    * 4
+                (lac.num_heads * lac.head_dim * lac.head_dim + 3 * (lac.short_conv_kernel_size - 1) * p) * 4
             }
             AttnKind::Mla => context * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
         })
@@ -98,15 +91,8 @@ pub fn make_plan(
         );
     }
     let slots_total = (budget - fixed).checked_div(slot).unwrap_or(0);
-    let per_layer = (slots_total as usize)
-        .checked_div(moe_layers)
-        .unwrap_or(0)
-        .min(experts);
-    let miss = if experts == 0 {
-        0.0
-    } else {
-        1.0 - per_layer as f64 / experts as f64
-    };
+    let per_layer = (slots_total as usize).checked_div(moe_layers).unwrap_or(0).min(experts);
+    let miss = if experts == 0 { 0.0 } else { 1.0 - per_layer as f64 / experts as f64 };
     let record = m.experts.record_bytes;
     Ok(Plan {
         budget_bytes: budget,
@@ -123,10 +109,7 @@ pub fn make_plan(
         cache_slots_per_layer: per_layer,
         cache_bytes: per_layer as u64 * moe_layers as u64 * slot,
         overhead_bytes: FIXED_OVERHEAD,
-        expected_expert_bytes_per_token: (moe_layers as f64
-            * experts_per_token as f64
-            * record as f64
-            * miss) as u64,
+        expected_expert_bytes_per_token: (moe_layers as f64 * experts_per_token as f64 * record as f64 * miss) as u64,
     })
 }
 
@@ -150,8 +133,7 @@ impl Plan {
             self.experts_per_token,
             self.moe_layers,
             human(self.record_bytes),
-            100.0
-                * (1.0 - self.cache_slots_per_layer as f64 / self.experts_per_layer.max(1) as f64),
+            100.0 * (1.0 - self.cache_slots_per_layer as f64 / self.experts_per_layer.max(1) as f64),
         )
     }
 }
@@ -161,10 +143,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size (try 24G or 512M)"))?;
+    let v: f64 = num.trim().parse().map_err(|_| format!("'{s}' is not a size (try 24G or 512M)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -207,11 +186,7 @@ pub fn default_budget() -> u64 {
 pub fn peak_rss_bytes() -> Option<u64> {
     let t = std::fs::read_to_string("/proc/self/status").ok()?;
     let l = t.lines().find(|l| l.starts_with("VmHWM:"))?;
-    l.split_whitespace()
-        .nth(1)?
-        .parse::<u64>()
-        .ok()
-        .map(|kb| kb * 1024)
+    l.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
 }
 
 #[cfg(test)]

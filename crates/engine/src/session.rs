@@ -95,12 +95,7 @@ impl Session {
                 prefetch_buffers,
             },
         )?;
-        Ok(Session {
-            model,
-            experts,
-            plan,
-            default_top_k,
-        })
+        Ok(Session { model, experts, plan, default_top_k })
     }
 
     /// Whether this run uses a different number of experts than the model was trained with.
@@ -113,9 +108,7 @@ impl Session {
         if self.modified_top_k() {
             format!(
                 "kimi_k3 with {} of {} routed experts per token (model default {}): a different model",
-                self.model.config.num_experts_per_token,
-                self.model.config.num_experts,
-                self.default_top_k
+                self.model.config.num_experts_per_token, self.model.config.num_experts, self.default_top_k
             )
         } else {
             "kimi_k3".into()
@@ -124,12 +117,7 @@ impl Session {
 
     pub fn report(&self) -> StreamReport {
         let t = self.experts.total_stats();
-        let mut per_layer: Vec<(usize, LayerStats)> = self
-            .experts
-            .stats
-            .iter()
-            .map(|(l, s)| (*l, s.clone()))
-            .collect();
+        let mut per_layer: Vec<(usize, LayerStats)> = self.experts.stats.iter().map(|(l, s)| (*l, s.clone())).collect();
         per_layer.sort_by_key(|(l, _)| *l);
         let demand_misses_or_covered = t.demand_reads + t.prefetch_used;
         StreamReport {
@@ -139,15 +127,10 @@ impl Session {
             prefetch: self.model.prefetch,
             accesses: t.accesses,
             hits: t.hits,
-            hit_rate: if t.accesses == 0 {
-                0.0
-            } else {
-                t.hits as f64 / t.accesses as f64
-            },
+            hit_rate: if t.accesses == 0 { 0.0 } else { t.hits as f64 / t.accesses as f64 },
             demand_reads: t.demand_reads,
             prefetch_reads: t.prefetch_reads,
-            prefetch_precision: (t.prefetch_reads > 0)
-                .then(|| t.prefetch_used as f64 / t.prefetch_reads as f64),
+            prefetch_precision: (t.prefetch_reads > 0).then(|| t.prefetch_used as f64 / t.prefetch_reads as f64),
             prefetch_recall: (demand_misses_or_covered > 0 && self.model.prefetch)
                 .then(|| t.prefetch_used as f64 / demand_misses_or_covered as f64),
             expert_bytes_read: t.bytes_read,

@@ -52,19 +52,10 @@ impl TraceWriter {
         let mut w = BufWriter::new(f);
         serde_json::to_writer(&mut w, &header)?;
         w.write_all(b"\n")?;
-        Ok(TraceWriter {
-            w,
-            moe_layers: header.moe_layers,
-        })
+        Ok(TraceWriter { w, moe_layers: header.moe_layers })
     }
 
-    pub fn record(
-        &mut self,
-        seq: usize,
-        pos: usize,
-        token: u32,
-        routing: &[Routing],
-    ) -> Result<()> {
+    pub fn record(&mut self, seq: usize, pos: usize, token: u32, routing: &[Routing]) -> Result<()> {
         let layers = self
             .moe_layers
             .iter()
@@ -76,15 +67,7 @@ impl TraceWriter {
                 predicted_next: r.predicted_next.clone(),
             })
             .collect();
-        serde_json::to_writer(
-            &mut self.w,
-            &TraceToken {
-                seq,
-                pos,
-                token,
-                layers,
-            },
-        )?;
+        serde_json::to_writer(&mut self.w, &TraceToken { seq, pos, token, layers })?;
         self.w.write_all(b"\n")?;
         Ok(())
     }
@@ -103,17 +86,11 @@ pub struct Trace {
 pub fn read_trace(path: &Path) -> Result<Trace> {
     let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
     let mut lines = BufReader::new(f).lines();
-    let first = lines
-        .next()
-        .with_context(|| format!("{}: empty trace", path.display()))??;
-    let header: TraceHeader = serde_json::from_str(&first)
-        .with_context(|| format!("{}: line 1 is not a trace header", path.display()))?;
+    let first = lines.next().with_context(|| format!("{}: empty trace", path.display()))??;
+    let header: TraceHeader =
+        serde_json::from_str(&first).with_context(|| format!("{}: line 1 is not a trace header", path.display()))?;
     if header.deltafin_trace != 1 {
-        bail!(
-            "{}: trace version {} is not supported",
-            path.display(),
-            header.deltafin_trace
-        );
+        bail!("{}: trace version {} is not supported", path.display(), header.deltafin_trace);
     }
     let mut tokens = Vec::new();
     for (i, line) in lines.enumerate() {
@@ -121,8 +98,8 @@ pub fn read_trace(path: &Path) -> Result<Trace> {
         if line.trim().is_empty() {
             continue;
         }
-        let t: TraceToken = serde_json::from_str(&line)
-            .with_context(|| format!("{}: line {}", path.display(), i + 2))?;
+        let t: TraceToken =
+            serde_json::from_str(&line).with_context(|| format!("{}: line {}", path.display(), i + 2))?;
         for l in &t.layers {
             if l.experts.iter().any(|&e| e >= header.experts_per_layer) {
                 bail!("{}: line {}: expert id out of range", path.display(), i + 2);
@@ -140,9 +117,7 @@ pub fn replay(trace: &Trace, policy: Policy, capacity: usize) -> (f64, HashMap<u
     let mut per: HashMap<usize, (u64, u64)> = HashMap::new();
     for t in &trace.tokens {
         for l in &t.layers {
-            let c = caches
-                .entry(l.layer)
-                .or_insert_with(|| LayerCache::new(capacity, policy));
+            let c = caches.entry(l.layer).or_insert_with(|| LayerCache::new(capacity, policy));
             let s = per.entry(l.layer).or_default();
             for &e in &l.experts {
                 s.1 += 1;
@@ -155,10 +130,7 @@ pub fn replay(trace: &Trace, policy: Policy, capacity: usize) -> (f64, HashMap<u
         }
     }
     let (h, n) = per.values().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
-    let per_layer = per
-        .into_iter()
-        .map(|(l, (h, n))| (l, h as f64 / n.max(1) as f64))
-        .collect();
+    let per_layer = per.into_iter().map(|(l, (h, n))| (l, h as f64 / n.max(1) as f64)).collect();
     (h as f64 / n.max(1) as f64, per_layer)
 }
 
@@ -203,11 +175,7 @@ pub fn predictor_recall(trace: &Trace) -> Option<f64> {
                 continue;
             }
             n += w[1].experts.len() as u64;
-            hit += w[1]
-                .experts
-                .iter()
-                .filter(|e| w[0].predicted_next.contains(e))
-                .count() as u64;
+            hit += w[1].experts.iter().filter(|e| w[0].predicted_next.contains(e)).count() as u64;
         }
     }
     (n > 0).then(|| hit as f64 / n as f64)

@@ -17,18 +17,9 @@ pub struct Linear {
 impl Linear {
     pub fn from_tensor(t: LoadedTensor) -> Result<Self> {
         if t.shape.len() != 2 {
-            bail!(
-                "spine tensor '{}' has shape {:?}, expected a matrix",
-                t.name,
-                t.shape
-            );
+            bail!("spine tensor '{}' has shape {:?}, expected a matrix", t.name, t.shape);
         }
-        Ok(Linear {
-            name: t.name,
-            rows: t.shape[0],
-            cols: t.shape[1],
-            data: t.data,
-        })
+        Ok(Linear { name: t.name, rows: t.shape[0], cols: t.shape[1], data: t.data })
     }
 
     pub fn load(store: &Store, name: &str) -> Result<Self> {
@@ -39,11 +30,7 @@ impl Linear {
     pub fn load_shaped(store: &Store, name: &str, rows: usize, cols: usize) -> Result<Self> {
         let l = Self::load(store, name)?;
         if (l.rows, l.cols) != (rows, cols) {
-            bail!(
-                "spine tensor '{name}' is [{}, {}], the config implies [{rows}, {cols}]",
-                l.rows,
-                l.cols
-            );
+            bail!("spine tensor '{name}' is [{}, {}], the config implies [{rows}, {cols}]", l.rows, l.cols);
         }
         Ok(l)
     }
@@ -62,15 +49,7 @@ impl Linear {
             SpineData::Bf16(w) => k::bf16_matvec(&w[span], n, c, x, out),
             SpineData::Int8 { q, scales, group } => {
                 let g = c / group;
-                k::int8_matvec(
-                    &q[span],
-                    &scales[r0 * g..(r0 + n) * g],
-                    *group,
-                    n,
-                    c,
-                    x,
-                    out,
-                )
+                k::int8_matvec(&q[span], &scales[r0 * g..(r0 + n) * g], *group, n, c, x, out)
             }
         }
     }
@@ -106,25 +85,16 @@ pub fn load_vec(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = store.load_spine(name)?;
     let v = t.to_f32();
     if v.len() != len {
-        bail!(
-            "spine tensor '{name}' has {} elements, the config implies {len}",
-            v.len()
-        );
+        bail!("spine tensor '{name}' has {} elements, the config implies {len}", v.len());
     }
     Ok(v)
 }
 
 /// The first `len` elements of a vector tensor (K3 stores `A_log` head_dim long, `num_heads` real).
 pub fn load_vec_prefix(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
-    let v = store
-        .load_spine(name)
-        .with_context(|| format!("loading '{name}'"))?
-        .to_f32();
+    let v = store.load_spine(name).with_context(|| format!("loading '{name}'"))?.to_f32();
     if v.len() < len {
-        bail!(
-            "spine tensor '{name}' has {} elements, the config needs at least {len}",
-            v.len()
-        );
+        bail!("spine tensor '{name}' has {} elements, the config needs at least {len}", v.len());
     }
     Ok(v[..len].to_vec())
 }
@@ -139,28 +109,12 @@ mod tests {
     #[test]
     fn storage_dtypes_agree_on_row_ranges() {
         let (rows, cols) = (12, 64);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.3)
-            .collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.3).collect();
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.21).sin()).collect();
         let (q, s) = quantize_int8(&w, cols, 32);
         let deq = dequantize_int8(&q, &s, 32);
-        let int8 = Linear {
-            name: "q".into(),
-            rows,
-            cols,
-            data: SpineData::Int8 {
-                q,
-                scales: s,
-                group: 32,
-            },
-        };
-        let f32m = Linear {
-            name: "f".into(),
-            rows,
-            cols,
-            data: SpineData::F32(deq),
-        };
+        let int8 = Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q, scales: s, group: 32 } };
+        let f32m = Linear { name: "f".into(), rows, cols, data: SpineData::F32(deq) };
         let bf16m = Linear {
             name: "b".into(),
             rows,
@@ -179,9 +133,7 @@ mod tests {
         bf16m.axpy_row(7, 0.5, &mut c);
         for j in 0..cols {
             assert!((a[j] - b[j]).abs() < 1e-6);
-            assert!(
-                (c[j] - 0.5 * w[7 * cols + j]).abs() < 0.5 * w[7 * cols + j].abs() / 128.0 + 1e-7
-            );
+            assert!((c[j] - 0.5 * w[7 * cols + j]).abs() < 0.5 * w[7 * cols + j].abs() / 128.0 + 1e-7);
         }
     }
 }

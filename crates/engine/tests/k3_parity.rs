@@ -20,32 +20,13 @@ fn check_fixture(name: &str, layout: ExpertLayout) {
         let mut src = StoreExperts::new(&store);
         let g = generate_greedy(&model, &mut src, &p.tokens, 12, None).unwrap();
         let rel = rel_err(&g.prompt_logits, &p.last_logits);
-        println!(
-            "{name} {layout:?} prompt len {:2}: last-logit rel err {rel:.2e}",
-            p.tokens.len()
-        );
-        assert!(
-            rel < 1e-3,
-            "{name}: prompt of {} tokens: rel err {rel}",
-            p.tokens.len()
-        );
-        assert_eq!(
-            g.tokens,
-            p.greedy,
-            "{name}: greedy continuation of a {}-token prompt",
-            p.tokens.len()
-        );
-        assert!(
-            g.timing.expert_bytes_read > 0,
-            "experts must be read through the store"
-        );
+        println!("{name} {layout:?} prompt len {:2}: last-logit rel err {rel:.2e}", p.tokens.len());
+        assert!(rel < 1e-3, "{name}: prompt of {} tokens: rel err {rel}", p.tokens.len());
+        assert_eq!(g.tokens, p.greedy, "{name}: greedy continuation of a {}-token prompt", p.tokens.len());
+        assert!(g.timing.expert_bytes_read > 0, "experts must be read through the store");
     }
     // Every position of the 17-token prompt, not only the last.
-    let p17 = reference
-        .prompts
-        .iter()
-        .find(|p| p.tokens.len() == 17)
-        .expect("a 17-token prompt");
+    let p17 = reference.prompts.iter().find(|p| p.tokens.len() == 17).expect("a 17-token prompt");
     let mut src = StoreExperts::new(&store);
     let rows = all_logits(&model, &mut src, &p17.tokens).unwrap();
     assert_eq!(rows.len(), reference.all_logits_17.len());
@@ -82,30 +63,16 @@ fn small_packed_matches_mlx() {
 fn expert_ranges_follow_the_checkpoint_layout() {
     let tiny = convert_fixture("k3-tiny", SpineDtype::F32, 0, ExpertLayout::InPlace);
     let m = Store::open(tiny.path(), None).unwrap().manifest;
-    assert!(
-        m.experts
-            .layers
-            .iter()
-            .all(|l| l.experts.iter().all(|e| e.ranges.len() == 1))
-    );
+    assert!(m.experts.layers.iter().all(|l| l.experts.iter().all(|e| e.ranges.len() == 1)));
     let small = convert_fixture("k3-small", SpineDtype::F32, 0, ExpertLayout::InPlace);
     let m = Store::open(small.path(), None).unwrap().manifest;
-    assert!(
-        m.experts
-            .layers
-            .iter()
-            .all(|l| l.experts.iter().all(|e| e.ranges.len() == 6))
-    );
+    assert!(m.experts.layers.iter().all(|l| l.experts.iter().all(|e| e.ranges.len() == 6)));
     let packed = convert_fixture("k3-small", SpineDtype::F32, 0, ExpertLayout::Pack);
     let m = Store::open(packed.path(), None).unwrap().manifest;
     for l in &m.experts.layers {
         for e in &l.experts {
             assert_eq!(e.ranges.len(), 1);
-            assert_eq!(
-                e.ranges[0][1] % 4096,
-                0,
-                "packed record offset must be 4096-aligned"
-            );
+            assert_eq!(e.ranges[0][1] % 4096, 0, "packed record offset must be 4096-aligned");
         }
     }
 }

@@ -54,11 +54,7 @@ fn compare(base: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, f64) {
     for (b, x) in base.iter().zip(q) {
         agree += (argmax(b) == argmax(x)) as usize;
         let (lb, lx) = (log_softmax(b), log_softmax(x));
-        kl += lb
-            .iter()
-            .zip(&lx)
-            .map(|(p, q)| p.exp() * (p - q))
-            .sum::<f64>();
+        kl += lb.iter().zip(&lx).map(|(p, q)| p.exp() * (p - q)).sum::<f64>();
     }
     (agree as f64 / base.len() as f64, kl / base.len() as f64)
 }
@@ -96,26 +92,10 @@ fn quantised_spines_against_f32() {
                 agree_p,
                 kl_p
             );
-            assert!(
-                agree >= b[0],
-                "{name} {label}: top-1 agreement {agree} fell below {}",
-                b[0]
-            );
-            assert!(
-                kl <= b[1],
-                "{name} {label}: mean KL {kl} rose above {}",
-                b[1]
-            );
-            assert!(
-                agree_p >= b[2],
-                "{name} {label}: pinned top-1 agreement {agree_p} fell below {}",
-                b[2]
-            );
-            assert!(
-                kl_p <= b[3],
-                "{name} {label}: pinned mean KL {kl_p} rose above {}",
-                b[3]
-            );
+            assert!(agree >= b[0], "{name} {label}: top-1 agreement {agree} fell below {}", b[0]);
+            assert!(kl <= b[1], "{name} {label}: mean KL {kl} rose above {}", b[1]);
+            assert!(agree_p >= b[2], "{name} {label}: pinned top-1 agreement {agree_p} fell below {}", b[2]);
+            assert!(kl_p <= b[3], "{name} {label}: pinned mean KL {kl_p} rose above {}", b[3]);
         }
     }
 }

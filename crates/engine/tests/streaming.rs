@@ -51,26 +51,16 @@ fn streaming_is_bit_identical_across_budgets_backends_and_layouts() {
                 for slots in [1, 3, all] {
                     for (prefetch, policy) in [(0, Policy::Lru), (8, Policy::Slru)] {
                         model.prefetch = prefetch > 0;
-                        let mut src =
-                            StreamingExperts::new(&store, opts(slots, backend, prefetch, policy))
-                                .unwrap();
+                        let mut src = StreamingExperts::new(&store, opts(slots, backend, prefetch, policy)).unwrap();
                         let got = run(&model, &mut src, name);
-                        let what = format!(
-                            "{name} {layout:?} {backend:?} slots {slots} prefetch {prefetch} {policy:?}"
-                        );
+                        let what =
+                            format!("{name} {layout:?} {backend:?} slots {slots} prefetch {prefetch} {policy:?}");
                         assert_eq!(got.len(), reference.len());
                         for (a, b) in got.iter().zip(&reference) {
-                            assert!(
-                                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                                "{what}: logits differ"
-                            );
+                            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: logits differ");
                         }
                         let t = src.total_stats();
-                        assert_eq!(
-                            t.accesses,
-                            t.hits + t.demand_reads,
-                            "{what}: every access is a hit or a read"
-                        );
+                        assert_eq!(t.accesses, t.hits + t.demand_reads, "{what}: every access is a hit or a read");
                         if slots == all && prefetch == 0 {
                             // Everything fits: each expert is read at most once.
                             let layers = store.manifest.experts.layers.len() as u64;
@@ -103,13 +93,8 @@ fn corrupt_record_is_caught_by_the_streaming_reader() {
         let mut src = StreamingExperts::new(&store, opts(2, backend, 0, Policy::Lru)).unwrap();
         let mut st = model.new_state();
         let mut logits = vec![0f32; model.config.vocab_size];
-        let err = model
-            .forward(&mut st, &mut src, 5, &mut logits)
-            .unwrap_err();
+        let err = model.forward(&mut st, &mut src, 5, &mut logits).unwrap_err();
         let msg = format!("{err:#}");
-        assert!(
-            msg.contains("layer 2 expert") && msg.contains("checksum"),
-            "{backend:?}: {msg}"
-        );
+        assert!(msg.contains("layer 2 expert") && msg.contains("checksum"), "{backend:?}: {msg}");
     }
 }

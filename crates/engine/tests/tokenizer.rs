@@ -26,14 +26,9 @@ struct Check {
 fn matches_python_tiktoken() {
     for name in FIXTURES {
         let dir = fixture_dir(name);
-        let check: Check = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("tokenizer_check.json")).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(
-            check.pat_str, K3_PATTERN,
-            "the fixture was made with K3's regex"
-        );
+        let check: Check =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_check.json")).unwrap()).unwrap();
+        assert_eq!(check.pat_str, K3_PATTERN, "the fixture was made with K3's regex");
         let tok = Tokenizer::load(&dir.join("hf")).unwrap();
         assert!(check.cases.len() >= 6);
         for c in &check.cases {
@@ -42,18 +37,9 @@ fn matches_python_tiktoken() {
                 _ => tok.encode_ordinary(&c.text),
             };
             assert_eq!(got, c.ids, "{name}: {:?}", c.text);
-            assert_eq!(
-                tok.decode(&got),
-                c.text,
-                "{name}: round trip of {:?}",
-                c.text
-            );
+            assert_eq!(tok.decode(&got), c.text, "{name}: round trip of {:?}", c.text);
         }
-        assert_eq!(
-            tok.eos_id,
-            Some(tok.specials["<|end_of_msg|>"]),
-            "generation stops on <|end_of_msg|>"
-        );
+        assert_eq!(tok.eos_id, Some(tok.specials["<|end_of_msg|>"]), "generation stops on <|end_of_msg|>");
     }
 }
 

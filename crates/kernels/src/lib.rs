@@ -4,8 +4,11 @@
 //! that replace it on hot loops. Kernels take plain slices and write into caller-owned buffers: no
 //! allocation happens inside them, so the per-token loop can reuse its buffers.
 
+pub mod cpu;
 pub mod matvec;
 pub mod mxfp4;
+#[cfg(target_arch = "x86_64")]
+mod mxfp4_avx2;
 pub mod ops;
 
 pub use matvec::{bf16_matvec, f32_matvec, int8_matvec};

@@ -7,7 +7,7 @@ use half::bf16;
 
 const LANES: usize = 8;
 
-#[inline]
+#[inline(always)]
 fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = w.len() / LANES;
@@ -24,7 +24,8 @@ fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 }
 
 /// Shapes: w `[rows, cols]`, x `[cols]`, out `[rows]`.
-pub fn f32_matvec(w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+#[inline(always)]
+fn f32_body(w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     assert_eq!(w.len(), rows * cols);
     assert_eq!(x.len(), cols);
     assert_eq!(out.len(), rows);
@@ -34,7 +35,8 @@ pub fn f32_matvec(w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32
 }
 
 /// bf16 weights (raw u16 bits), widened exactly to f32. Shapes as [`f32_matvec`].
-pub fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+#[inline(always)]
+fn bf16_body(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     assert_eq!(w.len(), rows * cols);
     assert_eq!(x.len(), cols);
     assert_eq!(out.len(), rows);
@@ -57,19 +59,9 @@ pub fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f3
 
 /// int8 weights with one f32 scale per `group` consecutive elements of a row (`group == cols` is
 /// per-row scaling). Shapes: q `[rows, cols]`, scales `[rows, cols/group]`, x `[cols]`, out `[rows]`.
-pub fn int8_matvec(
-    q: &[i8],
-    scales: &[f32],
-    group: usize,
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    assert!(
-        group > 0 && cols.is_multiple_of(group),
-        "int8 group must divide the row"
-    );
+#[inline(always)]
+fn int8_body(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(group > 0 && cols.is_multiple_of(group), "int8 group must divide the row");
     assert_eq!(q.len(), rows * cols);
     assert_eq!(scales.len(), rows * (cols / group));
     assert_eq!(x.len(), cols);
@@ -99,22 +91,77 @@ pub fn int8_matvec(
     }
 }
 
+// The bodies above are written with independent lane accumulators so the compiler vectorises
+// them; each public entry point compiles the same body a second time with AVX2 enabled and
+// picks it at run time. The plain instantiation is the scalar oracle.
+macro_rules! dispatch {
+    ($name:ident, $scalar:ident, $avx2:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
+        /// Run-time dispatched entry point (AVX2 when the CPU has it).
+        pub fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if crate::cpu::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA.
+                unsafe { $avx2($($arg),*) };
+                return;
+            }
+            $body($($arg),*)
+        }
+
+        /// The portable path: the oracle the vectorised instantiation is tested against.
+        pub fn $scalar($($arg: $ty),*) {
+            $body($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx2($($arg: $ty),*) {
+            $body($($arg),*)
+        }
+    };
+}
+
+dispatch!(f32_matvec, f32_matvec_scalar, f32_avx2, f32_body, (w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
+dispatch!(bf16_matvec, bf16_matvec_scalar, bf16_avx2, bf16_body, (w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
+dispatch!(int8_matvec, int8_matvec_scalar, int8_avx2, int8_body, (q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn naive(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
-        (0..rows)
-            .map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum())
-            .collect()
+        (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum()).collect()
+    }
+
+    /// The dispatched (vectorised) instantiations against the scalar ones, on odd shapes.
+    #[test]
+    fn dispatched_paths_match_scalar() {
+        if !crate::cpu::has_avx2_fma() {
+            println!("SKIPPED: this CPU has no AVX2+FMA path to test");
+            return;
+        }
+        for &(rows, cols) in &[(1, 1), (3, 7), (9, 64), (5, 1000)] {
+            let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 997) as f32 - 498.0) / 331.0).collect();
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.77).sin()).collect();
+            let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+            f32_matvec(&w, rows, cols, &x, &mut a);
+            f32_matvec_scalar(&w, rows, cols, &x, &mut b);
+            assert_eq!(a, b, "same lane order, same result");
+            let wb: Vec<u16> = w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            bf16_matvec(&wb, rows, cols, &x, &mut a);
+            bf16_matvec_scalar(&wb, rows, cols, &x, &mut b);
+            assert_eq!(a, b);
+            let q: Vec<i8> = w.iter().map(|&v| (v * 80.0).clamp(-127.0, 127.0) as i8).collect();
+            let s = vec![0.0125f32; rows];
+            int8_matvec(&q, &s, cols, rows, cols, &x, &mut a);
+            int8_matvec_scalar(&q, &s, cols, rows, cols, &x, &mut b);
+            assert_eq!(a, b);
+        }
     }
 
     #[test]
     fn formats_agree_with_naive() {
         let (rows, cols) = (5, 67); // a tail that is not a multiple of the lane count
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0)
-            .collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0).collect();
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.1).cos()).collect();
         let want = naive(&w, rows, cols, &x);
         let mut out = vec![0f32; rows];

@@ -5,9 +5,8 @@
 //! `scales: [rows, cols/32]` E8M0 bytes, one per block of 32 elements along a row.
 
 /// E2M1 value of each nibble: sign bit 3, two exponent bits, one mantissa bit.
-pub const E2M1_LUT: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1_LUT: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Elements per shared scale.
 pub const BLOCK: usize = 32;
@@ -20,52 +19,58 @@ pub fn e8m0_to_f32(e: u8) -> f32 {
         return f32::NAN;
     }
     // 2^(e-127) for e in 0..=254. e = 0 is 2^-127, a subnormal f32: build it from bits.
-    if e == 0 {
-        f32::from_bits(0x0040_0000)
-    } else {
-        f32::from_bits((e as u32) << 23)
-    }
+    if e == 0 { f32::from_bits(0x0040_0000) } else { f32::from_bits((e as u32) << 23) }
 }
 
 /// `out[r] = sum_c W[r, c] * x[c]` for an MXFP4 matrix. `cols` must be a multiple of 32.
 ///
 /// Shapes: packed `[rows, cols/2]`, scales `[rows, cols/32]`, x `[cols]`, out `[rows]`.
-pub fn mxfp4_matvec(
-    packed: &[u8],
-    scales: &[u8],
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    assert!(
-        cols.is_multiple_of(BLOCK),
-        "MXFP4 rows must be whole blocks of 32"
-    );
+/// Dispatches at run time to the fastest path the CPU has; the scalar path is the oracle.
+pub fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    check_shapes(packed, scales, rows, cols, x, out);
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA, and the shapes were checked above.
+        unsafe { crate::mxfp4_avx2::mxfp4_matvec_avx2(packed, scales, rows, cols, x, out) };
+        return;
+    }
+    mxfp4_matvec_scalar(packed, scales, rows, cols, x, out)
+}
+
+fn check_shapes(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &[f32]) {
+    assert!(cols.is_multiple_of(BLOCK), "MXFP4 rows must be whole blocks of 32");
     assert_eq!(packed.len(), rows * cols / 2);
     assert_eq!(scales.len(), rows * cols / BLOCK);
     assert_eq!(x.len(), cols);
     assert_eq!(out.len(), rows);
+}
+
+/// The portable scalar path, and the oracle for the SIMD paths. Shapes as [`mxfp4_matvec`].
+pub fn mxfp4_matvec_scalar(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    check_shapes(packed, scales, rows, cols, x, out);
     let half = cols / 2;
     let nblocks = cols / BLOCK;
     for (r, o) in out.iter_mut().enumerate() {
-        let prow = &packed[r * half..(r + 1) * half];
-        let srow = &scales[r * nblocks..(r + 1) * nblocks];
-        let mut acc = 0.0f32;
-        for (b, &s) in srow.iter().enumerate() {
-            let pb = &prow[b * BLOCK / 2..(b + 1) * BLOCK / 2];
-            let xb = &x[b * BLOCK..(b + 1) * BLOCK];
-            // Two partial sums keep the dependency chain short; the block sum is then scaled once.
-            let mut s0 = 0.0f32;
-            let mut s1 = 0.0f32;
-            for (j, &byte) in pb.iter().enumerate() {
-                s0 += E2M1_LUT[(byte & 0x0F) as usize] * xb[2 * j];
-                s1 += E2M1_LUT[(byte >> 4) as usize] * xb[2 * j + 1];
-            }
-            acc += (s0 + s1) * e8m0_to_f32(s);
-        }
-        *o = acc;
+        *o = row_dot_scalar(&packed[r * half..(r + 1) * half], &scales[r * nblocks..(r + 1) * nblocks], x);
     }
+}
+
+/// One row's dot product, scalar. Shapes: prow `[cols/2]`, srow `[cols/32]`, x `[cols]`.
+pub(crate) fn row_dot_scalar(prow: &[u8], srow: &[u8], x: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, &s) in srow.iter().enumerate() {
+        let pb = &prow[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+        let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+        // Two partial sums keep the dependency chain short; the block sum is then scaled once.
+        let mut s0 = 0.0f32;
+        let mut s1 = 0.0f32;
+        for (j, &byte) in pb.iter().enumerate() {
+            s0 += E2M1_LUT[(byte & 0x0F) as usize] * xb[2 * j];
+            s1 += E2M1_LUT[(byte >> 4) as usize] * xb[2 * j + 1];
+        }
+        acc += (s0 + s1) * e8m0_to_f32(s);
+    }
+    acc
 }
 
 /// Decode one MXFP4 row to f32. Shapes: packed `[cols/2]`, scales `[cols/32]`, out `[cols]`.
@@ -82,6 +87,49 @@ pub fn mxfp4_decode_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every path the CPU has against the scalar oracle: random shapes, all nibbles, scale edges.
+    #[test]
+    fn simd_matches_scalar_oracle() {
+        #[cfg(target_arch = "x86_64")]
+        if !crate::cpu::has_avx2_fma() {
+            println!("SKIPPED: this CPU has no AVX2+FMA path to test");
+            return;
+        }
+        let mut seed = 0x1234_5678_u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for &(rows, cols) in &[(1, 32), (3, 64), (17, 96), (64, 3584), (5, 3072)] {
+            let packed: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+            for scale_range in [(120u8, 8u8), (0, 3), (250, 5)] {
+                let scales: Vec<u8> =
+                    (0..rows * cols / 32).map(|_| scale_range.0 + (next() % scale_range.1 as u64) as u8).collect();
+                let x: Vec<f32> = (0..cols).map(|_| ((next() % 2001) as f32 - 1000.0) / 1000.0).collect();
+                let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+                mxfp4_matvec(&packed, &scales, rows, cols, &x, &mut a);
+                mxfp4_matvec_scalar(&packed, &scales, rows, cols, &x, &mut b);
+                for (r, (u, v)) in a.iter().zip(&b).enumerate() {
+                    // Reordered f32 sums differ by at most a few ulps of the sum of |w x|.
+                    let mut row = vec![0f32; cols];
+                    mxfp4_decode_row(
+                        &packed[r * cols / 2..(r + 1) * cols / 2],
+                        &scales[r * cols / 32..(r + 1) * cols / 32],
+                        &mut row,
+                    );
+                    let mag: f64 = row.iter().zip(&x).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum();
+                    let same = u == v || (u.is_nan() && v.is_nan());
+                    assert!(
+                        same || ((u - v).abs() as f64) <= 1e-5 * mag,
+                        "{rows}x{cols} row {r}: {u} vs {v} (sum |wx| {mag})"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn every_nibble_decodes_to_e2m1() {
@@ -124,11 +172,7 @@ mod tests {
         mxfp4_matvec(&packed, &scales, rows, cols, &x, &mut out);
         for r in 0..rows {
             let mut row = vec![0f32; cols];
-            mxfp4_decode_row(
-                &packed[r * 32..(r + 1) * 32],
-                &scales[r * 2..(r + 1) * 2],
-                &mut row,
-            );
+            mxfp4_decode_row(&packed[r * 32..(r + 1) * 32], &scales[r * 2..(r + 1) * 2], &mut row);
             let want: f64 = row.iter().zip(&x).map(|(&w, &v)| w as f64 * v as f64).sum();
             assert!((out[r] as f64 - want).abs() < 1e-4 * want.abs().max(1.0));
         }

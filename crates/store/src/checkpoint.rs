@@ -35,18 +35,14 @@ impl Checkpoint {
         let mut map_by_file: BTreeMap<String, String> = BTreeMap::new();
         if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(io_err(&index_path))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| StoreError::Config {
-                    file: index_path.display().to_string(),
-                    msg: format!("not valid JSON: {e}"),
-                })?;
-            let wm = v
-                .get("weight_map")
-                .and_then(|w| w.as_object())
-                .ok_or_else(|| StoreError::Config {
-                    file: index_path.display().to_string(),
-                    msg: "missing object 'weight_map'".into(),
-                })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| StoreError::Config {
+                file: index_path.display().to_string(),
+                msg: format!("not valid JSON: {e}"),
+            })?;
+            let wm = v.get("weight_map").and_then(|w| w.as_object()).ok_or_else(|| StoreError::Config {
+                file: index_path.display().to_string(),
+                msg: "missing object 'weight_map'".into(),
+            })?;
             for (name, file) in wm {
                 let file = file.as_str().ok_or_else(|| StoreError::Config {
                     file: index_path.display().to_string(),
@@ -55,9 +51,7 @@ impl Checkpoint {
                 if file.contains('/') || file.contains("..") {
                     return Err(StoreError::Config {
                         file: index_path.display().to_string(),
-                        msg: format!(
-                            "weight_map['{name}'] names '{file}', outside the checkpoint directory"
-                        ),
+                        msg: format!("weight_map['{name}'] names '{file}', outside the checkpoint directory"),
                     });
                 }
                 map_by_file.insert(name.clone(), file.to_string());
@@ -90,19 +84,13 @@ impl Checkpoint {
                     return Err(StoreError::Tensor {
                         path: shards[si].path.clone(),
                         tensor: name.clone(),
-                        msg: "listed in model.safetensors.index.json but absent from this shard"
-                            .into(),
+                        msg: "listed in model.safetensors.index.json but absent from this shard".into(),
                     });
                 }
                 weight_map.insert(name.clone(), si);
             }
         }
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            config,
-            shards,
-            weight_map,
-        })
+        Ok(Checkpoint { dir: dir.to_path_buf(), config, shards, weight_map })
     }
 
     /// Look a tensor up by its full name.
@@ -110,34 +98,21 @@ impl Checkpoint {
         let si = *self
             .weight_map
             .get(name)
-            .ok_or_else(|| StoreError::MissingTensor {
-                dir: self.dir.clone(),
-                tensor: name.into(),
-            })?;
+            .ok_or_else(|| StoreError::MissingTensor { dir: self.dir.clone(), tensor: name.into() })?;
         let shard = &self.shards[si];
-        let t = shard.get(name).ok_or_else(|| StoreError::MissingTensor {
-            dir: self.dir.clone(),
-            tensor: name.into(),
-        })?;
+        let t =
+            shard.get(name).ok_or_else(|| StoreError::MissingTensor { dir: self.dir.clone(), tensor: name.into() })?;
         Ok((shard, t))
     }
 
     /// Look up a tensor and check its shape and dtype class.
-    pub fn expect(
-        &self,
-        name: &str,
-        shape: &[usize],
-        dtypes: &[Dtype],
-    ) -> Result<(&Shard, &TensorEntry), StoreError> {
+    pub fn expect(&self, name: &str, shape: &[usize], dtypes: &[Dtype]) -> Result<(&Shard, &TensorEntry), StoreError> {
         let (s, t) = self.find(name)?;
         if t.shape != shape {
             return Err(StoreError::Tensor {
                 path: s.path.clone(),
                 tensor: name.into(),
-                msg: format!(
-                    "shape {:?} does not match the config, which implies {:?}",
-                    t.shape, shape
-                ),
+                msg: format!("shape {:?} does not match the config, which implies {:?}", t.shape, shape),
             });
         }
         if !dtypes.contains(&t.dtype) {
@@ -155,21 +130,9 @@ impl Checkpoint {
 pub fn bytes_to_f32(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
     out.clear();
     match dtype {
-        Dtype::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        ),
-        Dtype::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
-        Dtype::F16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
+        Dtype::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        Dtype::F16 => out.extend(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())),
         other => return Err(format!("dtype {other:?} is not a float type")),
     }
     Ok(())

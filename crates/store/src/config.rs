@@ -119,29 +119,19 @@ impl K3Config {
     /// Parse a Hugging Face `config.json` (with or without a `text_config` wrapper) and validate it.
     /// `source` names the file in errors.
     pub fn from_hf_json(text: &str, source: &str) -> Result<Self, StoreError> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| StoreError::Config {
-            file: source.into(),
-            msg: format!("not valid JSON: {e}"),
-        })?;
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| StoreError::Config { file: source.into(), msg: format!("not valid JSON: {e}") })?;
         let text_cfg = v.get("text_config").cloned().unwrap_or(v);
-        let cfg: K3Config = serde_json::from_value(text_cfg).map_err(|e| StoreError::Config {
-            file: source.into(),
-            msg: format!("text_config: {e}"),
-        })?;
+        let cfg: K3Config = serde_json::from_value(text_cfg)
+            .map_err(|e| StoreError::Config { file: source.into(), msg: format!("text_config: {e}") })?;
         cfg.validate(source)?;
         Ok(cfg)
     }
 
     pub fn validate(&self, source: &str) -> Result<(), StoreError> {
-        let bad = |msg: String| StoreError::Config {
-            file: source.into(),
-            msg,
-        };
+        let bad = |msg: String| StoreError::Config { file: source.into(), msg };
         if self.hidden_act != "situ" {
-            return Err(bad(format!(
-                "hidden_act '{}' is not supported (K3 uses situ)",
-                self.hidden_act
-            )));
+            return Err(bad(format!("hidden_act '{}' is not supported (K3 uses situ)", self.hidden_act)));
         }
         if self.moe_router_activation_func != "sigmoid" {
             return Err(bad(format!(
@@ -150,34 +140,23 @@ impl K3Config {
             )));
         }
         if !self.mla_use_nope {
-            return Err(bad(
-                "only NoPE MLA (mla_use_nope = true) is supported".into()
-            ));
+            return Err(bad("only NoPE MLA (mla_use_nope = true) is supported".into()));
         }
         if self.num_expert_group != 1 || self.topk_group != 1 {
-            return Err(bad(
-                "grouped routing (num_expert_group > 1) is not supported for K3".into(),
-            ));
+            return Err(bad("grouped routing (num_expert_group > 1) is not supported for K3".into()));
         }
         let n = self.num_hidden_layers;
         if n == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
-            return Err(bad(
-                "num_hidden_layers, hidden_size and vocab_size must be positive".into(),
-            ));
+            return Err(bad("num_hidden_layers, hidden_size and vocab_size must be positive".into()));
         }
         let lac = &self.linear_attn_config;
         for &l in &lac.kda_layers {
             if l == 0 || l > n {
-                return Err(bad(format!(
-                    "linear_attn_config.kda_layers has {l}, outside 1..={n}"
-                )));
+                return Err(bad(format!("linear_attn_config.kda_layers has {l}, outside 1..={n}")));
             }
         }
         if lac.num_heads == 0 || lac.head_dim == 0 || lac.short_conv_kernel_size == 0 {
-            return Err(bad(
-                "linear_attn_config num_heads, head_dim, short_conv_kernel_size must be positive"
-                    .into(),
-            ));
+            return Err(bad("linear_attn_config num_heads, head_dim, short_conv_kernel_size must be positive".into()));
         }
         if self.num_experts_per_token == 0 || self.num_experts_per_token > self.num_experts {
             return Err(bad(format!(
@@ -202,23 +181,15 @@ impl K3Config {
     }
 
     pub fn attn_kind(&self, layer: usize) -> AttnKind {
-        if self.linear_attn_config.kda_layers.contains(&(layer + 1)) {
-            AttnKind::Kda
-        } else {
-            AttnKind::Mla
-        }
+        if self.linear_attn_config.kda_layers.contains(&(layer + 1)) { AttnKind::Kda } else { AttnKind::Mla }
     }
 
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.num_experts > 0
-            && layer >= self.first_k_dense_replace
-            && layer.is_multiple_of(self.moe_layer_freq)
+        self.num_experts > 0 && layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     pub fn moe_layers(&self) -> Vec<usize> {
-        (0..self.num_hidden_layers)
-            .filter(|&l| self.is_moe_layer(l))
-            .collect()
+        (0..self.num_hidden_layers).filter(|&l| self.is_moe_layer(l)).collect()
     }
 
     /// Width the routed experts work in: the latent size for latent MoE, else hidden.
@@ -237,8 +208,7 @@ mod tests {
 
     #[test]
     fn missing_field_names_file_and_field() {
-        let err = K3Config::from_hf_json(r#"{"text_config": {"hidden_size": 8}}"#, "x/config.json")
-            .unwrap_err();
+        let err = K3Config::from_hf_json(r#"{"text_config": {"hidden_size": 8}}"#, "x/config.json").unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("x/config.json"), "{msg}");
         assert!(msg.contains("missing field"), "{msg}");

@@ -27,11 +27,7 @@ const TENSOR_ALIGN: u64 = 64;
 /// Alignment of each spine layer and each packed expert record, for O_DIRECT reads.
 pub const IO_ALIGN: u64 = 4096;
 /// Tokenizer files copied into the store when the checkpoint has them.
-pub const TOKENIZER_FILES: [&str; 3] = [
-    "tiktoken.model",
-    "tokenizer_config.json",
-    "generation_config.json",
-];
+pub const TOKENIZER_FILES: [&str; 3] = ["tiktoken.model", "tokenizer_config.json", "generation_config.json"];
 
 #[derive(Debug, Clone)]
 pub struct ConvertOptions {
@@ -44,12 +40,7 @@ pub struct ConvertOptions {
 
 impl Default for ConvertOptions {
     fn default() -> Self {
-        ConvertOptions {
-            spine: SpineDtype::Int8,
-            int8_group: 0,
-            experts: ExpertLayout::InPlace,
-            progress: false,
-        }
+        ConvertOptions { spine: SpineDtype::Int8, int8_group: 0, experts: ExpertLayout::InPlace, progress: false }
     }
 }
 
@@ -67,11 +58,7 @@ pub fn align_up(v: u64, a: u64) -> u64 {
 /// Detect the text model's tensor prefix: K3 releases use `language_model.model.`; a plain
 /// `kimi_linear` checkpoint uses `model.`.
 fn detect_prefix(ck: &Checkpoint) -> &'static str {
-    if ck.weight_map.keys().any(|k| k.starts_with(K3_TEXT_PREFIX)) {
-        K3_TEXT_PREFIX
-    } else {
-        "model."
-    }
+    if ck.weight_map.keys().any(|k| k.starts_with(K3_TEXT_PREFIX)) { K3_TEXT_PREFIX } else { "model." }
 }
 
 struct SpineWriter {
@@ -114,10 +101,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
             return Err(StoreError::Tensor {
                 path: shard.path.clone(),
                 tensor: full,
-                msg: format!(
-                    "shape {:?} does not match the config, which implies {:?}",
-                    t.shape, s.shape
-                ),
+                msg: format!("shape {:?} does not match the config, which implies {:?}", t.shape, s.shape),
             });
         }
         if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
@@ -131,10 +115,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     }
     let record_bytes: u64 = parts.iter().map(|(_, s)| (s[0] * s[1]) as u64).sum();
     let expert_total = moe_layers.len() as u64 * cfg.num_experts as u64 * record_bytes;
-    let spine_src: u64 = resolved
-        .iter()
-        .map(|(_, n)| ck.find(n).map(|(_, t)| t.len).unwrap_or(0))
-        .sum();
+    let spine_src: u64 = resolved.iter().map(|(_, n)| ck.find(n).map(|(_, t)| t.len).unwrap_or(0)).sum();
 
     let bar = if opts.progress {
         let b = indicatif::ProgressBar::new(spine_src + expert_total);
@@ -153,11 +134,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     bar.set_message("spine");
     let spine_path = to.join("spine.bin");
     let f = File::create(&spine_path).map_err(io_err(&spine_path))?;
-    let mut sw = SpineWriter {
-        w: BufWriter::with_capacity(4 << 20, f),
-        pos: 0,
-        path: spine_path.clone(),
-    };
+    let mut sw = SpineWriter { w: BufWriter::with_capacity(4 << 20, f), pos: 0, path: spine_path.clone() };
     let mut tensors = Vec::with_capacity(resolved.len());
     let mut last_layer: Option<Option<usize>> = None;
     let mut fbuf: Vec<f32> = Vec::new();
@@ -168,24 +145,12 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
         }
         sw.pad_to(TENSOR_ALIGN)?;
         let (shard, t) = ck.find(full)?;
-        let tensor_err = |msg: String| StoreError::Tensor {
-            path: shard.path.clone(),
-            tensor: full.clone(),
-            msg,
-        };
+        let tensor_err = |msg: String| StoreError::Tensor { path: shard.path.clone(), tensor: full.clone(), msg };
         let mut h = Xxh3::new();
         let offset = sw.pos;
         let is_matrix = spec.role == Role::Matrix;
-        let dtype = if is_matrix {
-            opts.spine
-        } else {
-            SpineDtype::F32
-        };
-        let (rows, cols) = if is_matrix {
-            (t.shape[0], t.shape[1])
-        } else {
-            (1, t.numel())
-        };
+        let dtype = if is_matrix { opts.spine } else { SpineDtype::F32 };
+        let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
         let esize = t.len as usize / t.numel().max(1);
         let rows_per_chunk = (CHUNK_BYTES / (cols * esize).max(1)).max(1);
         let group = effective_group(cols, opts.int8_group);
@@ -200,10 +165,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
                 _ => {
                     bytes_to_f32(t.dtype, &raw, &mut fbuf).map_err(tensor_err)?;
                     if let Some(i) = fbuf.iter().position(|v| !v.is_finite()) {
-                        return Err(tensor_err(format!(
-                            "element {} is not finite",
-                            r0 * cols + i
-                        )));
+                        return Err(tensor_err(format!("element {} is not finite", r0 * cols + i)));
                     }
                     match dtype {
                         SpineDtype::F32 => {
@@ -211,10 +173,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
                             sw.write(&b, Some(&mut h))?;
                         }
                         SpineDtype::Bf16 => {
-                            let b: Vec<u8> = fbuf
-                                .iter()
-                                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                                .collect();
+                            let b: Vec<u8> = fbuf.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
                             sw.write(&b, Some(&mut h))?;
                         }
                         SpineDtype::Int8 => {
@@ -242,11 +201,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
             name: spec.name.clone(),
             layer: spec.layer,
             dtype,
-            shape: if is_matrix {
-                vec![rows, cols]
-            } else {
-                t.shape.clone()
-            },
+            shape: if is_matrix { vec![rows, cols] } else { t.shape.clone() },
             offset,
             len,
             scales_offset,
@@ -257,10 +212,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     }
     sw.pad_to(IO_ALIGN)?;
     let spine_bytes = sw.pos;
-    let f = sw.w.into_inner().map_err(|e| StoreError::Io {
-        path: spine_path.clone(),
-        source: e.into_error(),
-    })?;
+    let f = sw.w.into_inner().map_err(|e| StoreError::Io { path: spine_path.clone(), source: e.into_error() })?;
     f.sync_all().map_err(io_err(&spine_path))?;
 
     // --- experts ---
@@ -269,23 +221,13 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let mut off = 0u64;
     for (name, shape) in &parts {
         let len = (shape[0] * shape[1]) as u64;
-        part_meta.push(ExpertPart {
-            name: name.to_string(),
-            shape: *shape,
-            offset: off,
-            len,
-        });
+        part_meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
         off += len;
     }
     let shard_files: Vec<String> = ck
         .shards
         .iter()
-        .map(|s| {
-            s.path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        })
+        .map(|s| s.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
         .collect();
     let mut files: Vec<String> = match opts.experts {
         ExpertLayout::InPlace => shard_files.clone(),
@@ -304,8 +246,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
             let rel = format!("experts/layer-{l:03}.bin");
             let p = to.join(&rel);
             let f = File::create(&p).map_err(io_err(&p))?;
-            f.set_len(stride * cfg.num_experts as u64)
-                .map_err(io_err(&p))?;
+            f.set_len(stride * cfg.num_experts as u64).map_err(io_err(&p))?;
             files.push(rel);
             pack_file = Some((files.len() - 1, f, p));
         }
@@ -319,16 +260,11 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
                 let si = *ck
                     .weight_map
                     .get(&full)
-                    .ok_or_else(|| StoreError::MissingTensor {
-                        dir: ck.dir.clone(),
-                        tensor: full.clone(),
-                    })?;
+                    .ok_or_else(|| StoreError::MissingTensor { dir: ck.dir.clone(), tensor: full.clone() })?;
                 let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
                 shard.read_at(t.offset, &mut record[pos..pos + t.len as usize])?;
                 if name.ends_with("weight_scale")
-                    && let Some(i) = record[pos..pos + t.len as usize]
-                        .iter()
-                        .position(|&b| b == 0xFF)
+                    && let Some(i) = record[pos..pos + t.len as usize].iter().position(|&b| b == 0xFF)
                 {
                     return Err(StoreError::Tensor {
                         path: shard.path.clone(),
@@ -384,11 +320,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
                 .shards
                 .iter()
                 .zip(&shard_files)
-                .map(|(s, f)| SourceShard {
-                    file: f.clone(),
-                    size: s.file_len,
-                    header_xxh3: s.header_hash,
-                })
+                .map(|(s, f)| SourceShard { file: f.clone(), size: s.file_len, header_xxh3: s.header_hash })
                 .collect(),
         },
         spine: SpineInfo {
@@ -406,11 +338,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
             files,
             layers,
         },
-        tokenizer: if tok_files.is_empty() {
-            None
-        } else {
-            Some(TokenizerInfo { files: tok_files })
-        },
+        tokenizer: if tok_files.is_empty() { None } else { Some(TokenizerInfo { files: tok_files }) },
     };
     manifest.save(to)?;
     Ok(ConvertReport {

@@ -11,11 +11,7 @@ pub enum StoreError {
     Safetensors { path: PathBuf, msg: String },
 
     #[error("{}: tensor '{tensor}': {msg}", path.display())]
-    Tensor {
-        path: PathBuf,
-        tensor: String,
-        msg: String,
-    },
+    Tensor { path: PathBuf, tensor: String, msg: String },
 
     #[error("tensor '{tensor}' is missing from the checkpoint ({})", dir.display())]
     MissingTensor { dir: PathBuf, tensor: String },
@@ -30,12 +26,7 @@ pub enum StoreError {
     #[error(
         "expert record layer {layer} expert {expert}: checksum mismatch (stored {expected:016x}, read {actual:016x}); the bytes on disk are corrupt or the source shard changed"
     )]
-    Checksum {
-        layer: usize,
-        expert: usize,
-        expected: u64,
-        actual: u64,
-    },
+    Checksum { layer: usize, expert: usize, expected: u64, actual: u64 },
 
     #[error("store {}: {msg}", path.display())]
     Store { path: PathBuf, msg: String },

@@ -57,9 +57,7 @@ impl std::str::FromStr for SpineDtype {
             "int8" => Ok(SpineDtype::Int8),
             "bf16" => Ok(SpineDtype::Bf16),
             "f32" => Ok(SpineDtype::F32),
-            _ => Err(format!(
-                "unknown spine dtype '{s}' (expected int8, bf16 or f32)"
-            )),
+            _ => Err(format!("unknown spine dtype '{s}' (expected int8, bf16 or f32)")),
         }
     }
 }
@@ -108,9 +106,7 @@ impl std::str::FromStr for ExpertLayout {
         match s {
             "in-place" => Ok(ExpertLayout::InPlace),
             "pack" => Ok(ExpertLayout::Pack),
-            _ => Err(format!(
-                "unknown expert layout '{s}' (expected in-place or pack)"
-            )),
+            _ => Err(format!("unknown expert layout '{s}' (expected in-place or pack)")),
         }
     }
 }
@@ -162,23 +158,15 @@ impl Manifest {
     pub fn load(store: &Path) -> Result<Self, StoreError> {
         let path = store.join(MANIFEST_FILE);
         let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| StoreError::Store {
-            path: path.clone(),
-            msg: format!("manifest is not valid: {e}"),
-        })?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| StoreError::Store { path: path.clone(), msg: format!("manifest is not valid: {e}") })?;
         if m.format != FORMAT_NAME {
-            return Err(StoreError::Store {
-                path,
-                msg: format!("format '{}' is not a Deltafin store", m.format),
-            });
+            return Err(StoreError::Store { path, msg: format!("format '{}' is not a Deltafin store", m.format) });
         }
         if m.version != FORMAT_VERSION {
             return Err(StoreError::Store {
                 path,
-                msg: format!(
-                    "store format version {} is not supported (this build reads {FORMAT_VERSION})",
-                    m.version
-                ),
+                msg: format!("store format version {} is not supported (this build reads {FORMAT_VERSION})", m.version),
             });
         }
         m.config.validate(&path.display().to_string())?;
@@ -190,10 +178,8 @@ impl Manifest {
     pub fn save(&self, store: &Path) -> Result<(), StoreError> {
         let path = store.join(MANIFEST_FILE);
         let tmp = store.join(".manifest.json.tmp");
-        let text = serde_json::to_vec_pretty(self).map_err(|e| StoreError::Store {
-            path: path.clone(),
-            msg: e.to_string(),
-        })?;
+        let text = serde_json::to_vec_pretty(self)
+            .map_err(|e| StoreError::Store { path: path.clone(), msg: e.to_string() })?;
         {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;

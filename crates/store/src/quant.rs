@@ -17,30 +17,20 @@ pub fn quantize_int8(w: &[f32], cols: usize, group: usize) -> (Vec<i8>, Vec<f32>
             q.extend(std::iter::repeat_n(0i8, group));
         } else {
             let inv = 1.0 / scale;
-            q.extend(
-                g.iter()
-                    .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8),
-            );
+            q.extend(g.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8));
         }
     }
     (q, scales)
 }
 
 pub fn dequantize_int8(q: &[i8], scales: &[f32], group: usize) -> Vec<f32> {
-    q.chunks_exact(group)
-        .zip(scales)
-        .flat_map(|(g, &s)| g.iter().map(move |&v| v as f32 * s))
-        .collect()
+    q.chunks_exact(group).zip(scales).flat_map(|(g, &s)| g.iter().map(move |&v| v as f32 * s)).collect()
 }
 
 /// The group size actually used for a row of `cols`: the requested one when it divides the row,
 /// else per-row (so odd widths still convert).
 pub fn effective_group(cols: usize, requested: usize) -> usize {
-    if requested == 0 || !cols.is_multiple_of(requested) {
-        cols
-    } else {
-        requested
-    }
+    if requested == 0 || !cols.is_multiple_of(requested) { cols } else { requested }
 }
 
 #[cfg(test)]
@@ -50,9 +40,7 @@ mod tests {
 
     #[test]
     fn roundtrip_error_is_within_half_a_step() {
-        let w: Vec<f32> = (0..256)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
-            .collect();
+        let w: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
         for group in [32, 64, 128] {
             let (q, s) = quantize_int8(&w, 128, group);
             let d = dequantize_int8(&q, &s, group);

@@ -47,30 +47,15 @@ pub struct SpineSpec {
 }
 
 fn mat(layer: Option<usize>, name: String, rows: usize, cols: usize) -> SpineSpec {
-    SpineSpec {
-        name,
-        layer,
-        role: Role::Matrix,
-        shape: ShapeRule::Exact(vec![rows, cols]),
-    }
+    SpineSpec { name, layer, role: Role::Matrix, shape: ShapeRule::Exact(vec![rows, cols]) }
 }
 
 fn vec1(layer: Option<usize>, name: String, n: usize) -> SpineSpec {
-    SpineSpec {
-        name,
-        layer,
-        role: Role::Vector,
-        shape: ShapeRule::Exact(vec![n]),
-    }
+    SpineSpec { name, layer, role: Role::Vector, shape: ShapeRule::Exact(vec![n]) }
 }
 
 fn vrule(layer: Option<usize>, name: String, shape: ShapeRule) -> SpineSpec {
-    SpineSpec {
-        name,
-        layer,
-        role: Role::Vector,
-        shape,
-    }
+    SpineSpec { name, layer, role: Role::Vector, shape }
 }
 
 /// Every spine tensor of the model, in the order the store lays them out (per layer, then the
@@ -87,11 +72,7 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
         if c.attn_res_block_size.is_some() {
             for r in ["self_attention_res", "mlp_res"] {
                 v.push(vec1(ly, format!("{p}{r}_norm.weight"), h));
-                v.push(vrule(
-                    ly,
-                    format!("{p}{r}_proj.weight"),
-                    ShapeRule::Exact(vec![1, h]),
-                ));
+                v.push(vrule(ly, format!("{p}{r}_proj.weight"), ShapeRule::Exact(vec![1, h])));
             }
         }
         let a = format!("{p}self_attn.");
@@ -102,11 +83,7 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
                 let pd = nh * d;
                 for n in ["q", "k", "v"] {
                     v.push(mat(ly, format!("{a}{n}_proj.weight"), pd, h));
-                    v.push(vrule(
-                        ly,
-                        format!("{a}{n}_conv1d.weight"),
-                        ShapeRule::Numel(pd * k),
-                    ));
+                    v.push(vrule(ly, format!("{a}{n}_conv1d.weight"), ShapeRule::Numel(pd * k)));
                 }
                 v.push(mat(ly, format!("{a}f_a_proj.weight"), d, h));
                 v.push(mat(ly, format!("{a}f_b_proj.weight"), pd, d));
@@ -133,17 +110,8 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
                     }
                     None => v.push(mat(ly, format!("{a}q_proj.weight"), nh * qd, h)),
                 }
-                v.push(mat(
-                    ly,
-                    format!("{a}kv_a_proj_with_mqa.weight"),
-                    c.kv_lora_rank + c.qk_rope_head_dim,
-                    h,
-                ));
-                v.push(vec1(
-                    ly,
-                    format!("{a}kv_a_layernorm.weight"),
-                    c.kv_lora_rank,
-                ));
+                v.push(mat(ly, format!("{a}kv_a_proj_with_mqa.weight"), c.kv_lora_rank + c.qk_rope_head_dim, h));
+                v.push(vec1(ly, format!("{a}kv_a_layernorm.weight"), c.kv_lora_rank));
                 v.push(mat(
                     ly,
                     format!("{a}kv_b_proj.weight"),
@@ -159,18 +127,9 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
         if c.is_moe_layer(l) {
             let m = format!("{p}block_sparse_moe.");
             v.push(mat(ly, format!("{m}gate.weight"), c.num_experts, h));
-            v.push(vec1(
-                ly,
-                format!("{m}gate.e_score_correction_bias"),
-                c.num_experts,
-            ));
+            v.push(vec1(ly, format!("{m}gate.e_score_correction_bias"), c.num_experts));
             if let Some(lat) = c.routed_expert_hidden_size {
-                v.push(mat(
-                    ly,
-                    format!("{m}routed_expert_down_proj.weight"),
-                    lat,
-                    h,
-                ));
+                v.push(mat(ly, format!("{m}routed_expert_down_proj.weight"), lat, h));
                 if c.latent_moe_use_norm {
                     v.push(vec1(ly, format!("{m}routed_expert_norm.weight"), lat));
                 }
@@ -178,19 +137,9 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
             }
             if c.num_shared_experts > 0 {
                 let si = c.moe_intermediate_size * c.num_shared_experts;
-                v.push(mat(
-                    ly,
-                    format!("{m}shared_experts.gate_proj.weight"),
-                    si,
-                    h,
-                ));
+                v.push(mat(ly, format!("{m}shared_experts.gate_proj.weight"), si, h));
                 v.push(mat(ly, format!("{m}shared_experts.up_proj.weight"), si, h));
-                v.push(mat(
-                    ly,
-                    format!("{m}shared_experts.down_proj.weight"),
-                    h,
-                    si,
-                ));
+                v.push(mat(ly, format!("{m}shared_experts.down_proj.weight"), h, si));
             }
         } else {
             let i = c.intermediate_size;
@@ -202,11 +151,7 @@ pub fn spine_specs(c: &K3Config) -> Vec<SpineSpec> {
     v.push(vec1(None, "norm.weight".into(), h));
     if c.attn_res_block_size.is_some() {
         v.push(vec1(None, "output_attn_res_norm.weight".into(), h));
-        v.push(vrule(
-            None,
-            "output_attn_res_proj.weight".into(),
-            ShapeRule::Exact(vec![1, h]),
-        ));
+        v.push(vrule(None, "output_attn_res_proj.weight".into(), ShapeRule::Exact(vec![1, h])));
     }
     if !c.tie_word_embeddings {
         v.push(mat(None, "lm_head.weight".into(), c.vocab_size, h));

@@ -68,39 +68,28 @@ pub fn dtype_size(d: Dtype) -> Option<usize> {
 
 impl Shard {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let bad = |msg: String| StoreError::Safetensors {
-            path: path.to_path_buf(),
-            msg,
-        };
+        let bad = |msg: String| StoreError::Safetensors { path: path.to_path_buf(), msg };
         let file = File::open(path).map_err(io_err(path))?;
         let file_len = file.metadata().map_err(io_err(path))?.len();
         if file_len < 8 {
-            return Err(bad(format!(
-                "truncated: {file_len} bytes, too short for a safetensors header"
-            )));
+            return Err(bad(format!("truncated: {file_len} bytes, too short for a safetensors header")));
         }
         let mut len_bytes = [0u8; 8];
-        file.read_exact_at(&mut len_bytes, 0)
-            .map_err(io_err(path))?;
+        file.read_exact_at(&mut len_bytes, 0).map_err(io_err(path))?;
         let n = u64::from_le_bytes(len_bytes);
         if n > MAX_HEADER {
-            return Err(bad(format!(
-                "header length {n} exceeds the {MAX_HEADER}-byte limit"
-            )));
+            return Err(bad(format!("header length {n} exceeds the {MAX_HEADER}-byte limit")));
         }
         if 8 + n > file_len {
-            return Err(bad(format!(
-                "header length {n} runs past the end of the {file_len}-byte file"
-            )));
+            return Err(bad(format!("header length {n} runs past the end of the {file_len}-byte file")));
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
-        let text =
-            std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let text = std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
         // Parse entry by entry (rather than through safetensors' all-or-nothing validation) so an
         // error can name the tensor it concerns.
-        let raw: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)
-            .map_err(|e| bad(format!("header is not a valid safetensors header: {e}")))?;
+        let raw: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text).map_err(|e| bad(format!("header is not a valid safetensors header: {e}")))?;
         let data_start = 8 + n;
         let data_len = file_len - data_start;
         let mut tensors = Vec::new();
@@ -108,26 +97,19 @@ impl Shard {
             if name == "__metadata__" {
                 continue;
             }
-            let tbad = |msg: String| StoreError::Tensor {
-                path: path.to_path_buf(),
-                tensor: name.clone(),
-                msg,
-            };
-            let info: RawInfo = serde_json::from_value(value)
-                .map_err(|e| tbad(format!("invalid header entry: {e}")))?;
+            let tbad = |msg: String| StoreError::Tensor { path: path.to_path_buf(), tensor: name.clone(), msg };
+            let info: RawInfo =
+                serde_json::from_value(value).map_err(|e| tbad(format!("invalid header entry: {e}")))?;
             let (b, e) = (info.data_offsets[0], info.data_offsets[1]);
             if e < b {
-                return Err(tbad(format!(
-                    "data_offsets [{b}, {e}] end before they begin"
-                )));
+                return Err(tbad(format!("data_offsets [{b}, {e}] end before they begin")));
             }
             if e > data_len {
                 return Err(tbad(format!(
                     "data_offsets [{b}, {e}] run past the end of the file (data section is {data_len} bytes)"
                 )));
             }
-            let size = dtype_size(info.dtype)
-                .ok_or_else(|| tbad(format!("unsupported dtype {:?}", info.dtype)))?;
+            let size = dtype_size(info.dtype).ok_or_else(|| tbad(format!("unsupported dtype {:?}", info.dtype)))?;
             let numel = info
                 .shape
                 .iter()
@@ -151,11 +133,7 @@ impl Shard {
             });
         }
         tensors.sort_by_key(|t| t.offset);
-        let index = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(Shard {
             path: path.to_path_buf(),
             file_len,
@@ -173,9 +151,7 @@ impl Shard {
 
     /// Read `len` bytes at absolute `offset` into `buf`.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        self.file
-            .read_exact_at(buf, offset)
-            .map_err(io_err(&self.path))
+        self.file.read_exact_at(buf, offset).map_err(io_err(&self.path))
     }
 
     /// Read one tensor's raw bytes.
@@ -226,57 +202,31 @@ mod tests {
         // Truncated file: fewer than 8 bytes.
         let p = d.path().join("short.safetensors");
         std::fs::write(&p, [1, 2, 3]).unwrap();
-        assert!(
-            Shard::open(&p)
-                .unwrap_err()
-                .to_string()
-                .contains("truncated")
-        );
+        assert!(Shard::open(&p).unwrap_err().to_string().contains("truncated"));
         // Header length beyond the file.
         let p = d.path().join("long.safetensors");
         let mut bytes = 1000u64.to_le_bytes().to_vec();
         bytes.extend_from_slice(b"{}");
         std::fs::write(&p, bytes).unwrap();
-        assert!(
-            Shard::open(&p)
-                .unwrap_err()
-                .to_string()
-                .contains("past the end")
-        );
+        assert!(Shard::open(&p).unwrap_err().to_string().contains("past the end"));
         // Absurd header length.
         let p = d.path().join("huge.safetensors");
         std::fs::write(&p, u64::MAX.to_le_bytes()).unwrap();
         assert!(Shard::open(&p).unwrap_err().to_string().contains("limit"));
         // Offsets out of range.
-        let e = err_of(
-            d.path(),
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            &[1, 2],
-        );
+        let e = err_of(d.path(), r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, &[1, 2]);
         assert!(e.contains("'a'") && e.contains("past the end"), "{e}");
         // Offsets that disagree with the shape.
-        let e = err_of(
-            d.path(),
-            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#,
-            &[0; 4],
-        );
+        let e = err_of(d.path(), r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#, &[0; 4]);
         assert!(e.contains("needs 16 bytes"), "{e}");
         // Unknown dtype.
-        let e = err_of(
-            d.path(),
-            r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#,
-            &[0],
-        );
+        let e = err_of(d.path(), r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#, &[0]);
         assert!(e.contains("'a'") && e.contains("Q9"), "{e}");
         // Not JSON at all.
         let e = err_of(d.path(), "not json", &[]);
         assert!(e.contains("valid safetensors header"), "{e}");
         // Reversed offsets.
-        let e = err_of(
-            d.path(),
-            r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
-            &[0; 4],
-        );
+        let e = err_of(d.path(), r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#, &[0; 4]);
         assert!(e.contains("'a'"), "{e}");
     }
 }

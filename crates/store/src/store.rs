@@ -40,9 +40,7 @@ impl LoadedTensor {
         match &self.data {
             SpineData::F32(v) => v.clone(),
             SpineData::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
-            SpineData::Int8 { q, scales, group } => {
-                crate::quant::dequantize_int8(q, scales, *group)
-            }
+            SpineData::Int8 { q, scales, group } => crate::quant::dequantize_int8(q, scales, *group),
         }
     }
 }
@@ -68,14 +66,10 @@ impl ExpertFiles {
     /// Read the canonical record of (layer, expert) into `buf` (resized to the record length) and
     /// verify its checksum. Corrupt bytes are reported, never returned.
     pub fn read(&self, layer: usize, expert: usize, buf: &mut Vec<u8>) -> Result<(), StoreError> {
-        let loc = self
-            .layers
-            .get(&layer)
-            .and_then(|v| v.get(expert))
-            .ok_or_else(|| StoreError::Store {
-                path: PathBuf::new(),
-                msg: format!("no routed expert {expert} in layer {layer}"),
-            })?;
+        let loc = self.layers.get(&layer).and_then(|v| v.get(expert)).ok_or_else(|| StoreError::Store {
+            path: PathBuf::new(),
+            msg: format!("no routed expert {expert} in layer {layer}"),
+        })?;
         buf.resize(self.record_bytes as usize, 0);
         let mut pos = 0usize;
         for r in &loc.ranges {
@@ -84,33 +78,21 @@ impl ExpertFiles {
             if end > buf.len() || fi >= self.files.len() {
                 return Err(StoreError::Store {
                     path: PathBuf::new(),
-                    msg: format!(
-                        "manifest ranges of layer {layer} expert {expert} are inconsistent"
-                    ),
+                    msg: format!("manifest ranges of layer {layer} expert {expert} are inconsistent"),
                 });
             }
-            self.files[fi]
-                .read_exact_at(&mut buf[pos..end], off)
-                .map_err(io_err(&self.paths[fi]))?;
+            self.files[fi].read_exact_at(&mut buf[pos..end], off).map_err(io_err(&self.paths[fi]))?;
             pos = end;
         }
         if pos != buf.len() {
             return Err(StoreError::Store {
                 path: PathBuf::new(),
-                msg: format!(
-                    "manifest ranges of layer {layer} expert {expert} cover {pos} of {} bytes",
-                    buf.len()
-                ),
+                msg: format!("manifest ranges of layer {layer} expert {expert} cover {pos} of {} bytes", buf.len()),
             });
         }
         let actual = xxh3_64(buf);
         if actual != loc.xxh3 {
-            return Err(StoreError::Checksum {
-                layer,
-                expert,
-                expected: loc.xxh3,
-                actual,
-            });
+            return Err(StoreError::Checksum { layer, expert, expected: loc.xxh3, actual });
         }
         Ok(())
     }
@@ -136,31 +118,21 @@ impl Store {
         for t in &manifest.spine.tensors {
             let data_end = t.offset.checked_add(t.len);
             let scales_end = t.scales_offset.checked_add(t.scales_len);
-            if !matches!((data_end, scales_end), (Some(d), Some(s)) if d <= spine_len && s <= spine_len)
-            {
+            if !matches!((data_end, scales_end), (Some(d), Some(s)) if d <= spine_len && s <= spine_len) {
                 return Err(StoreError::Store {
                     path: spine_path.clone(),
-                    msg: format!(
-                        "tensor '{}' lies beyond the end of the spine file ({spine_len} bytes)",
-                        t.name
-                    ),
+                    msg: format!("tensor '{}' lies beyond the end of the spine file ({spine_len} bytes)", t.name),
                 });
             }
         }
-        let spine_index = manifest
-            .spine
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let spine_index = manifest.spine.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
 
         let ex = &manifest.experts;
         let base: PathBuf = match ex.layout {
             ExpertLayout::Pack => dir.to_path_buf(),
-            ExpertLayout::InPlace => source_override
-                .map(Path::to_path_buf)
-                .unwrap_or_else(|| PathBuf::from(&manifest.source.dir)),
+            ExpertLayout::InPlace => {
+                source_override.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(&manifest.source.dir))
+            }
         };
         if ex.layout == ExpertLayout::InPlace && !base.is_dir() {
             return Err(StoreError::SourceChanged {
@@ -180,52 +152,29 @@ impl Store {
             files.push(File::open(&p).map_err(io_err(&p))?);
             paths.push(p);
         }
-        let layers = ex
-            .layers
-            .iter()
-            .map(|l| (l.layer, l.experts.clone()))
-            .collect();
-        let experts = ExpertFiles {
-            files,
-            paths,
-            layers,
-            record_bytes: ex.record_bytes,
-        };
-        Ok(Store {
-            dir: dir.to_path_buf(),
-            manifest,
-            spine_file,
-            spine_index,
-            experts,
-        })
+        let layers = ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
+        let experts = ExpertFiles { files, paths, layers, record_bytes: ex.record_bytes };
+        Ok(Store { dir: dir.to_path_buf(), manifest, spine_file, spine_index, experts })
     }
 
     pub fn spine_tensor_info(&self, name: &str) -> Option<&SpineTensor> {
-        self.spine_index
-            .get(name)
-            .map(|&i| &self.manifest.spine.tensors[i])
+        self.spine_index.get(name).map(|&i| &self.manifest.spine.tensors[i])
     }
 
     /// Read one spine tensor and verify its checksum.
     pub fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
         let spine_path = self.dir.join(&self.manifest.spine.file);
-        let t = self
-            .spine_tensor_info(name)
-            .ok_or_else(|| StoreError::Store {
-                path: self.dir.clone(),
-                msg: format!("spine tensor '{name}' is not in the manifest"),
-            })?;
+        let t = self.spine_tensor_info(name).ok_or_else(|| StoreError::Store {
+            path: self.dir.clone(),
+            msg: format!("spine tensor '{name}' is not in the manifest"),
+        })?;
         let mut data = vec![0u8; t.len as usize];
-        self.spine_file
-            .read_exact_at(&mut data, t.offset)
-            .map_err(io_err(&spine_path))?;
+        self.spine_file.read_exact_at(&mut data, t.offset).map_err(io_err(&spine_path))?;
         let mut h = Xxh3::new();
         h.update(&data);
         let mut scales_raw = vec![0u8; t.scales_len as usize];
         if t.scales_len > 0 {
-            self.spine_file
-                .read_exact_at(&mut scales_raw, t.scales_offset)
-                .map_err(io_err(&spine_path))?;
+            self.spine_file.read_exact_at(&mut scales_raw, t.scales_offset).map_err(io_err(&spine_path))?;
             h.update(&scales_raw);
         }
         if h.digest() != t.xxh3 {
@@ -235,64 +184,41 @@ impl Store {
             });
         }
         let numel: usize = t.shape.iter().product();
-        let bad = |msg: &str| StoreError::Store {
-            path: spine_path.clone(),
-            msg: format!("spine tensor '{name}': {msg}"),
-        };
+        let bad =
+            |msg: &str| StoreError::Store { path: spine_path.clone(), msg: format!("spine tensor '{name}': {msg}") };
         let data = match t.dtype {
             SpineDtype::F32 => {
                 if data.len() != numel * 4 {
                     return Err(bad("length does not match shape"));
                 }
-                SpineData::F32(
-                    data.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect(),
-                )
+                SpineData::F32(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
             }
             SpineDtype::Bf16 => {
                 if data.len() != numel * 2 {
                     return Err(bad("length does not match shape"));
                 }
-                SpineData::Bf16(
-                    data.chunks_exact(2)
-                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                        .collect(),
-                )
+                SpineData::Bf16(data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
             }
             SpineDtype::Int8 => {
                 let cols = *t.shape.last().unwrap_or(&0);
-                if data.len() != numel
-                    || t.group == 0
-                    || cols % t.group != 0
-                    || scales_raw.len() != numel / t.group * 4
+                if data.len() != numel || t.group == 0 || cols % t.group != 0 || scales_raw.len() != numel / t.group * 4
                 {
                     return Err(bad("int8 length, group or scales do not match shape"));
                 }
                 SpineData::Int8 {
                     q: data.into_iter().map(|b| b as i8).collect(),
-                    scales: scales_raw
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect(),
+                    scales: scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
                     group: t.group,
                 }
             }
         };
-        Ok(LoadedTensor {
-            name: name.to_string(),
-            shape: t.shape.clone(),
-            data,
-        })
+        Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data })
     }
 
     /// Tokenizer file inside the store, if it was copied at conversion.
     pub fn tokenizer_file(&self, name: &str) -> Option<PathBuf> {
         let tok = self.manifest.tokenizer.as_ref()?;
-        tok.files
-            .iter()
-            .any(|f| f == name)
-            .then(|| self.dir.join(name))
+        tok.files.iter().any(|f| f == name).then(|| self.dir.join(name))
     }
 }
 
@@ -304,18 +230,12 @@ fn verify_source_shard(path: &Path, recorded: Option<&SourceShard>) -> Result<()
             msg: "shard is not recorded in the manifest".into(),
         });
     };
-    let meta = std::fs::metadata(path).map_err(|e| StoreError::SourceChanged {
-        path: path.to_path_buf(),
-        msg: format!("cannot be opened ({e})"),
-    })?;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| StoreError::SourceChanged { path: path.to_path_buf(), msg: format!("cannot be opened ({e})") })?;
     if meta.len() != rec.size {
         return Err(StoreError::SourceChanged {
             path: path.to_path_buf(),
-            msg: format!(
-                "has changed: {} bytes now, {} at conversion",
-                meta.len(),
-                rec.size
-            ),
+            msg: format!("has changed: {} bytes now, {} at conversion", meta.len(), rec.size),
         });
     }
     let shard = Shard::open(path)?;

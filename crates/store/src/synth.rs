@@ -114,10 +114,7 @@ fn vector_value(name: &str, i: usize, rng: &mut SmallRng) -> f32 {
 
 pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
     if o.layers == 0 || o.experts < 16 {
-        return Err(StoreError::Store {
-            path: out.into(),
-            msg: "synth needs at least 1 layer and 16 experts".into(),
-        });
+        return Err(StoreError::Store { path: out.into(), msg: "synth needs at least 1 layer and 16 experts".into() });
     }
     let cfg = k3_config(o.layers, o.experts, o.spine);
     std::fs::create_dir_all(out.join("experts")).map_err(io_err(out))?;
@@ -132,8 +129,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
     let mut last_layer = None;
     let pad = |w: &mut BufWriter<File>, pos: &mut u64, a: u64| -> Result<(), StoreError> {
         let t = align_up(*pos, a);
-        w.write_all(&vec![0u8; (t - *pos) as usize])
-            .map_err(io_err(&spine_path))?;
+        w.write_all(&vec![0u8; (t - *pos) as usize]).map_err(io_err(&spine_path))?;
         *pos = t;
         Ok(())
     };
@@ -179,18 +175,12 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
         } else {
             dtype = SpineDtype::F32;
             let n: usize = shape.iter().product();
-            let bytes: Vec<u8> = (0..n)
-                .flat_map(|i| vector_value(&spec.name, i, &mut rng).to_le_bytes())
-                .collect();
+            let bytes: Vec<u8> = (0..n).flat_map(|i| vector_value(&spec.name, i, &mut rng).to_le_bytes()).collect();
             w.write_all(&bytes).map_err(io_err(&spine_path))?;
             h.update(&bytes);
             pos += bytes.len() as u64;
         }
-        let len = if dtype == SpineDtype::Int8 {
-            (shape[0] * shape[1]) as u64
-        } else {
-            pos - offset
-        };
+        let len = if dtype == SpineDtype::Int8 { (shape[0] * shape[1]) as u64 } else { pos - offset };
         tensors.push(SpineTensor {
             name: spec.name.clone(),
             layer: spec.layer,
@@ -205,10 +195,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
         });
     }
     pad(&mut w, &mut pos, IO_ALIGN)?;
-    let f = w.into_inner().map_err(|e| StoreError::Io {
-        path: spine_path.clone(),
-        source: e.into_error(),
-    })?;
+    let f = w.into_inner().map_err(|e| StoreError::Io { path: spine_path.clone(), source: e.into_error() })?;
     f.sync_all().map_err(io_err(&spine_path))?;
 
     // --- experts: packed, 4096-aligned records of random MXFP4 ---
@@ -217,12 +204,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
     let mut off = 0u64;
     for (name, shape) in &parts {
         let len = (shape[0] * shape[1]) as u64;
-        part_meta.push(ExpertPart {
-            name: name.to_string(),
-            shape: *shape,
-            offset: off,
-            len,
-        });
+        part_meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
         off += len;
     }
     let record_bytes = off;
@@ -253,24 +235,17 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
                 let dst = &mut record[pm.offset as usize..(pm.offset + pm.len) as usize];
                 if name.ends_with("weight_scale") {
                     // 2^-7 .. 2^-5: keeps a random expert's outputs O(1) at K3's widths.
-                    dst.iter_mut()
-                        .for_each(|b| *b = 120 + (rng.next_u32() % 3) as u8);
+                    dst.iter_mut().for_each(|b| *b = 120 + (rng.next_u32() % 3) as u8);
                 } else {
                     rng.fill_bytes(dst);
                 }
             }
             let xxh3 = xxh3_64(&record[..record_bytes as usize]);
             w.write_all(&record).map_err(io_err(&p))?;
-            experts.push(ExpertLocation {
-                ranges: vec![[l as u64, e as u64 * stride, record_bytes]],
-                xxh3,
-            });
+            experts.push(ExpertLocation { ranges: vec![[l as u64, e as u64 * stride, record_bytes]], xxh3 });
             bar.inc(stride);
         }
-        let f = w.into_inner().map_err(|e| StoreError::Io {
-            path: p.clone(),
-            source: e.into_error(),
-        })?;
+        let f = w.into_inner().map_err(|e| StoreError::Io { path: p.clone(), source: e.into_error() })?;
         f.sync_all().map_err(io_err(&p))?;
         files.push(rel);
         layers.push(ExpertLayer { layer: l, experts });
@@ -281,11 +256,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
         version: FORMAT_VERSION,
         arch: "kimi_k3".into(),
         config: cfg,
-        source: SourceInfo {
-            dir: String::new(),
-            prefix: "synthetic:".into(),
-            shards: Vec::new(),
-        },
+        source: SourceInfo { dir: String::new(), prefix: "synthetic:".into(), shards: Vec::new() },
         spine: SpineInfo {
             file: "spine.bin".into(),
             matrix_dtype: SpineDtype::Int8,

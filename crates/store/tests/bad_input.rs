@@ -20,12 +20,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn opts(experts: ExpertLayout) -> ConvertOptions {
-    ConvertOptions {
-        spine: SpineDtype::Int8,
-        int8_group: 0,
-        experts,
-        progress: false,
-    }
+    ConvertOptions { spine: SpineDtype::Int8, int8_group: 0, experts, progress: false }
 }
 
 /// A private copy of the tiny checkpoint, and a store converted from it.
@@ -39,11 +34,7 @@ fn setup(experts: ExpertLayout) -> (tempfile::TempDir, PathBuf, PathBuf) {
 }
 
 fn flip_byte(path: &Path, offset: u64) {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut b = [0u8];
     f.read_exact_at(&mut b, offset).unwrap();
     b[0] ^= 0x5A;
@@ -60,22 +51,9 @@ fn corrupt_packed_expert_is_reported_with_layer_and_expert() {
     let store = Store::open(&store_dir, None).unwrap();
     let mut buf = Vec::new();
     let err = store.experts.read(2, 5, &mut buf).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            StoreError::Checksum {
-                layer: 2,
-                expert: 5,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, StoreError::Checksum { layer: 2, expert: 5, .. }), "{err}");
     let msg = err.to_string();
-    assert!(
-        msg.contains("layer 2 expert 5") && msg.contains("checksum"),
-        "{msg}"
-    );
+    assert!(msg.contains("layer 2 expert 5") && msg.contains("checksum"), "{msg}");
     // Its neighbours are untouched.
     store.experts.read(2, 4, &mut buf).unwrap();
     store.experts.read(2, 6, &mut buf).unwrap();
@@ -90,17 +68,7 @@ fn corrupt_in_place_expert_is_reported() {
     flip_byte(&shard, loc.ranges[0][1] + loc.ranges[0][2] - 1);
     let store = Store::open(&store_dir, None).unwrap();
     let err = store.experts.read(3, 11, &mut Vec::new()).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            StoreError::Checksum {
-                layer: 3,
-                expert: 11,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, StoreError::Checksum { layer: 3, expert: 11, .. }), "{err}");
 }
 
 #[test]
@@ -109,18 +77,11 @@ fn changed_or_moved_checkpoint_is_detected() {
     // A shard that grew.
     let store = Store::open(&store_dir, None).unwrap();
     let shard = hf.join(&store.manifest.experts.files[0]);
-    let f = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&shard)
-        .unwrap();
+    let f = std::fs::OpenOptions::new().append(true).open(&shard).unwrap();
     f.set_len(f.metadata().unwrap().len() + 1).unwrap();
-    let msg = Store::open(&store_dir, None)
-        .err()
-        .expect("grown shard must be refused")
-        .to_string();
+    let msg = Store::open(&store_dir, None).err().expect("grown shard must be refused").to_string();
     assert!(
-        msg.contains("has changed")
-            && msg.contains(&shard.file_name().unwrap().to_string_lossy().to_string()),
+        msg.contains("has changed") && msg.contains(&shard.file_name().unwrap().to_string_lossy().to_string()),
         "{msg}"
     );
     f.set_len(f.metadata().unwrap().len() - 1).unwrap();
@@ -128,10 +89,7 @@ fn changed_or_moved_checkpoint_is_detected() {
     // A moved checkpoint: a clear message, and --source finds it at its new place.
     let moved = t.path().join("moved");
     std::fs::rename(&hf, &moved).unwrap();
-    let msg = Store::open(&store_dir, None)
-        .err()
-        .expect("moved checkpoint must be refused")
-        .to_string();
+    let msg = Store::open(&store_dir, None).err().expect("moved checkpoint must be refused").to_string();
     assert!(msg.contains("is gone") && msg.contains("--source"), "{msg}");
     let store = Store::open(&store_dir, Some(&moved)).unwrap();
     store.experts.read(1, 0, &mut Vec::new()).unwrap();
@@ -141,16 +99,10 @@ fn changed_or_moved_checkpoint_is_detected() {
 fn corrupt_spine_is_reported() {
     let (_t, _hf, store_dir) = setup(ExpertLayout::InPlace);
     let store = Store::open(&store_dir, None).unwrap();
-    let t = store
-        .spine_tensor_info("layers.3.self_attn.kv_b_proj.weight")
-        .unwrap()
-        .clone();
+    let t = store.spine_tensor_info("layers.3.self_attn.kv_b_proj.weight").unwrap().clone();
     flip_byte(&store_dir.join("spine.bin"), t.offset + 3);
     let msg = store.load_spine(&t.name).unwrap_err().to_string();
-    assert!(
-        msg.contains("kv_b_proj") && msg.contains("checksum"),
-        "{msg}"
-    );
+    assert!(msg.contains("kv_b_proj") && msg.contains("checksum"), "{msg}");
 }
 
 #[test]
@@ -159,21 +111,11 @@ fn missing_tensor_names_the_tensor() {
     let hf = tmp.path().join("hf");
     copy_dir(&fixture_hf(), &hf);
     let idx = hf.join("model.safetensors.index.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
     let name = "language_model.model.layers.2.self_attn.f_b_proj.weight";
-    assert!(
-        v["weight_map"]
-            .as_object_mut()
-            .unwrap()
-            .remove(name)
-            .is_some()
-    );
+    assert!(v["weight_map"].as_object_mut().unwrap().remove(name).is_some());
     std::fs::write(&idx, v.to_string()).unwrap();
-    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace))
-        .err()
-        .unwrap()
-        .to_string();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
     assert!(msg.contains(name) && msg.contains("missing"), "{msg}");
 }
 
@@ -183,38 +125,19 @@ fn inconsistent_config_names_file_and_tensor() {
     let hf = tmp.path().join("hf");
     copy_dir(&fixture_hf(), &hf);
     let cfg = hf.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     v["text_config"]["kv_lora_rank"] = serde_json::json!(24);
     std::fs::write(&cfg, v.to_string()).unwrap();
-    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        msg.contains("kv_a_proj_with_mqa") && msg.contains(".safetensors") && msg.contains("shape"),
-        "{msg}"
-    );
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("kv_a_proj_with_mqa") && msg.contains(".safetensors") && msg.contains("shape"), "{msg}");
     // A missing field names config.json and the field.
-    v["text_config"]
-        .as_object_mut()
-        .unwrap()
-        .remove("kv_lora_rank");
+    v["text_config"].as_object_mut().unwrap().remove("kv_lora_rank");
     std::fs::write(&cfg, v.to_string()).unwrap();
-    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        msg.contains("config.json") && msg.contains("kv_lora_rank"),
-        "{msg}"
-    );
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("config.json") && msg.contains("kv_lora_rank"), "{msg}");
     // Not JSON at all.
     std::fs::write(&cfg, "{ nope").unwrap();
-    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace))
-        .err()
-        .unwrap()
-        .to_string();
+    let msg = convert(&hf, &tmp.path().join("s"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
     assert!(msg.contains("config.json") && msg.contains("JSON"), "{msg}");
 }
 
@@ -226,24 +149,10 @@ fn nan_mxfp4_scale_is_a_conversion_error() {
     let w1_packed = store.manifest.experts.parts[0].len;
     let loc = store.experts.location(4, 7).unwrap().clone();
     let shard = hf.join(&store.manifest.experts.files[loc.ranges[0][0] as usize]);
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&shard)
-        .unwrap();
-    f.write_all_at(&[0xFF], loc.ranges[0][1] + w1_packed)
-        .unwrap();
-    let msg = convert(
-        &hf,
-        &store_dir.with_file_name("s2"),
-        &opts(ExpertLayout::InPlace),
-    )
-    .err()
-    .unwrap()
-    .to_string();
-    assert!(
-        msg.contains("layer 4 expert 7") && msg.contains("0xFF") && msg.contains("w1.weight_scale"),
-        "{msg}"
-    );
+    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    f.write_all_at(&[0xFF], loc.ranges[0][1] + w1_packed).unwrap();
+    let msg = convert(&hf, &store_dir.with_file_name("s2"), &opts(ExpertLayout::InPlace)).err().unwrap().to_string();
+    assert!(msg.contains("layer 4 expert 7") && msg.contains("0xFF") && msg.contains("w1.weight_scale"), "{msg}");
 }
 
 #[test]

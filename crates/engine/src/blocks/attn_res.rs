@@ -16,11 +16,7 @@ pub struct ResidualBlocks {
 
 impl ResidualBlocks {
     pub fn new(eps: f32) -> Self {
-        ResidualBlocks {
-            raw: Vec::new(),
-            inv_rms: Vec::new(),
-            eps,
-        }
+        ResidualBlocks { raw: Vec::new(), inv_rms: Vec::new(), eps }
     }
 
     pub fn clear(&mut self) {
@@ -40,12 +36,7 @@ impl ResidualBlocks {
             out.copy_from_slice(partial);
             return;
         }
-        let mut logits: Vec<f32> = self
-            .raw
-            .iter()
-            .zip(&self.inv_rms)
-            .map(|(r, &n)| dot(r, w_eff) * n)
-            .collect(); // [blocks + 1]
+        let mut logits: Vec<f32> = self.raw.iter().zip(&self.inv_rms).map(|(r, &n)| dot(r, w_eff) * n).collect(); // [blocks + 1]
         logits.push(dot(partial, w_eff) * inv_rms(partial, self.eps));
         softmax_inplace(&mut logits);
         let last = logits[self.raw.len()];

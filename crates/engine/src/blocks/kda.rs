@@ -53,17 +53,10 @@ pub struct KdaState {
 
 impl Kda {
     /// `prefix` ends with `self_attn.`.
-    pub fn load(
-        store: &Store,
-        prefix: &str,
-        c: &LinearAttnConfig,
-        hidden: usize,
-        eps: f32,
-    ) -> Result<Self> {
+    pub fn load(store: &Store, prefix: &str, c: &LinearAttnConfig, hidden: usize, eps: f32) -> Result<Self> {
         let (nh, d, k) = (c.num_heads, c.head_dim, c.short_conv_kernel_size);
         let p = nh * d;
-        let lin =
-            |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
+        let lin = |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
         let conv = |n: &str| load_vec(store, &format!("{prefix}{n}_conv1d.weight"), p * k);
         let gate = if c.use_full_rank_gate {
             Gate::FullRank(lin("g_proj", p, hidden)?)
@@ -126,13 +119,8 @@ impl Kda {
         let mut q = vec![0f32; p]; // [P]
         let mut k = vec![0f32; p]; // [P]
         let mut v = vec![0f32; p]; // [P]
-        for (i, (proj, dst)) in [
-            (&self.q_proj, &mut q),
-            (&self.k_proj, &mut k),
-            (&self.v_proj, &mut v),
-        ]
-        .into_iter()
-        .enumerate()
+        for (i, (proj, dst)) in
+            [(&self.q_proj, &mut q), (&self.k_proj, &mut k), (&self.v_proj, &mut v)].into_iter().enumerate()
         {
             proj.forward(x, &mut pre);
             Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre, dst);
@@ -169,11 +157,7 @@ impl Kda {
             }
             let beta = sigmoid(b[h]);
             let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
-            let (qh, kh, vh) = (
-                &q[h * d..(h + 1) * d],
-                &k[h * d..(h + 1) * d],
-                &v[h * d..(h + 1) * d],
-            );
+            let (qh, kh, vh) = (&q[h * d..(h + 1) * d], &k[h * d..(h + 1) * d], &v[h * d..(h + 1) * d]);
             for vi in 0..d {
                 let row = &mut s[vi * d..(vi + 1) * d];
                 let mut mem = 0.0f32;

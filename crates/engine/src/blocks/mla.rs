@@ -56,14 +56,8 @@ impl Mla {
     pub fn load(store: &Store, prefix: &str, c: &K3Config) -> Result<Self> {
         let h = c.hidden_size;
         let nh = c.num_attention_heads;
-        let (nope, rope, vd, kvl) = (
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
-        let lin =
-            |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
+        let (nope, rope, vd, kvl) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let lin = |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
         let q = match c.q_lora_rank {
             Some(r) => QProj::LowRank {
                 a: lin("q_a_proj", r, h)?,
@@ -82,27 +76,18 @@ impl Mla {
             kv_a: lin("kv_a_proj_with_mqa", kvl + rope, h)?,
             kv_a_norm: load_vec(store, &format!("{prefix}kv_a_layernorm.weight"), kvl)?,
             kv_b: lin("kv_b_proj", nh * (nope + vd), kvl)?,
-            gate: if c.mla_use_output_gate {
-                Some(lin("g_proj", nh * vd, h)?)
-            } else {
-                None
-            },
+            gate: if c.mla_use_output_gate { Some(lin("g_proj", nh * vd, h)?) } else { None },
             o_proj: lin("o_proj", h, nh * vd)?,
         })
     }
 
     pub fn new_state(&self) -> MlaState {
-        MlaState {
-            latents: Vec::new(),
-            k_pe: Vec::new(),
-            len: 0,
-        }
+        MlaState { latents: Vec::new(), k_pe: Vec::new(), len: 0 }
     }
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
     pub fn forward(&self, st: &mut MlaState, x: &[f32], out: &mut [f32]) {
-        let (nh, nope, rope, vd, kvl) =
-            (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
+        let (nh, nope, rope, vd, kvl) = (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
         let qd = nope + rope;
         let mut q = vec![0f32; nh * qd]; // [heads, nope + rope]
         match &self.q {
@@ -149,8 +134,7 @@ impl Mla {
                 }
             }
             // Absorb the value projection: out_h = W_v o_lat.
-            self.kv_b
-                .forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
+            self.kv_b.forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
         }
         if let Some(g) = &self.gate {
             let mut gv = vec![0f32; nh * vd]; // [heads * v]

@@ -60,27 +60,13 @@ impl LatentMoe {
         let lat = c.expert_input_dim();
         let (down, norm, up) = match c.routed_expert_hidden_size {
             Some(l) => (
-                Some(Linear::load_shaped(
-                    store,
-                    &format!("{p}routed_expert_down_proj.weight"),
-                    l,
-                    h,
-                )?),
+                Some(Linear::load_shaped(store, &format!("{p}routed_expert_down_proj.weight"), l, h)?),
                 if c.latent_moe_use_norm {
-                    Some(load_vec(
-                        store,
-                        &format!("{p}routed_expert_norm.weight"),
-                        l,
-                    )?)
+                    Some(load_vec(store, &format!("{p}routed_expert_norm.weight"), l)?)
                 } else {
                     None
                 },
-                Some(Linear::load_shaped(
-                    store,
-                    &format!("{p}routed_expert_up_proj.weight"),
-                    h,
-                    l,
-                )?),
+                Some(Linear::load_shaped(store, &format!("{p}routed_expert_up_proj.weight"), h, l)?),
             ),
             None => (None, None, None),
         };
@@ -103,11 +89,7 @@ impl LatentMoe {
             renormalize: c.moe_renormalize,
             scaling: c.routed_scaling_factor,
             gate: Linear::load_shaped(store, &format!("{p}gate.weight"), c.num_experts, h)?,
-            bias: load_vec(
-                store,
-                &format!("{p}gate.e_score_correction_bias"),
-                c.num_experts,
-            )?,
+            bias: load_vec(store, &format!("{p}gate.e_score_correction_bias"), c.num_experts)?,
             down,
             norm,
             up,
@@ -127,15 +109,7 @@ impl LatentMoe {
         let mut logits = vec![0f32; self.gate.rows]; // [E]
         self.gate.forward(x, &mut logits);
         let (mut ids, mut w) = (Vec::new(), Vec::new());
-        select_experts(
-            &logits,
-            &self.bias,
-            self.top_k,
-            self.renormalize,
-            self.scaling,
-            &mut ids,
-            &mut w,
-        );
+        select_experts(&logits, &self.bias, self.top_k, self.renormalize, self.scaling, &mut ids, &mut w);
         ids
     }
 
@@ -157,17 +131,8 @@ impl LatentMoe {
         let mut logits = vec![0f32; self.gate.rows]; // [E]
         self.gate.forward(x, &mut logits);
         if routing.pinned {
-            anyhow::ensure!(
-                routing.experts.iter().all(|&e| e < self.gate.rows),
-                "pinned expert id out of range"
-            );
-            weights_for(
-                &logits,
-                &routing.experts,
-                self.renormalize,
-                self.scaling,
-                &mut routing.weights,
-            );
+            anyhow::ensure!(routing.experts.iter().all(|&e| e < self.gate.rows), "pinned expert id out of range");
+            weights_for(&logits, &routing.experts, self.renormalize, self.scaling, &mut routing.weights);
         } else {
             select_experts(
                 &logits,
@@ -207,27 +172,10 @@ impl LatentMoe {
         let mut done = vec![false; k];
         let layout = &self.layout;
         experts.drain(&mut |slot, record| {
-            anyhow::ensure!(
-                record.len() >= layout.record_bytes,
-                "expert record is too short"
-            );
+            anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
             // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I].
-            mxfp4_matvec(
-                layout.part(record, 0),
-                layout.part(record, 1),
-                i,
-                lat,
-                &xl,
-                &mut g,
-            );
-            mxfp4_matvec(
-                layout.part(record, 4),
-                layout.part(record, 5),
-                i,
-                lat,
-                &xl,
-                &mut u,
-            );
+            mxfp4_matvec(layout.part(record, 0), layout.part(record, 1), i, lat, &xl, &mut g);
+            mxfp4_matvec(layout.part(record, 4), layout.part(record, 5), i, lat, &xl, &mut u);
             situ(&g, &u, self.beta, self.linear_beta, &mut a);
             mxfp4_matvec(
                 layout.part(record, 2),
@@ -240,11 +188,7 @@ impl LatentMoe {
             done[slot] = true;
             Ok(())
         })?;
-        anyhow::ensure!(
-            done.iter().all(|&d| d),
-            "expert source did not deliver every expert of layer {}",
-            self.layer
-        );
+        anyhow::ensure!(done.iter().all(|&d| d), "expert source did not deliver every expert of layer {}", self.layer);
         let mut acc = vec![0f32; lat]; // [LAT] weighted sum of expert outputs
         for (slot, &w) in routing.weights.iter().enumerate() {
             for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {

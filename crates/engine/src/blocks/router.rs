@@ -27,13 +27,7 @@ pub fn select_experts(
 
 /// Weights for a given choice of experts (used when the choice is pinned, e.g. to replay another
 /// run's routing): the same normalisation as [`select_experts`].
-pub fn weights_for(
-    logits: &[f32],
-    ids: &[usize],
-    renormalize: bool,
-    scaling: f32,
-    out_weights: &mut Vec<f32>,
-) {
+pub fn weights_for(logits: &[f32], ids: &[usize], renormalize: bool, scaling: f32, out_weights: &mut Vec<f32>) {
     out_weights.clear();
     out_weights.extend(ids.iter().map(|&i| sigmoid(logits[i])));
     if ids.len() > 1 && renormalize {

@@ -44,12 +44,7 @@ pub struct LayerCache<V> {
 
 impl<V: Clone> LayerCache<V> {
     pub fn new(capacity: usize, policy: Policy) -> Self {
-        LayerCache {
-            capacity,
-            policy,
-            entries: HashMap::new(),
-            clock: 0,
-        }
+        LayerCache { capacity, policy, entries: HashMap::new(), clock: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -93,12 +88,8 @@ impl<V: Clone> LayerCache<V> {
     fn rebalance(&mut self) {
         let max_protected = (self.capacity * 4 / 5).max(1);
         loop {
-            let protected: Vec<(usize, u64)> = self
-                .entries
-                .iter()
-                .filter(|(_, e)| e.protected)
-                .map(|(&k, e)| (k, e.last_use))
-                .collect();
+            let protected: Vec<(usize, u64)> =
+                self.entries.iter().filter(|(_, e)| e.protected).map(|(&k, e)| (k, e.last_use)).collect();
             if protected.len() <= max_protected {
                 return;
             }
@@ -146,15 +137,7 @@ impl<V: Clone> LayerCache<V> {
             }
         }
         self.clock += 1;
-        self.entries.insert(
-            expert,
-            Entry {
-                value,
-                last_use: self.clock,
-                protected: false,
-                pins: 0,
-            },
-        );
+        self.entries.insert(expert, Entry { value, last_use: self.clock, protected: false, pins: 0 });
         Ok(evicted)
     }
 }
@@ -183,10 +166,7 @@ mod tests {
         for e in 10..20 {
             c.insert(e, ()).unwrap();
         }
-        assert!(
-            c.contains(1) && c.contains(2),
-            "reused experts survive a one-off scan"
-        );
+        assert!(c.contains(1) && c.contains(2), "reused experts survive a one-off scan");
         let mut l = LayerCache::new(4, Policy::Lru);
         for e in [1, 2] {
             l.insert(e, ()).unwrap();
@@ -195,10 +175,7 @@ mod tests {
         for e in 10..20 {
             l.insert(e, ()).unwrap();
         }
-        assert!(
-            !l.contains(1) && !l.contains(2),
-            "plain LRU is flushed by the scan"
-        );
+        assert!(!l.contains(1) && !l.contains(2), "plain LRU is flushed by the scan");
     }
 
     #[test]

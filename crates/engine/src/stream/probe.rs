@@ -23,34 +23,30 @@ pub struct ProbeResult {
     pub queue_depth: usize,
     pub backend: BackendKind,
     pub o_direct: bool,
+    pub batched: bool,
 }
 
 /// Read `reads` randomly chosen expert records (their aligned windows, first range only),
-/// `queue_depth` in flight, and report the rate.
+/// `queue_depth` in flight, and report the rate. With `batched`, reads go in groups of
+/// `queue_depth` and each group is waited for whole before the next is issued: the shape of a
+/// decode step's demand reads for one layer when nothing predicts the next layer.
 pub fn raw_read_bandwidth(
     store: &Store,
     backend: Option<BackendKind>,
     queue_depth: usize,
     reads: usize,
     seed: u64,
+    batched: bool,
 ) -> Result<ProbeResult> {
     let ex = &store.manifest.experts;
-    let targets: Vec<[u64; 3]> = ex
-        .layers
-        .iter()
-        .flat_map(|l| l.experts.iter().map(|e| e.ranges[0]))
-        .collect();
+    let targets: Vec<[u64; 3]> = ex.layers.iter().flat_map(|l| l.experts.iter().map(|e| e.ranges[0])).collect();
     if targets.is_empty() {
         bail!("the store has no routed experts to read");
     }
     let (files, o_direct) = open_files(store.experts.paths(), true)?;
     let mut be = make_backend(Arc::new(files), backend, queue_depth)?;
     let window = |r: &[u64; 3]| (align_down(r[1]), align_up(r[1] + r[2]));
-    let max_w = targets
-        .iter()
-        .map(|r| window(r).1 - window(r).0)
-        .max()
-        .unwrap_or(4096) as usize;
+    let max_w = targets.iter().map(|r| window(r).1 - window(r).0).max().unwrap_or(4096) as usize;
     let qd = queue_depth.max(1);
     let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(max_w)).collect();
     let mut free: Vec<usize> = (0..qd).collect();
@@ -59,7 +55,9 @@ pub fn raw_read_bandwidth(
     let mut done = Vec::new();
     let t0 = Instant::now();
     while completed < reads {
-        while issued < reads
+        let may_issue = !batched || free.len() == qd;
+        while may_issue
+            && issued < reads
             && let Some(b) = free.pop()
         {
             let r = targets[rng.random_range(0..targets.len())];
@@ -94,5 +92,6 @@ pub fn raw_read_bandwidth(
         queue_depth: qd,
         backend: be.kind(),
         o_direct,
+        batched,
     })
 }

@@ -43,9 +43,7 @@ impl std::str::FromStr for BackendKind {
         match s {
             "io-uring" | "io_uring" => Ok(BackendKind::IoUring),
             "pread" => Ok(BackendKind::Pread),
-            _ => Err(format!(
-                "unknown I/O back-end '{s}' (expected io-uring or pread)"
-            )),
+            _ => Err(format!("unknown I/O back-end '{s}' (expected io-uring or pread)")),
         }
     }
 }
@@ -76,11 +74,7 @@ pub fn open_files(paths: &[std::path::PathBuf], direct: bool) -> io::Result<(Vec
 
 fn open_one(p: &Path, direct: &mut bool) -> io::Result<File> {
     if *direct {
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(p)
-        {
+        match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(p) {
             Ok(f) => return Ok(f),
             // tmpfs and some others refuse O_DIRECT with EINVAL: fall back to buffered reads.
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => *direct = false,
@@ -108,10 +102,7 @@ fn pread_req(file: &File, req: &ReadReq) -> io::Result<()> {
         }
     }
     if got < req.need {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("read {got} of {} bytes", req.need),
-        ));
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("read {got} of {} bytes", req.need)));
     }
     Ok(())
 }
@@ -153,12 +144,7 @@ impl PreadPool {
                 })
             })
             .collect();
-        PreadPool {
-            jobs: Some(jtx),
-            done: drx,
-            threads,
-            in_flight: 0,
-        }
+        PreadPool { jobs: Some(jtx), done: drx, threads, in_flight: 0 }
     }
 }
 
@@ -168,13 +154,9 @@ impl ReadBackend for PreadPool {
     }
 
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
-        let tx = self
-            .jobs
-            .as_ref()
-            .ok_or_else(|| io::Error::other("pool stopped"))?;
+        let tx = self.jobs.as_ref().ok_or_else(|| io::Error::other("pool stopped"))?;
         for r in reqs {
-            tx.send(*r)
-                .map_err(|_| io::Error::other("I/O threads stopped"))?;
+            tx.send(*r).map_err(|_| io::Error::other("I/O threads stopped"))?;
             self.in_flight += 1;
         }
         Ok(())
@@ -184,10 +166,7 @@ impl ReadBackend for PreadPool {
         if self.in_flight == 0 {
             return Ok(());
         }
-        let first = self
-            .done
-            .recv()
-            .map_err(|_| io::Error::other("I/O threads stopped"))?;
+        let first = self.done.recv().map_err(|_| io::Error::other("I/O threads stopped"))?;
         out.push(first);
         self.in_flight -= 1;
         while let Ok(c) = self.done.try_recv() {
@@ -234,29 +213,17 @@ pub struct Uring {
 impl Uring {
     pub fn new(files: Arc<Vec<File>>, depth: u32) -> io::Result<Self> {
         let ring = io_uring::IoUring::new(depth.max(2))?;
-        Ok(Uring {
-            ring,
-            files,
-            pending: Default::default(),
-            backlog: Default::default(),
-        })
+        Ok(Uring { ring, files, pending: Default::default(), backlog: Default::default() })
     }
 
     fn push_backlog(&mut self) -> io::Result<()> {
         let mut pushed = false;
         while let Some(r) = self.backlog.front().copied() {
-            let f = self
-                .files
-                .get(r.file)
-                .ok_or_else(|| io::Error::other("bad file index"))?;
-            let entry = io_uring::opcode::Read::new(
-                io_uring::types::Fd(f.as_raw_fd()),
-                r.buf,
-                r.len as u32,
-            )
-            .offset(r.offset)
-            .build()
-            .user_data(r.tag);
+            let f = self.files.get(r.file).ok_or_else(|| io::Error::other("bad file index"))?;
+            let entry = io_uring::opcode::Read::new(io_uring::types::Fd(f.as_raw_fd()), r.buf, r.len as u32)
+                .offset(r.offset)
+                .build()
+                .user_data(r.tag);
             // SAFETY: the buffer stays valid and untouched until the completion for this tag is
             // reaped (ReadReq contract), and the fd outlives the ring (both owned by self).
             if unsafe { self.ring.submission().push(&entry) }.is_err() {

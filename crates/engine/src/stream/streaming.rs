@@ -107,30 +107,19 @@ impl StreamingExperts {
         let (files, o_direct) = open_files(&paths, opts.direct)?;
         let files = Arc::new(files);
         let backend = make_backend(files, opts.backend, opts.queue_depth.max(1))?;
-        let locs: HashMap<usize, Vec<ExpertLocation>> = ex
-            .layers
-            .iter()
-            .map(|l| (l.layer, l.experts.clone()))
-            .collect();
+        let locs: HashMap<usize, Vec<ExpertLocation>> =
+            ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
         // A buffer holds the aligned windows of all of a record's ranges back to back.
         let slot_bytes = locs
             .values()
             .flatten()
-            .map(|l| {
-                l.ranges
-                    .iter()
-                    .map(|r| (align_up(r[1] + r[2]) - align_down(r[1])) as usize)
-                    .sum::<usize>()
-            })
+            .map(|l| l.ranges.iter().map(|r| (align_up(r[1] + r[2]) - align_down(r[1])) as usize).sum::<usize>())
             .max()
             .unwrap_or(DIRECT_ALIGN);
         let layers = locs.len();
         let n_bufs = opts.cache_slots_per_layer * layers + opts.io_buffers.max(1);
         let bufs: Vec<AlignedBuf> = (0..n_bufs).map(|_| AlignedBuf::new(slot_bytes)).collect();
-        let caches = locs
-            .keys()
-            .map(|&l| (l, LayerCache::new(opts.cache_slots_per_layer, opts.policy)))
-            .collect();
+        let caches = locs.keys().map(|&l| (l, LayerCache::new(opts.cache_slots_per_layer, opts.policy))).collect();
         Ok(StreamingExperts {
             backend_kind: backend.kind(),
             backend,
@@ -172,10 +161,7 @@ impl StreamingExperts {
 
     /// Start reading (layer, expert) into a free buffer.
     fn start_read(&mut self, key: (usize, usize), demanded: bool) -> Result<()> {
-        let buf = self
-            .free
-            .pop()
-            .ok_or_else(|| anyhow!("no free expert buffer (plan too small)"))?;
+        let buf = self.free.pop().ok_or_else(|| anyhow!("no free expert buffer (plan too small)"))?;
         let loc = self.location(key.0, key.1)?.clone();
         let id = self.next_id;
         self.next_id += 1;
@@ -200,17 +186,8 @@ impl StreamingExperts {
             pos += (end - start) as usize;
         }
         let bytes: u64 = reqs.iter().map(|r| r.len as u64).sum();
-        self.flights.insert(
-            id,
-            Flight {
-                key,
-                buf,
-                parts_left: reqs.len(),
-                demanded,
-                prefetched: !demanded,
-                error: None,
-            },
-        );
+        self.flights
+            .insert(id, Flight { key, buf, parts_left: reqs.len(), demanded, prefetched: !demanded, error: None });
         self.by_key.insert(key, id);
         let st = self.stats.entry(key.0).or_default();
         st.bytes_read += bytes;
@@ -249,13 +226,7 @@ impl StreamingExperts {
         let rec = &b[start..start + self.record_bytes];
         let actual = xxh3_64(rec);
         if actual != loc.xxh3 {
-            return Err(StoreError::Checksum {
-                layer: key.0,
-                expert: key.1,
-                expected: loc.xxh3,
-                actual,
-            }
-            .into());
+            return Err(StoreError::Checksum { layer: key.0, expert: key.1, expected: loc.xxh3, actual }.into());
         }
         Ok(start)
     }
@@ -293,10 +264,7 @@ impl StreamingExperts {
                     "reading layer {} expert {} from {}: {e}",
                     f.key.0,
                     f.key.1,
-                    self.paths
-                        .first()
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_default()
+                    self.paths.first().map(|p| p.display().to_string()).unwrap_or_default()
                 )),
                 None => self.finalize(f.buf, f.key),
             };
@@ -310,12 +278,7 @@ impl StreamingExperts {
             self.data_start[f.buf] = start;
             let demand_idx = self.demand.as_ref().and_then(|d| {
                 (d.layer == f.key.0 && f.demanded)
-                    .then(|| {
-                        d.experts
-                            .iter()
-                            .enumerate()
-                            .position(|(i, &e)| e == f.key.1 && d.ready[i].is_none())
-                    })
+                    .then(|| d.experts.iter().enumerate().position(|(i, &e)| e == f.key.1 && d.ready[i].is_none()))
                     .flatten()
             });
             match demand_idx {
@@ -327,10 +290,7 @@ impl StreamingExperts {
                 }
                 None => {
                     // A prefetch finished: keep it as a probationary cache entry.
-                    let cache = self
-                        .caches
-                        .entry(f.key.0)
-                        .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+                    let cache = self.caches.entry(f.key.0).or_insert_with(|| LayerCache::new(0, self.opts.policy));
                     match cache.insert(f.key.1, f.buf) {
                         Ok(evicted) => {
                             self.free.extend(evicted);
@@ -397,10 +357,7 @@ impl ExpertSource for StreamingExperts {
             self.location(layer, e)?;
             let st = self.stats.entry(layer).or_default();
             st.accesses += 1;
-            let cache = self
-                .caches
-                .entry(layer)
-                .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+            let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
             if let Some(b) = cache.get(e) {
                 cache.pin(e);
                 d.ready[i] = Some(b);
@@ -428,18 +385,12 @@ impl ExpertSource for StreamingExperts {
     }
 
     fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
-        let Some(d) = self.demand.as_ref() else {
-            bail!("expert source: drain() without begin()")
-        };
+        let Some(d) = self.demand.as_ref() else { bail!("expert source: drain() without begin()") };
         let layer = d.layer;
         let rb = self.record_bytes;
         // Records already in memory first, in order, while the reads are in flight.
-        let mut queue: Vec<(usize, usize)> = d
-            .ready
-            .iter()
-            .enumerate()
-            .filter_map(|(i, b)| b.map(|b| (i, b)))
-            .collect();
+        let mut queue: Vec<(usize, usize)> =
+            d.ready.iter().enumerate().filter_map(|(i, b)| b.map(|b| (i, b))).collect();
         loop {
             for (i, b) in queue.drain(..) {
                 let s = self.data_start[b];
@@ -448,24 +399,15 @@ impl ExpertSource for StreamingExperts {
                     d.delivered[i] = true;
                 }
             }
-            let all = self
-                .demand
-                .as_ref()
-                .is_some_and(|d| d.delivered.iter().all(|&x| x));
+            let all = self.demand.as_ref().is_some_and(|d| d.delivered.iter().all(|&x| x));
             if all {
                 break;
             }
             queue = self.reap()?;
         }
         // Settle ownership: cache hits are unpinned; fresh records enter the cache or go free.
-        let d = self
-            .demand
-            .take()
-            .ok_or_else(|| anyhow!("demand vanished"))?;
-        let cache = self
-            .caches
-            .entry(layer)
-            .or_insert_with(|| LayerCache::new(0, self.opts.policy));
+        let d = self.demand.take().ok_or_else(|| anyhow!("demand vanished"))?;
+        let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
         for (i, &e) in d.experts.iter().enumerate() {
             let Some(b) = d.ready[i] else { continue };
             if d.cached[i] {

@@ -11,9 +11,7 @@ use serde::Deserialize;
 pub const FIXTURES: [&str; 2] = ["k3-tiny", "k3-small"];
 
 pub fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
 }
 
 #[derive(Deserialize)]
@@ -31,24 +29,13 @@ pub struct Reference {
 
 pub fn reference(name: &str) -> Reference {
     let p = fixture_dir(name).join("reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&p).expect("read reference.json"))
-        .expect("parse reference.json")
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("read reference.json")).expect("parse reference.json")
 }
 
 /// Convert a fixture into a fresh temporary store.
-pub fn convert_fixture(
-    name: &str,
-    spine: SpineDtype,
-    int8_group: usize,
-    experts: ExpertLayout,
-) -> tempfile::TempDir {
+pub fn convert_fixture(name: &str, spine: SpineDtype, int8_group: usize, experts: ExpertLayout) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
-    let opts = ConvertOptions {
-        spine,
-        int8_group,
-        experts,
-        progress: false,
-    };
+    let opts = ConvertOptions { spine, int8_group, experts, progress: false };
     convert(&fixture_dir(name).join("hf"), dir.path(), &opts).expect("convert");
     dir
 }
@@ -56,10 +43,7 @@ pub fn convert_fixture(
 /// Max absolute difference divided by max |reference|.
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let d = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let d = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     let s = want.iter().fold(0f32, |m, b| m.max(b.abs()));
     d / s
 }
