@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Interleave configurations differing in one option, e.g. `io-backend=io-uring,pread`,
+    /// `cache-policy=lru,slru`, `prefetch=on,off`, `memory-budget=2G,8G`.
+    #[arg(long)]
+    pub vary: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -185,28 +189,113 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         a.probe_reads.to_string(),
     ];
 
-    let mut runs = Vec::new();
-    let mut raw_batched = Vec::new();
-    let (mut raw, mut spt, mut ttft, mut bpt, mut hit, mut ach, mut frac, mut floor, mut rss, mut iow) =
-        (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+    // Configurations to interleave: the base one, or one per value of --vary.
+    let configs: Vec<(String, Vec<String>)> = match &a.vary {
+        None => vec![("base".to_string(), Vec::new())],
+        Some(spec) => {
+            let (flag, values) = spec.split_once('=').ok_or_else(|| anyhow::anyhow!("--vary wants FLAG=V1,V2"))?;
+            values
+                .split(',')
+                .map(|v| {
+                    let extra = match (flag, v) {
+                        ("prefetch", "on") => vec![],
+                        ("prefetch", "off") => vec!["--no-prefetch".to_string()],
+                        ("prefetch", _) => bail!("--vary prefetch=on,off"),
+                        (f, v) => vec![format!("--{f}"), v.to_string()],
+                    };
+                    Ok((format!("{flag}={v}"), extra))
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+    let mut accs: Vec<Acc> = configs.iter().map(|_| Acc::default()).collect();
     for i in 0..a.runs {
-        // Alternate probe and run so drift affects both alike.
-        let mut pa = probe_args.clone();
-        pa.extend(["--seed".into(), (i + 1).to_string()]);
-        let p = run_self(&pa)?;
-        pa.push("--batched".into());
-        let pb = run_self(&pa)?;
-        raw_batched.push(pb["gbps"].as_f64().unwrap_or(f64::NAN));
-        let g = run_self(&gen_args)?;
+        // Interleave configurations (A B A B ...) and pair every run with fresh probes, so drift
+        // affects all alike.
+        for (c, (label, extra)) in configs.iter().enumerate() {
+            let mut pa = probe_args.clone();
+            pa.extend(["--seed".into(), (i * configs.len() + c + 1).to_string()]);
+            let p = run_self(&pa)?;
+            pa.push("--batched".into());
+            let pb = run_self(&pa)?;
+            let mut ga = without_flag(&gen_args, extra.first().map(String::as_str));
+            ga.extend(extra.iter().cloned());
+            let g = run_self(&ga)?;
+            let acc = &mut accs[c];
+            acc.add(&p, &pb, &g);
+            eprintln!(
+                "run {}/{} [{label}]: raw {:.2} GB/s (batched {:.2}); {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
+                i + 1,
+                a.runs,
+                acc.raw.last().copied().unwrap_or(f64::NAN),
+                acc.raw_batched.last().copied().unwrap_or(f64::NAN),
+                acc.spt.last().copied().unwrap_or(f64::NAN),
+                human(acc.bpt.last().copied().unwrap_or(0.0) as u64),
+                acc.ach.last().copied().unwrap_or(f64::NAN),
+                100.0 * acc.frac.last().copied().unwrap_or(f64::NAN),
+                100.0 * acc.hit.last().copied().unwrap_or(0.0),
+                human(acc.rss.last().copied().unwrap_or(0.0) as u64)
+            );
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "run": g }));
+        }
+    }
+    let summaries: Vec<Value> =
+        configs.iter().zip(&accs).map(|((label, _), acc)| acc.summary(label, &a, &prompt, &m.model)).collect();
+    if a.json {
+        if summaries.len() == 1 {
+            println!("{}", summaries[0]);
+        } else {
+            println!("{}", json!({ "vary": a.vary, "configs": summaries }));
+        }
+    } else {
+        for out in &summaries {
+            print_summary(out);
+        }
+    }
+    Ok(())
+}
+
+/// `args` without `flag` and its value (so a varied option replaces the base one).
+fn without_flag(args: &[String], flag: Option<&str>) -> Vec<String> {
+    let Some(flag) = flag.filter(|f| *f != "--no-prefetch") else { return args.to_vec() };
+    let mut out = Vec::with_capacity(args.len());
+    let mut skip = false;
+    for a in args {
+        if skip {
+            skip = false;
+        } else if a == flag {
+            skip = true;
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+#[derive(Default)]
+struct Acc {
+    runs: Vec<Value>,
+    raw: Vec<f64>,
+    raw_batched: Vec<f64>,
+    spt: Vec<f64>,
+    ttft: Vec<f64>,
+    bpt: Vec<f64>,
+    hit: Vec<f64>,
+    ach: Vec<f64>,
+    frac: Vec<f64>,
+    floor: Vec<f64>,
+    rss: Vec<f64>,
+    iow: Vec<f64>,
+}
+
+impl Acc {
+    fn add(&mut self, p: &Value, pb: &Value, g: &Value) {
         let raw_gbps = p["gbps"].as_f64().unwrap_or(f64::NAN);
-        let steps: Vec<f64> = g["timing"]["decode_step_s"]
-            .as_array()
-            .map(|v| v.iter().filter_map(|x| x.as_f64()).collect())
-            .unwrap_or_default();
-        let bytes: Vec<f64> = g["timing"]["decode_step_bytes"]
-            .as_array()
-            .map(|v| v.iter().filter_map(|x| x.as_f64()).collect())
-            .unwrap_or_default();
+        let list = |v: &Value| -> Vec<f64> {
+            v.as_array().map(|v| v.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
+        };
+        let steps = list(&g["timing"]["decode_step_s"]);
+        let bytes = list(&g["timing"]["decode_step_bytes"]);
         // Steady state: drop the first decode step.
         let s_steps = &steps[1.min(steps.len())..];
         let s_bytes = &bytes[1.min(bytes.len())..];
@@ -214,105 +303,101 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let bytes_per_token = s_bytes.iter().sum::<f64>() / s_bytes.len().max(1) as f64;
         let achieved = bytes_per_token / s_per_token / 1e9;
         let total_s = g["timing"]["total_s"].as_f64().unwrap_or(f64::NAN);
-        let io_wait = g["stream"]["io_wait_s"].as_f64().unwrap_or(f64::NAN);
-        raw.push(raw_gbps);
-        spt.push(s_per_token);
-        ttft.push(g["timing"]["ttft_s"].as_f64().unwrap_or(f64::NAN));
-        bpt.push(bytes_per_token);
-        hit.push(g["stream"]["hit_rate"].as_f64().unwrap_or(f64::NAN));
-        ach.push(achieved);
-        frac.push(achieved / raw_gbps);
-        floor.push(bytes_per_token / (raw_gbps * 1e9));
-        rss.push(g["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN));
-        iow.push(io_wait / total_s);
-        eprintln!(
-            "run {}/{}: raw {:.2} GB/s (batched {:.2}); {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
-            i + 1,
-            a.runs,
-            raw_gbps,
-            raw_batched.last().copied().unwrap_or(f64::NAN),
-            s_per_token,
-            human(bytes_per_token as u64),
-            achieved,
-            100.0 * achieved / raw_gbps,
-            100.0 * hit.last().copied().unwrap_or(0.0),
-            human(rss.last().copied().unwrap_or(0.0) as u64)
-        );
-        runs.push(json!({ "probe": p, "probe_batched": pb, "run": g }));
+        self.raw.push(raw_gbps);
+        self.raw_batched.push(pb["gbps"].as_f64().unwrap_or(f64::NAN));
+        self.spt.push(s_per_token);
+        self.ttft.push(g["timing"]["ttft_s"].as_f64().unwrap_or(f64::NAN));
+        self.bpt.push(bytes_per_token);
+        self.hit.push(g["stream"]["hit_rate"].as_f64().unwrap_or(f64::NAN));
+        self.ach.push(achieved);
+        self.frac.push(achieved / raw_gbps);
+        self.floor.push(bytes_per_token / (raw_gbps * 1e9));
+        self.rss.push(g["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN));
+        self.iow.push(g["stream"]["io_wait_s"].as_f64().unwrap_or(f64::NAN) / total_s);
     }
-    let med = |v: &[f64]| median(&mut v.to_vec());
-    let first = &runs[0]["run"];
-    let out = json!({
-        "s_per_token": med(&spt),
-        "tokens_per_s": 1.0 / med(&spt),
-        "ttft_s": med(&ttft),
-        "expert_bytes_per_token": med(&bpt),
-        "spine_bytes_per_token": 0,
-        "hit_rate": med(&hit),
-        "achieved_gbps": med(&ach),
-        "raw_gbps": med(&raw),
-        "raw_batched_gbps": med(&raw_batched),
-        "bandwidth_fraction_of_batched": med(&ach) / med(&raw_batched),
-        "bandwidth_fraction": med(&frac),
-        "floor_s_per_token": med(&floor),
-        "decode_vs_floor": med(&spt) / med(&floor),
-        "io_wait_fraction": med(&iow),
-        "peak_rss_bytes": med(&rss),
-        "memory_budget_bytes": first["memory_budget_bytes"],
-        "runs": a.runs,
-        "ranges": {
-            "s_per_token": stat(&spt), "raw_gbps": stat(&raw), "achieved_gbps": stat(&ach),
-            "bandwidth_fraction": stat(&frac), "hit_rate": stat(&hit), "raw_batched_gbps": stat(&raw_batched), "peak_rss_bytes": stat(&rss),
-        },
-        "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
-        "prompt_tokens": prompt,
-        "generated_tokens": a.max_tokens,
-        "model": first["model"],
-        "experts_per_token": first["experts_per_token"],
-        "modified_top_k": first["modified_top_k"],
-        "numerics": first["numerics"],
-        "kernel_path": first["kernel_path"],
-        "io_backend": first["stream"]["io_backend"],
-        "o_direct": first["stream"]["o_direct"],
-        "prefetch": first["stream"]["prefetch"],
-        "prefetch_precision": first["stream"]["prefetch_precision"],
-        "prefetch_recall": first["stream"]["prefetch_recall"],
-        "plan": first["plan"],
-        "machine": machine(),
-        "storage": storage(&m.model),
-        "git_commit": git_commit(),
-        "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
-    });
-    if a.json {
-        println!("{out}");
-    } else {
-        if out["modified_top_k"].as_bool() == Some(true) {
-            println!("NOTE: {} -- not comparable with default-k figures", out["model"].as_str().unwrap_or(""));
-        }
-        println!(
-            "{} runs, {}: {:.3} s/token median ({:.3}-{:.3}), {:.4} tokens/s; TTFT {:.3} s",
-            a.runs,
-            out["cache"].as_str().unwrap_or(""),
-            med(&spt),
-            stat(&spt)["min"].as_f64().unwrap_or(0.0),
-            stat(&spt)["max"].as_f64().unwrap_or(0.0),
-            1.0 / med(&spt),
-            med(&ttft)
-        );
-        println!(
-            "expert reads {} per token, hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
-            human(med(&bpt) as u64),
-            100.0 * med(&hit),
-            med(&ach),
-            med(&raw),
-            100.0 * med(&frac),
-            med(&raw_batched),
-            med(&floor),
-            med(&spt) / med(&floor),
-            100.0 * med(&iow),
-            human(med(&rss) as u64),
-            human(first["memory_budget_bytes"].as_u64().unwrap_or(0)),
-        );
+
+    fn summary(&self, label: &str, a: &BenchArgs, prompt: &[u32], store: &std::path::Path) -> Value {
+        let med = |v: &[f64]| median(&mut v.to_vec());
+        let first = &self.runs[0]["run"];
+        json!({
+            "config": label,
+            "s_per_token": med(&self.spt),
+            "tokens_per_s": 1.0 / med(&self.spt),
+            "ttft_s": med(&self.ttft),
+            "expert_bytes_per_token": med(&self.bpt),
+            "spine_bytes_per_token": 0,
+            "hit_rate": med(&self.hit),
+            "achieved_gbps": med(&self.ach),
+            "raw_gbps": med(&self.raw),
+            "raw_batched_gbps": med(&self.raw_batched),
+            "bandwidth_fraction": med(&self.frac),
+            "bandwidth_fraction_of_batched": med(&self.ach) / med(&self.raw_batched),
+            "floor_s_per_token": med(&self.floor),
+            "decode_vs_floor": med(&self.spt) / med(&self.floor),
+            "io_wait_fraction": med(&self.iow),
+            "peak_rss_bytes": med(&self.rss),
+            "memory_budget_bytes": first["memory_budget_bytes"],
+            "runs": a.runs,
+            "ranges": {
+                "s_per_token": stat(&self.spt), "raw_gbps": stat(&self.raw), "raw_batched_gbps": stat(&self.raw_batched),
+                "achieved_gbps": stat(&self.ach), "bandwidth_fraction": stat(&self.frac), "hit_rate": stat(&self.hit),
+                "peak_rss_bytes": stat(&self.rss),
+            },
+            "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
+            "prompt_tokens": prompt,
+            "generated_tokens": a.max_tokens,
+            "model": first["model"],
+            "experts_per_token": first["experts_per_token"],
+            "modified_top_k": first["modified_top_k"],
+            "numerics": first["numerics"],
+            "kernel_path": first["kernel_path"],
+            "io_backend": first["stream"]["io_backend"],
+            "o_direct": first["stream"]["o_direct"],
+            "cache_policy": first["stream"]["cache_policy"],
+            "prefetch": first["stream"]["prefetch"],
+            "prefetch_precision": first["stream"]["prefetch_precision"],
+            "prefetch_recall": first["stream"]["prefetch_recall"],
+            "plan": first["plan"],
+            "machine": machine(),
+            "storage": storage(store),
+            "git_commit": git_commit(),
+            "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+            "per_run": self.runs,
+        })
     }
-    Ok(())
+}
+
+fn print_summary(out: &Value) {
+    let f = |k: &str| out[k].as_f64().unwrap_or(f64::NAN);
+    let r = |k: &str, e: &str| out["ranges"][k][e].as_f64().unwrap_or(f64::NAN);
+    println!("== {} ==", out["config"].as_str().unwrap_or(""));
+    if out["modified_top_k"].as_bool() == Some(true) {
+        println!("NOTE: {} -- not comparable with default-k figures", out["model"].as_str().unwrap_or(""));
+    }
+    println!(
+        "{} runs, {}: {:.3} s/token median ({:.3}-{:.3}), {:.4} tokens/s; TTFT {:.3} s; {} backend, kernels {}",
+        out["runs"],
+        out["cache"].as_str().unwrap_or(""),
+        f("s_per_token"),
+        r("s_per_token", "min"),
+        r("s_per_token", "max"),
+        f("tokens_per_s"),
+        f("ttft_s"),
+        out["io_backend"],
+        out["kernel_path"],
+    );
+    println!(
+        "expert reads {} per token, hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
+        human(f("expert_bytes_per_token") as u64),
+        100.0 * f("hit_rate"),
+        f("achieved_gbps"),
+        f("raw_gbps"),
+        100.0 * f("bandwidth_fraction"),
+        f("raw_batched_gbps"),
+        f("floor_s_per_token"),
+        f("decode_vs_floor"),
+        100.0 * f("io_wait_fraction"),
+        human(f("peak_rss_bytes") as u64),
+        human(out["memory_budget_bytes"].as_u64().unwrap_or(0)),
+    );
 }

@@ -44,6 +44,10 @@ pub struct ModelArgs {
     /// Routed experts per token (default: the model's). Fewer experts is a different model.
     #[arg(long)]
     pub experts_per_token: Option<usize>,
+    /// Keep only this many leading spine layers in memory and stream the rest (default: as many
+    /// as the budget holds).
+    #[arg(long)]
+    pub resident_spine_layers: Option<usize>,
 }
 
 impl ModelArgs {
@@ -61,6 +65,7 @@ impl ModelArgs {
             prefetch: !self.no_prefetch,
             direct: !self.buffered,
             experts_per_token: self.experts_per_token,
+            resident_spine_layers: self.resident_spine_layers,
         })
     }
 

@@ -3,7 +3,9 @@
 
 use anyhow::{Context, Result};
 use deltafin_kernels::ops::rms_norm;
-use deltafin_store::{AttnKind, K3Config, Store};
+use std::sync::Mutex;
+
+use deltafin_store::{AttnKind, K3Config, SpineSource, Store};
 
 use crate::blocks::attn_res::{ResidualBlocks, effective_weight};
 use crate::blocks::kda::{Kda, KdaState};
@@ -11,6 +13,7 @@ use crate::blocks::mla::{Mla, MlaState};
 use crate::blocks::mlp::GatedMlp;
 use crate::blocks::moe::{LatentMoe, Routing};
 use crate::experts::{ExpertSource, RecordLayout};
+use crate::spine_stream::SpineStreamer;
 use crate::weights::{Linear, load_vec};
 
 pub enum Attention {
@@ -34,11 +37,19 @@ pub struct Layer {
     pub ffn: Ffn,
 }
 
+/// A decoder layer's spine: in memory, or read from the spine file for every token.
+pub enum LayerSlot {
+    Resident(Layer),
+    Streamed,
+}
+
 pub struct K3Model {
     pub config: K3Config,
     /// `[vocab, H]`.
     pub embed: Linear,
-    pub layers: Vec<Layer>,
+    pub layers: Vec<LayerSlot>,
+    /// Loader of the streamed layers, when the spine does not fit the budget.
+    pub spine_stream: Option<Mutex<SpineStreamer>>,
     /// `[H]`.
     pub norm: Vec<f32>,
     /// `[H]`.
@@ -65,56 +76,89 @@ pub struct K3State {
     pub routing: Vec<Routing>,
 }
 
+/// One decoder layer's spine weights, from the store file or a streamed image of it.
+pub fn load_layer(src: &dyn SpineSource, c: &K3Config, l: usize, layout: &RecordLayout) -> Result<Layer> {
+    let h = c.hidden_size;
+    let p = format!("layers.{l}.");
+    let res_w = |p: &str| -> Result<Vec<f32>> {
+        Ok(effective_weight(
+            &load_vec(src, &format!("{p}_norm.weight"), h)?,
+            &load_vec(src, &format!("{p}_proj.weight"), h)?,
+        ))
+    };
+    let attn = match c.attn_kind(l) {
+        AttnKind::Kda => Attention::Kda(Box::new(Kda::load(
+            src,
+            &format!("{p}self_attn."),
+            &c.linear_attn_config,
+            h,
+            c.rms_norm_eps,
+        )?)),
+        AttnKind::Mla => Attention::Mla(Box::new(Mla::load(src, &format!("{p}self_attn."), c)?)),
+    };
+    let ffn = if c.is_moe_layer(l) {
+        Ffn::Moe(Box::new(LatentMoe::load(src, l, c, layout)?))
+    } else {
+        Ffn::Dense(Box::new(GatedMlp::load(
+            src,
+            &format!("{p}mlp."),
+            h,
+            c.intermediate_size,
+            c.situ_beta(),
+            c.activation_situ_linear_beta,
+        )?))
+    };
+    let res = if c.attn_res_block_size.is_some() {
+        Some((res_w(&format!("{p}self_attention_res"))?, res_w(&format!("{p}mlp_res"))?))
+    } else {
+        None
+    };
+    let mut layer = Layer {
+        input_norm: load_vec(src, &format!("{p}input_layernorm.weight"), h)?,
+        post_norm: load_vec(src, &format!("{p}post_attention_layernorm.weight"), h)?,
+        res_w: res,
+        attn,
+        ffn,
+    };
+    if let Ffn::Moe(m) = &mut layer.ffn {
+        m.top_k = c.num_experts_per_token;
+    }
+    Ok(layer)
+}
+
 impl K3Model {
+    /// Load the model with every spine layer resident.
     pub fn load(store: &Store) -> Result<Self> {
+        Self::load_with(store, None)
+    }
+
+    /// Load the model; `resident_layers` (when given) keeps only the first that many decoder
+    /// layers' spine in memory and streams the rest from the spine file for every token.
+    pub fn load_with(store: &Store, resident_layers: Option<usize>) -> Result<Self> {
         let c = store.manifest.config.clone();
         let h = c.hidden_size;
+        let ex = &store.manifest.experts;
+        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes).context("expert record layout")?;
+        let resident = resident_layers.unwrap_or(c.num_hidden_layers).min(c.num_hidden_layers);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            layers.push(if l < resident {
+                LayerSlot::Resident(load_layer(store, &c, l, &layout)?)
+            } else {
+                LayerSlot::Streamed
+            });
+        }
+        let spine_stream = if resident < c.num_hidden_layers {
+            Some(Mutex::new(SpineStreamer::start(store, (resident..c.num_hidden_layers).collect(), layout.clone())?))
+        } else {
+            None
+        };
         let res_w = |p: &str| -> Result<Vec<f32>> {
             Ok(effective_weight(
                 &load_vec(store, &format!("{p}_norm.weight"), h)?,
                 &load_vec(store, &format!("{p}_proj.weight"), h)?,
             ))
         };
-        let ex = &store.manifest.experts;
-        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes).context("expert record layout")?;
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for l in 0..c.num_hidden_layers {
-            let p = format!("layers.{l}.");
-            let attn = match c.attn_kind(l) {
-                AttnKind::Kda => Attention::Kda(Box::new(Kda::load(
-                    store,
-                    &format!("{p}self_attn."),
-                    &c.linear_attn_config,
-                    h,
-                    c.rms_norm_eps,
-                )?)),
-                AttnKind::Mla => Attention::Mla(Box::new(Mla::load(store, &format!("{p}self_attn."), &c)?)),
-            };
-            let ffn = if c.is_moe_layer(l) {
-                Ffn::Moe(Box::new(LatentMoe::load(store, l, &c, &layout)?))
-            } else {
-                Ffn::Dense(Box::new(GatedMlp::load(
-                    store,
-                    &format!("{p}mlp."),
-                    h,
-                    c.intermediate_size,
-                    c.situ_beta(),
-                    c.activation_situ_linear_beta,
-                )?))
-            };
-            let res = if c.attn_res_block_size.is_some() {
-                Some((res_w(&format!("{p}self_attention_res"))?, res_w(&format!("{p}mlp_res"))?))
-            } else {
-                None
-            };
-            layers.push(Layer {
-                input_norm: load_vec(store, &format!("{p}input_layernorm.weight"), h)?,
-                post_norm: load_vec(store, &format!("{p}post_attention_layernorm.weight"), h)?,
-                res_w: res,
-                attn,
-                ffn,
-            });
-        }
         Ok(K3Model {
             embed: Linear::load_shaped(store, "embed_tokens.weight", c.vocab_size, h)?,
             norm: load_vec(store, "norm.weight", h)?,
@@ -126,6 +170,7 @@ impl K3Model {
             },
             prefetch: false,
             predict: false,
+            spine_stream,
             layers,
             config: c,
         })
@@ -136,9 +181,10 @@ impl K3Model {
         if !self.prefetch && !self.predict {
             return None;
         }
-        self.layers[l + 1..].iter().find_map(|ly| match &ly.ffn {
-            Ffn::Moe(m) => Some(&**m),
-            Ffn::Dense(_) => None,
+        // Only resident layers are looked into: a streamed layer's router is not in memory yet.
+        self.layers[l + 1..].iter().find_map(|ly| match ly {
+            LayerSlot::Resident(Layer { ffn: Ffn::Moe(m), .. }) => Some(&**m),
+            _ => None,
         })
     }
 
@@ -150,9 +196,12 @@ impl K3Model {
             self.config.num_experts
         );
         for l in &mut self.layers {
-            if let Ffn::Moe(m) = &mut l.ffn {
+            if let LayerSlot::Resident(Layer { ffn: Ffn::Moe(m), .. }) = l {
                 m.top_k = k;
             }
+        }
+        if let Some(s) = &self.spine_stream {
+            s.lock().map_err(|_| anyhow::anyhow!("spine loader poisoned"))?.set_top_k(k);
         }
         self.config.num_experts_per_token = k;
         Ok(())
@@ -160,12 +209,10 @@ impl K3Model {
 
     pub fn new_state(&self) -> K3State {
         K3State {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| match &l.attn {
-                    Attention::Kda(k) => LayerState::Kda(k.new_state()),
-                    Attention::Mla(m) => LayerState::Mla(m.new_state()),
+            layers: (0..self.config.num_hidden_layers)
+                .map(|l| match self.config.attn_kind(l) {
+                    AttnKind::Kda => LayerState::Kda(KdaState::new(&self.config.linear_attn_config)),
+                    AttnKind::Mla => LayerState::Mla(MlaState::default()),
                 })
                 .collect(),
             position: 0,
@@ -194,7 +241,19 @@ impl K3Model {
         let mut hmix = vec![0f32; h]; // [H] input of a sub-layer after residual mixing
         let mut normed = vec![0f32; h]; // [H]
         let mut y = vec![0f32; h]; // [H] sub-layer output
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, slot) in self.layers.iter().enumerate() {
+            let streamed;
+            let layer = match slot {
+                LayerSlot::Resident(layer) => layer,
+                LayerSlot::Streamed => {
+                    let s = self
+                        .spine_stream
+                        .as_ref()
+                        .ok_or_else(|| anyhow::anyhow!("layer {l} is streamed but no loader runs"))?;
+                    streamed = s.lock().map_err(|_| anyhow::anyhow!("spine loader poisoned"))?.get(l)?;
+                    &streamed
+                }
+            };
             // The attention sub-layer reads either the plain residual or the block mix.
             let mut partial: Option<Vec<f32>> = Some(std::mem::take(&mut x));
             let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);

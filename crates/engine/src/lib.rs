@@ -7,6 +7,7 @@ pub mod generate;
 pub mod k3;
 pub mod plan;
 pub mod session;
+pub mod spine_stream;
 pub mod stream;
 pub mod tokenizer;
 pub mod trace;

@@ -14,7 +14,14 @@ pub const FIXED_OVERHEAD: u64 = 96 << 20;
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub budget_bytes: u64,
+    /// Spine kept in memory (embeddings, head, resident layers).
     pub spine_bytes: u64,
+    pub spine_resident_layers: usize,
+    pub spine_streamed_layers: usize,
+    /// Memory for streaming the other layers (read buffer + layer in use + layer loading).
+    pub spine_stream_buffer_bytes: u64,
+    /// Spine bytes read from disk per token (the streamed layers).
+    pub spine_bytes_per_token: u64,
     pub state_bytes: u64,
     pub context_tokens: usize,
     pub io_buffers: usize,
@@ -44,11 +51,6 @@ pub fn slot_bytes(m: &Manifest) -> u64 {
         .unwrap_or(4096)
 }
 
-/// RAM the spine takes once loaded (tensors keep their stored dtype).
-pub fn spine_ram_bytes(m: &Manifest) -> u64 {
-    m.spine.tensors.iter().map(|t| t.len + t.scales_len).sum()
-}
-
 /// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens.
 pub fn state_bytes(m: &Manifest, context: usize) -> u64 {
     let c = &m.config;
@@ -64,27 +66,63 @@ pub fn state_bytes(m: &Manifest, context: usize) -> u64 {
         .sum::<usize>() as u64
 }
 
+/// Spine bytes of each decoder layer, and of everything outside the layers (embeddings, final
+/// norm, head).
+pub fn spine_layer_bytes(m: &Manifest) -> (Vec<u64>, u64) {
+    let mut per = vec![0u64; m.config.num_hidden_layers];
+    let mut other = 0;
+    for t in &m.spine.tensors {
+        match t.layer {
+            Some(l) if l < per.len() => per[l] += t.len + t.scales_len,
+            _ => other += t.len + t.scales_len,
+        }
+    }
+    (per, other)
+}
+
+/// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
+/// needs (the loader's aligned read buffer, the layer in use and the one loading ahead).
+fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Option<usize>) -> Option<(usize, u64)> {
+    let n = per.len();
+    let cost = |r: usize| {
+        let streamed_max = per[r..].iter().copied().max().unwrap_or(0);
+        let reserve = if r < n { 3 * streamed_max } else { 0 };
+        (other + per[..r].iter().sum::<u64>() + reserve + rest, reserve)
+    };
+    if let Some(r) = forced {
+        let r = r.min(n);
+        return Some((r, cost(r).1));
+    }
+    (0..=n).rev().find(|&r| cost(r).0 <= budget).map(|r| (r, cost(r).1))
+}
+
 pub fn make_plan(
     m: &Manifest,
     budget: u64,
     context: usize,
     experts_per_token: usize,
     io_buffers: usize,
+    resident_layers: Option<usize>,
 ) -> Result<Plan> {
-    let spine = spine_ram_bytes(m);
     let state = state_bytes(m, context);
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
-    let fixed = spine + state + io + FIXED_OVERHEAD;
+    let (per_layer_spine, other_spine) = spine_layer_bytes(m);
+    let rest = state + io + FIXED_OVERHEAD;
+    let (resident, stream_reserve) =
+        choose_resident(&per_layer_spine, other_spine, rest, budget, resident_layers).unwrap_or((0, u64::MAX / 4));
+    let streamed_bytes: u64 = per_layer_spine[resident..].iter().sum();
+    let spine = other_spine + per_layer_spine[..resident].iter().sum::<u64>();
+    let fixed = spine.saturating_add(stream_reserve) + rest;
     let moe_layers = m.experts.layers.len();
     let experts = m.config.num_experts;
     if budget < fixed {
         bail!(
-            "memory budget {} is below the minimum {} (spine {}, state {} for {context} tokens, I/O buffers {}, overhead {}); \
-             streaming the spine itself is not implemented yet",
+            "memory budget {} is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens, I/O buffers {}, overhead {})",
             human(budget),
-            human(fixed),
-            human(spine),
+            human(other_spine + 3 * per_layer_spine.iter().copied().max().unwrap_or(0) + rest),
+            human(other_spine),
+            human(3 * per_layer_spine.iter().copied().max().unwrap_or(0)),
             human(state),
             human(io),
             human(FIXED_OVERHEAD)
@@ -97,6 +135,10 @@ pub fn make_plan(
     Ok(Plan {
         budget_bytes: budget,
         spine_bytes: spine,
+        spine_resident_layers: resident,
+        spine_streamed_layers: per_layer_spine.len() - resident,
+        spine_stream_buffer_bytes: if resident < per_layer_spine.len() { stream_reserve } else { 0 },
+        spine_bytes_per_token: streamed_bytes,
         state_bytes: state,
         context_tokens: context,
         io_buffers,
@@ -116,9 +158,13 @@ pub fn make_plan(
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}):\n  spine            {}\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             human(self.spine_bytes),
+            self.spine_resident_layers,
+            self.spine_streamed_layers,
+            human(self.spine_bytes_per_token),
+            human(self.spine_stream_buffer_bytes),
             human(self.state_bytes),
             self.context_tokens,
             human(self.io_buffer_bytes),
@@ -192,6 +238,18 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spine_gets_memory_before_cache_and_streams_what_does_not_fit() {
+        let per = [100; 8];
+        // Everything fits (50 + 800 + 10): all resident, no streaming buffers.
+        assert_eq!(choose_resident(&per, 50, 10, 860, None), Some((8, 0)));
+        // 50 + 10 + 3*100 (stream reserve) + r*100 <= 700 -> r = 3.
+        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((3, 300)));
+        // Not even the streaming reserve fits.
+        assert_eq!(choose_resident(&per, 50, 10, 300, None), None);
+        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 300)));
+    }
 
     #[test]
     fn sizes_parse() {

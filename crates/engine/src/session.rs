@@ -25,6 +25,8 @@ pub struct RunOptions {
     pub direct: bool,
     /// Override of the model's routed experts per token.
     pub experts_per_token: Option<usize>,
+    /// Keep only this many leading spine layers resident (default: as many as the budget holds).
+    pub resident_spine_layers: Option<usize>,
 }
 
 impl Default for RunOptions {
@@ -38,6 +40,7 @@ impl Default for RunOptions {
             prefetch: true,
             direct: true,
             experts_per_token: None,
+            resident_spine_layers: None,
         }
     }
 }
@@ -71,18 +74,18 @@ pub struct StreamReport {
 
 impl Session {
     pub fn open(store: &Store, opts: &RunOptions) -> Result<Self> {
-        let mut model = K3Model::load(store)?;
-        let default_top_k = model.config.num_experts_per_token;
-        if let Some(k) = opts.experts_per_token {
-            model.set_experts_per_token(k)?;
-        }
-        model.prefetch = opts.prefetch;
-        let k = model.config.num_experts_per_token;
+        let default_top_k = store.manifest.config.num_experts_per_token;
+        let k = opts.experts_per_token.unwrap_or(default_top_k);
         // Demand reads for one layer, plus as many for the next layer's prefetch.
         let prefetch_buffers = if opts.prefetch { k } else { 0 };
         let io_buffers = k + prefetch_buffers;
         let budget = opts.memory_budget.unwrap_or_else(default_budget);
-        let plan = make_plan(&store.manifest, budget, opts.context_tokens, k, io_buffers)?;
+        let plan = make_plan(&store.manifest, budget, opts.context_tokens, k, io_buffers, opts.resident_spine_layers)?;
+        let mut model = K3Model::load_with(store, Some(plan.spine_resident_layers))?;
+        if let Some(k) = opts.experts_per_token {
+            model.set_experts_per_token(k)?;
+        }
+        model.prefetch = opts.prefetch;
         let experts = StreamingExperts::new(
             store,
             StreamOptions {

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 use deltafin_kernels as k;
-use deltafin_store::{LoadedTensor, SpineData, Store};
+use deltafin_store::{LoadedTensor, SpineData, SpineSource};
 use half::bf16;
 
 /// A `[rows, cols]` weight used as `out = W x`.
@@ -22,12 +22,12 @@ impl Linear {
         Ok(Linear { name: t.name, rows: t.shape[0], cols: t.shape[1], data: t.data })
     }
 
-    pub fn load(store: &Store, name: &str) -> Result<Self> {
+    pub fn load(store: &dyn SpineSource, name: &str) -> Result<Self> {
         Self::from_tensor(store.load_spine(name)?)
     }
 
     /// Load and check the shape the model expects.
-    pub fn load_shaped(store: &Store, name: &str, rows: usize, cols: usize) -> Result<Self> {
+    pub fn load_shaped(store: &dyn SpineSource, name: &str, rows: usize, cols: usize) -> Result<Self> {
         let l = Self::load(store, name)?;
         if (l.rows, l.cols) != (rows, cols) {
             bail!("spine tensor '{name}' is [{}, {}], the config implies [{rows}, {cols}]", l.rows, l.cols);
@@ -81,7 +81,7 @@ impl Linear {
 }
 
 /// A vector spine tensor as f32, with its element count checked.
-pub fn load_vec(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
+pub fn load_vec(store: &dyn SpineSource, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = store.load_spine(name)?;
     let v = t.to_f32();
     if v.len() != len {
@@ -91,7 +91,7 @@ pub fn load_vec(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
 }
 
 /// The first `len` elements of a vector tensor (K3 stores `A_log` head_dim long, `num_heads` real).
-pub fn load_vec_prefix(store: &Store, name: &str, len: usize) -> Result<Vec<f32>> {
+pub fn load_vec_prefix(store: &dyn SpineSource, name: &str, len: usize) -> Result<Vec<f32>> {
     let v = store.load_spine(name).with_context(|| format!("loading '{name}'"))?.to_f32();
     if v.len() < len {
         bail!("spine tensor '{name}' has {} elements, the config needs at least {len}", v.len());

@@ -98,3 +98,41 @@ fn corrupt_record_is_caught_by_the_streaming_reader() {
         assert!(msg.contains("layer 2 expert") && msg.contains("checksum"), "{backend:?}: {msg}");
     }
 }
+
+/// Spine layers that do not fit are read from the spine file for every token: same bits.
+#[test]
+fn streamed_spine_layers_are_bit_identical() {
+    for name in FIXTURES {
+        let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::InPlace);
+        let store = Store::open(dir.path(), None).unwrap();
+        let reference = run(&K3Model::load(&store).unwrap(), &mut StoreExperts::new(&store), name);
+        let n = store.manifest.config.num_hidden_layers;
+        for resident in [0, 2, n - 1] {
+            let model = K3Model::load_with(&store, Some(resident)).unwrap();
+            let got = run(&model, &mut StoreExperts::new(&store), name);
+            for (a, b) in got.iter().zip(&reference) {
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: {resident} resident layers");
+            }
+            let streamer = model.spine_stream.as_ref().expect("layers are streamed").lock().unwrap();
+            assert!(streamer.bytes_read.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        }
+    }
+}
+
+#[test]
+fn corrupt_streamed_spine_layer_is_caught() {
+    let dir = convert_fixture("k3-tiny", SpineDtype::Int8, 0, ExpertLayout::InPlace);
+    let store = Store::open(dir.path(), None).unwrap();
+    let t = store.spine_tensor_info("layers.6.self_attn.q_proj.weight").unwrap().clone();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.path().join("spine.bin")).unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, t.offset + 5).unwrap();
+    f.write_all_at(&[b[0] ^ 0x11], t.offset + 5).unwrap();
+    let model = K3Model::load_with(&store, Some(4)).unwrap();
+    let mut st = model.new_state();
+    let mut logits = vec![0f32; model.config.vocab_size];
+    let err = model.forward(&mut st, &mut StoreExperts::new(&store), 3, &mut logits).unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(msg.contains("layers.6.self_attn.q_proj.weight") && msg.contains("checksum"), "{msg}");
+}

@@ -164,55 +164,40 @@ impl Store {
     /// Read one spine tensor and verify its checksum.
     pub fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
         let spine_path = self.dir.join(&self.manifest.spine.file);
-        let t = self.spine_tensor_info(name).ok_or_else(|| StoreError::Store {
-            path: self.dir.clone(),
-            msg: format!("spine tensor '{name}' is not in the manifest"),
-        })?;
+        let t = self.spine_info_or_err(name)?;
         let mut data = vec![0u8; t.len as usize];
         self.spine_file.read_exact_at(&mut data, t.offset).map_err(io_err(&spine_path))?;
-        let mut h = Xxh3::new();
-        h.update(&data);
-        let mut scales_raw = vec![0u8; t.scales_len as usize];
+        let mut scales = vec![0u8; t.scales_len as usize];
         if t.scales_len > 0 {
-            self.spine_file.read_exact_at(&mut scales_raw, t.scales_offset).map_err(io_err(&spine_path))?;
-            h.update(&scales_raw);
+            self.spine_file.read_exact_at(&mut scales, t.scales_offset).map_err(io_err(&spine_path))?;
         }
-        if h.digest() != t.xxh3 {
-            return Err(StoreError::Store {
-                path: spine_path,
-                msg: format!("spine tensor '{name}' fails its checksum: the spine file is corrupt"),
-            });
+        decode_spine_tensor(t, &data, &scales, &spine_path)
+    }
+
+    fn spine_info_or_err(&self, name: &str) -> Result<&SpineTensor, StoreError> {
+        self.spine_tensor_info(name).ok_or_else(|| StoreError::Store {
+            path: self.dir.clone(),
+            msg: format!("spine tensor '{name}' is not in the manifest"),
+        })
+    }
+
+    /// The byte range of the spine file holding layer `layer`'s tensors (4096-aligned).
+    pub fn spine_layer_range(&self, layer: usize) -> Option<(u64, u64)> {
+        let ts = self.manifest.spine.tensors.iter().filter(|t| t.layer == Some(layer));
+        let (mut lo, mut hi) = (u64::MAX, 0u64);
+        for t in ts {
+            lo = lo.min(t.offset);
+            hi = hi.max(t.offset + t.len);
+            if t.scales_len > 0 {
+                lo = lo.min(t.scales_offset);
+                hi = hi.max(t.scales_offset + t.scales_len);
+            }
         }
-        let numel: usize = t.shape.iter().product();
-        let bad =
-            |msg: &str| StoreError::Store { path: spine_path.clone(), msg: format!("spine tensor '{name}': {msg}") };
-        let data = match t.dtype {
-            SpineDtype::F32 => {
-                if data.len() != numel * 4 {
-                    return Err(bad("length does not match shape"));
-                }
-                SpineData::F32(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-            }
-            SpineDtype::Bf16 => {
-                if data.len() != numel * 2 {
-                    return Err(bad("length does not match shape"));
-                }
-                SpineData::Bf16(data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
-            }
-            SpineDtype::Int8 => {
-                let cols = *t.shape.last().unwrap_or(&0);
-                if data.len() != numel || t.group == 0 || cols % t.group != 0 || scales_raw.len() != numel / t.group * 4
-                {
-                    return Err(bad("int8 length, group or scales do not match shape"));
-                }
-                SpineData::Int8 {
-                    q: data.into_iter().map(|b| b as i8).collect(),
-                    scales: scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-                    group: t.group,
-                }
-            }
-        };
-        Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data })
+        (hi > 0).then(|| (lo / 4096 * 4096, hi.div_ceil(4096) * 4096))
+    }
+
+    pub fn spine_path(&self) -> PathBuf {
+        self.dir.join(&self.manifest.spine.file)
     }
 
     /// Tokenizer file inside the store, if it was copied at conversion.
@@ -220,6 +205,94 @@ impl Store {
         let tok = self.manifest.tokenizer.as_ref()?;
         tok.files.iter().any(|f| f == name).then(|| self.dir.join(name))
     }
+}
+
+/// Where spine tensors come from: the store's file, or an in-memory image of part of it.
+pub trait SpineSource {
+    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError>;
+}
+
+impl SpineSource for Store {
+    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
+        Store::load_spine(self, name)
+    }
+}
+
+/// Bytes `[base, base + bytes.len())` of a store's spine file, read in one go (a streamed spine
+/// layer), serving its tensors with the same checks as the file.
+pub struct SpineImage<'a> {
+    pub store: &'a Store,
+    pub base: u64,
+    pub bytes: &'a [u8],
+}
+
+impl SpineSource for SpineImage<'_> {
+    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
+        let path = self.store.spine_path();
+        let t = self.store.spine_info_or_err(name)?;
+        let slice = |off: u64, len: u64| -> Result<&[u8], StoreError> {
+            let start = off.checked_sub(self.base).map(|s| s as usize);
+            start.and_then(|s| self.bytes.get(s..s + len as usize)).ok_or_else(|| StoreError::Store {
+                path: path.clone(),
+                msg: format!("spine tensor '{name}' is outside the loaded layer image"),
+            })
+        };
+        let data = slice(t.offset, t.len)?;
+        let scales = if t.scales_len > 0 { slice(t.scales_offset, t.scales_len)? } else { &[] };
+        decode_spine_tensor(t, data, scales, &path)
+    }
+}
+
+/// Verify a spine tensor's checksum and decode it into its in-memory form.
+fn decode_spine_tensor(
+    t: &SpineTensor,
+    data: &[u8],
+    scales_raw: &[u8],
+    spine_path: &Path,
+) -> Result<LoadedTensor, StoreError> {
+    let name = &t.name;
+    let mut h = Xxh3::new();
+    h.update(data);
+    h.update(scales_raw);
+    if h.digest() != t.xxh3 {
+        return Err(StoreError::Store {
+            path: spine_path.to_path_buf(),
+            msg: format!("spine tensor '{name}' fails its checksum: the spine file is corrupt"),
+        });
+    }
+    let numel: usize = t.shape.iter().product();
+    let bad =
+        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
+    let data = match t.dtype {
+        SpineDtype::F32 => {
+            if data.len() != numel * 4 {
+                return Err(bad("length does not match shape"));
+            }
+            SpineData::F32(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
+        SpineDtype::Bf16 => {
+            if data.len() != numel * 2 {
+                return Err(bad("length does not match shape"));
+            }
+            SpineData::Bf16(data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+        }
+        SpineDtype::Int8 => {
+            let cols = *t.shape.last().unwrap_or(&0);
+            if data.len() != numel
+                || t.group == 0
+                || !cols.is_multiple_of(t.group)
+                || scales_raw.len() != numel / t.group * 4
+            {
+                return Err(bad("int8 length, group or scales do not match shape"));
+            }
+            SpineData::Int8 {
+                q: data.iter().map(|&b| b as i8).collect(),
+                scales: scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+                group: t.group,
+            }
+        }
+    };
+    Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data })
 }
 
 /// Check a source shard is still the file we converted: same size, same header.

@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
-use deltafin_store::Store;
+use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
 
 use crate::weights::{Linear, load_vec, load_vec_prefix};
@@ -51,9 +51,21 @@ pub struct KdaState {
     pub s: Vec<f32>,
 }
 
+impl KdaState {
+    /// Zero state for a layer of this configuration.
+    pub fn new(c: &LinearAttnConfig) -> Self {
+        let p = c.num_heads * c.head_dim;
+        let hist = (c.short_conv_kernel_size - 1) * p;
+        KdaState {
+            conv: [vec![0.0; hist], vec![0.0; hist], vec![0.0; hist]],
+            s: vec![0.0; c.num_heads * c.head_dim * c.head_dim],
+        }
+    }
+}
+
 impl Kda {
     /// `prefix` ends with `self_attn.`.
-    pub fn load(store: &Store, prefix: &str, c: &LinearAttnConfig, hidden: usize, eps: f32) -> Result<Self> {
+    pub fn load(store: &dyn SpineSource, prefix: &str, c: &LinearAttnConfig, hidden: usize, eps: f32) -> Result<Self> {
         let (nh, d, k) = (c.num_heads, c.head_dim, c.short_conv_kernel_size);
         let p = nh * d;
         let lin = |n: &str, r, cols| Linear::load_shaped(store, &format!("{prefix}{n}.weight"), r, cols);
@@ -82,15 +94,6 @@ impl Kda {
             lower_bound: c.gate_lower_bound,
             eps,
         })
-    }
-
-    pub fn new_state(&self) -> KdaState {
-        let p = self.heads * self.head_dim;
-        let hist = (self.kernel - 1) * p;
-        KdaState {
-            conv: [vec![0.0; hist], vec![0.0; hist], vec![0.0; hist]],
-            s: vec![0.0; self.heads * self.head_dim * self.head_dim],
-        }
     }
 
     /// Causal depthwise conv over (history, x) then SiLU; shifts `x` into the history.

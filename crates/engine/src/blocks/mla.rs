@@ -9,7 +9,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::ops::{dot, rms_norm_inplace, sigmoid, softmax_inplace};
-use deltafin_store::{K3Config, Store};
+use deltafin_store::{K3Config, SpineSource};
 
 use crate::weights::{Linear, load_vec};
 
@@ -44,6 +44,7 @@ pub struct Mla {
 }
 
 /// Per-sequence cache of one MLA layer.
+#[derive(Default)]
 pub struct MlaState {
     /// `[t, kv_lora]`.
     pub latents: Vec<f32>,
@@ -53,7 +54,7 @@ pub struct MlaState {
 }
 
 impl Mla {
-    pub fn load(store: &Store, prefix: &str, c: &K3Config) -> Result<Self> {
+    pub fn load(store: &dyn SpineSource, prefix: &str, c: &K3Config) -> Result<Self> {
         let h = c.hidden_size;
         let nh = c.num_attention_heads;
         let (nope, rope, vd, kvl) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
@@ -79,10 +80,6 @@ impl Mla {
             gate: if c.mla_use_output_gate { Some(lin("g_proj", nh * vd, h)?) } else { None },
             o_proj: lin("o_proj", h, nh * vd)?,
         })
-    }
-
-    pub fn new_state(&self) -> MlaState {
-        MlaState { latents: Vec::new(), k_pe: Vec::new(), len: 0 }
     }
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.

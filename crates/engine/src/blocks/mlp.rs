@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::ops::situ;
-use deltafin_store::Store;
+use deltafin_store::SpineSource;
 
 use crate::weights::Linear;
 
@@ -18,7 +18,7 @@ pub struct GatedMlp {
 impl GatedMlp {
     /// `prefix` ends with a dot, e.g. `layers.0.mlp.`.
     pub fn load(
-        store: &Store,
+        store: &dyn SpineSource,
         prefix: &str,
         hidden: usize,
         inter: usize,

@@ -7,7 +7,7 @@
 use anyhow::Result;
 use deltafin_kernels::mxfp4_matvec;
 use deltafin_kernels::ops::{rms_norm_inplace, situ};
-use deltafin_store::{K3Config, Store};
+use deltafin_store::{K3Config, SpineSource};
 
 use super::mlp::GatedMlp;
 use super::router::{select_experts, weights_for};
@@ -54,7 +54,7 @@ pub struct Routing {
 }
 
 impl LatentMoe {
-    pub fn load(store: &Store, layer: usize, c: &K3Config, layout: &RecordLayout) -> Result<Self> {
+    pub fn load(store: &dyn SpineSource, layer: usize, c: &K3Config, layout: &RecordLayout) -> Result<Self> {
         let p = format!("layers.{layer}.block_sparse_moe.");
         let h = c.hidden_size;
         let lat = c.expert_input_dim();
