@@ -171,7 +171,7 @@ impl Store {
         if t.scales_len > 0 {
             self.spine_file.read_exact_at(&mut scales, t.scales_offset).map_err(io_err(&spine_path))?;
         }
-        decode_spine_tensor(t, &data, &scales, &spine_path)
+        decode_spine_tensor(t, data, &scales, &spine_path)
     }
 
     fn spine_info_or_err(&self, name: &str) -> Result<&SpineTensor, StoreError> {
@@ -239,20 +239,21 @@ impl SpineSource for SpineImage<'_> {
         };
         let data = slice(t.offset, t.len)?;
         let scales = if t.scales_len > 0 { slice(t.scales_offset, t.scales_len)? } else { &[] };
-        decode_spine_tensor(t, data, scales, &path)
+        decode_spine_tensor(t, data.to_vec(), scales, &path)
     }
 }
 
-/// Verify a spine tensor's checksum and decode it into its in-memory form.
+/// Verify a spine tensor's checksum and decode it into its in-memory form. Takes `data` by value
+/// so the int8 case reuses its allocation: loading a 1.2 GB embedding must not double the peak.
 fn decode_spine_tensor(
     t: &SpineTensor,
-    data: &[u8],
+    data: Vec<u8>,
     scales_raw: &[u8],
     spine_path: &Path,
 ) -> Result<LoadedTensor, StoreError> {
     let name = &t.name;
     let mut h = Xxh3::new();
-    h.update(data);
+    h.update(&data);
     h.update(scales_raw);
     if h.digest() != t.xxh3 {
         return Err(StoreError::Store {
@@ -286,7 +287,8 @@ fn decode_spine_tensor(
                 return Err(bad("int8 length, group or scales do not match shape"));
             }
             SpineData::Int8 {
-                q: data.iter().map(|&b| b as i8).collect(),
+                // Same size and alignment: collected in place, no second buffer.
+                q: data.into_iter().map(|b| b as i8).collect(),
                 scales: scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
                 group: t.group,
             }
