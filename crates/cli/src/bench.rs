@@ -280,6 +280,7 @@ struct Acc {
     spt: Vec<f64>,
     ttft: Vec<f64>,
     bpt: Vec<f64>,
+    spine_bpt: Vec<f64>,
     hit: Vec<f64>,
     ach: Vec<f64>,
     frac: Vec<f64>,
@@ -300,14 +301,18 @@ impl Acc {
         let s_steps = &steps[1.min(steps.len())..];
         let s_bytes = &bytes[1.min(bytes.len())..];
         let s_per_token = s_steps.iter().sum::<f64>() / s_steps.len().max(1) as f64;
-        let bytes_per_token = s_bytes.iter().sum::<f64>() / s_bytes.len().max(1) as f64;
+        let expert_bytes = s_bytes.iter().sum::<f64>() / s_bytes.len().max(1) as f64;
+        // Streamed spine layers are read for every token too.
+        let spine_bytes = g["plan"]["spine_bytes_per_token"].as_f64().unwrap_or(0.0);
+        let bytes_per_token = expert_bytes + spine_bytes;
         let achieved = bytes_per_token / s_per_token / 1e9;
         let total_s = g["timing"]["total_s"].as_f64().unwrap_or(f64::NAN);
         self.raw.push(raw_gbps);
         self.raw_batched.push(pb["gbps"].as_f64().unwrap_or(f64::NAN));
         self.spt.push(s_per_token);
         self.ttft.push(g["timing"]["ttft_s"].as_f64().unwrap_or(f64::NAN));
-        self.bpt.push(bytes_per_token);
+        self.bpt.push(expert_bytes);
+        self.spine_bpt.push(spine_bytes);
         self.hit.push(g["stream"]["hit_rate"].as_f64().unwrap_or(f64::NAN));
         self.ach.push(achieved);
         self.frac.push(achieved / raw_gbps);
@@ -325,7 +330,7 @@ impl Acc {
             "tokens_per_s": 1.0 / med(&self.spt),
             "ttft_s": med(&self.ttft),
             "expert_bytes_per_token": med(&self.bpt),
-            "spine_bytes_per_token": 0,
+            "spine_bytes_per_token": med(&self.spine_bpt),
             "hit_rate": med(&self.hit),
             "achieved_gbps": med(&self.ach),
             "raw_gbps": med(&self.raw),
@@ -387,8 +392,9 @@ fn print_summary(out: &Value) {
         out["kernel_path"],
     );
     println!(
-        "expert reads {} per token, hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
+        "expert reads {} per token (+ spine {}), hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
         human(f("expert_bytes_per_token") as u64),
+        human(f("spine_bytes_per_token") as u64),
         100.0 * f("hit_rate"),
         f("achieved_gbps"),
         f("raw_gbps"),
