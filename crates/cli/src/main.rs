@@ -17,6 +17,9 @@ use deltafin_store::{ExpertLayout, SpineDtype};
 #[derive(Parser)]
 #[command(name = "deltafin", version, about = "Run giant mixture-of-experts models from local disk")]
 struct Cli {
+    /// Compute threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -92,6 +95,12 @@ fn main() -> ExitCode {
 }
 
 fn dispatch(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        deltafin_engine::init_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
+    }
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, experts } => {
             let opts = ConvertOptions { spine, int8_group, experts, progress: std::io::stderr().is_terminal() };

@@ -194,6 +194,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": "exact",
             "kernel_path": deltafin_engine::kernel_path(),
+            "threads": deltafin_engine::threads(),
             "timing": {
                 "prompt_s": g.timing.prompt_s,
                 "ttft_s": g.timing.prompt_s,

@@ -13,3 +13,4 @@ pub mod tokenizer;
 pub mod trace;
 pub mod weights;
 pub use deltafin_kernels::cpu::kernel_path;
+pub use deltafin_kernels::par::{init_threads, threads};

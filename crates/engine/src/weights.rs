@@ -42,7 +42,14 @@ impl Linear {
 
     /// Rows `r0 .. r0+n` of `W x`. Shapes: x `[cols]`, out `[n]`.
     pub fn forward_rows(&self, r0: usize, n: usize, x: &[f32], out: &mut [f32]) {
-        let c = self.cols;
+        assert_eq!(out.len(), n);
+        // Rows split over the thread pool; each chunk runs the same kernel, so the result does
+        // not depend on the thread count.
+        deltafin_kernels::par::par_rows(n, self.cols, out, |c0, o| self.rows_serial(r0 + c0, x, o));
+    }
+
+    fn rows_serial(&self, r0: usize, x: &[f32], out: &mut [f32]) {
+        let (c, n) = (self.cols, out.len());
         let span = r0 * c..(r0 + n) * c;
         match &self.data {
             SpineData::F32(w) => k::f32_matvec(&w[span], n, c, x, out),
@@ -103,6 +110,20 @@ pub fn load_vec_prefix(store: &dyn SpineSource, name: &str, len: usize) -> Resul
 mod tests {
     use super::*;
     use deltafin_store::quant::{dequantize_int8, quantize_int8};
+
+    /// Large products run row-parallel; they must equal the serial kernel bit for bit.
+    #[test]
+    fn parallel_forward_is_bit_identical() {
+        let (rows, cols) = (1000, 700);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.11).sin()).collect();
+        let (q, s) = quantize_int8(&w, cols, cols);
+        let m = Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q, scales: s, group: cols } };
+        let (mut a, mut b) = (vec![0f32; 900], vec![0f32; 900]);
+        m.forward_rows(50, 900, &x, &mut a);
+        m.rows_serial(50, &x, &mut b);
+        assert!(a.iter().zip(&b).all(|(u, v)| u.to_bits() == v.to_bits()));
+    }
 
     /// Every storage dtype must give the same products as its dequantised f32 matrix, including
     /// on row sub-ranges and transposed row accumulation (both used by MLA's absorbed heads).

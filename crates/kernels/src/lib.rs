@@ -10,6 +10,7 @@ pub mod mxfp4;
 #[cfg(target_arch = "x86_64")]
 mod mxfp4_avx2;
 pub mod ops;
+pub mod par;
 
 pub use matvec::{bf16_matvec, f32_matvec, int8_matvec};
-pub use mxfp4::{E2M1_LUT, e8m0_to_f32, mxfp4_matvec};
+pub use mxfp4::{E2M1_LUT, e8m0_to_f32, mxfp4_matvec, mxfp4_matvec_par};

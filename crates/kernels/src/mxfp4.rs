@@ -45,6 +45,16 @@ fn check_shapes(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32
     assert_eq!(out.len(), rows);
 }
 
+/// [`mxfp4_matvec`] with its rows split over the thread pool (bit-identical to it).
+pub fn mxfp4_matvec_par(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    check_shapes(packed, scales, rows, cols, x, out);
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    crate::par::par_rows(rows, cols, out, |r0, o| {
+        let n = o.len();
+        mxfp4_matvec(&packed[r0 * half..(r0 + n) * half], &scales[r0 * nb..(r0 + n) * nb], n, cols, x, o)
+    });
+}
+
 /// The portable scalar path, and the oracle for the SIMD paths. Shapes as [`mxfp4_matvec`].
 pub fn mxfp4_matvec_scalar(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     check_shapes(packed, scales, rows, cols, x, out);
@@ -129,6 +139,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Row-parallel and serial products are bit-identical (same kernel per row).
+    #[test]
+    fn parallel_rows_match_serial_bit_for_bit() {
+        let (rows, cols) = (700, 1024); // above the parallel threshold, uneven chunks
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 131 + 7) as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 118 + (i % 7) as u8).collect();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.013).cos()).collect();
+        let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+        mxfp4_matvec_par(&packed, &scales, rows, cols, &x, &mut a);
+        mxfp4_matvec(&packed, &scales, rows, cols, &x, &mut b);
+        assert!(a.iter().zip(&b).all(|(u, v)| u.to_bits() == v.to_bits()));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
 
 use anyhow::Result;
-use deltafin_kernels::mxfp4_matvec;
+use deltafin_kernels::mxfp4_matvec_par as mxfp4_matvec;
 use deltafin_kernels::ops::{rms_norm_inplace, situ};
 use deltafin_store::{K3Config, SpineSource};
 
