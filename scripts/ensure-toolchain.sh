@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure a C toolchain and a Rust toolchain new enough for edition 2024 (1.87+) are present.
+# Make sure a C toolchain and a Rust toolchain new enough for edition 2024 (1.89+) are present.
 # Sourced by demo.sh and test.sh; installs only what is missing.
 set -euo pipefail
 
@@ -17,10 +17,10 @@ rust_ok() {
   command -v cargo >/dev/null 2>&1 || return 1
   local v
   v=$(rustc --version | awk '{print $2}')
-  [ "$(printf '%s\n1.87.0\n' "$v" | sort -V | head -1)" = "1.87.0" ]
+  [ "$(printf '%s\n1.89.0\n' "$v" | sort -V | head -1)" = "1.89.0" ]
 }
 if ! rust_ok; then
-  echo "installing the Rust toolchain with rustup (edition 2024 needs 1.87 or newer)" >&2
+  echo "installing the Rust toolchain with rustup (edition 2024 needs 1.89 or newer)" >&2
   curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
   . "$HOME/.cargo/env"
 fi

@@ -16,6 +16,12 @@ use crate::run::ModelArgs;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
+    /// Benchmark the compute kernels against the memory and FMA roofs instead of a model.
+    #[arg(long)]
+    pub kernels: bool,
+    /// Seconds per kernel measurement (with --kernels).
+    #[arg(long, default_value_t = 0.5)]
+    pub kernel_seconds: f64,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Runs, each in a fresh process.
@@ -126,13 +132,17 @@ fn git_commit() -> Option<String> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.kernels {
+        return crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds);
+    }
+    let m = &a.model;
+    let store_dir = m.store_path()?.to_path_buf();
     if a.runs == 0 {
         bail!("--runs must be at least 1");
     }
     if a.max_tokens < 3 {
         bail!("--max-tokens must be at least 3 (the first decode step is excluded from the steady rate)");
     }
-    let m = &a.model;
     let prompt = a.prompt_tokens.clone().unwrap_or_else(|| vec![11, 22, 33, 44, 55]);
     let prompt_s = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     let mut gen_args: Vec<String> = vec![
@@ -142,7 +152,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "--threads".into(),
         deltafin_engine::threads().to_string(),
         "--model".into(),
-        m.model.display().to_string(),
+        store_dir.display().to_string(),
         "--prompt-tokens".into(),
         prompt_s.clone(),
         "--max-tokens".into(),
@@ -177,12 +187,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.warm {
         gen_args.extend(["--repeat".into(), "2".into()]);
     }
-    let store = Store::open(&m.model, m.source.as_deref())?;
+    let store = Store::open(&store_dir, m.source.as_deref())?;
     let k = m.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
     let probe_args: Vec<String> = vec![
         "probe-disk".into(),
         "--model".into(),
-        m.model.display().to_string(),
+        store_dir.display().to_string(),
         "--io-backend".into(),
         m.io_backend.clone(),
         "--queue-depth".into(),
@@ -242,7 +252,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     }
     let summaries: Vec<Value> =
-        configs.iter().zip(&accs).map(|((label, _), acc)| acc.summary(label, &a, &prompt, &m.model)).collect();
+        configs.iter().zip(&accs).map(|((label, _), acc)| acc.summary(label, &a, &prompt, &store_dir)).collect();
     if a.json {
         if summaries.len() == 1 {
             println!("{}", summaries[0]);

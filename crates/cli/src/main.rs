@@ -1,6 +1,7 @@
 //! `deltafin`: convert Hugging Face checkpoints into Deltafin stores and run them.
 
 mod bench;
+mod kernel_bench;
 mod run;
 mod trace_cmd;
 

@@ -14,9 +14,9 @@ use deltafin_store::Store;
 
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
-    /// Deltafin store directory (made by `deltafin convert` or `deltafin synth`).
-    #[arg(long)]
-    pub model: PathBuf,
+    /// Deltafin store directory (made by `deltafin convert` or `deltafin synth`). Required.
+    #[arg(long = "model")]
+    pub store: Option<PathBuf>,
     /// Checkpoint directory holding the in-place experts, if it moved since conversion.
     #[arg(long)]
     pub source: Option<PathBuf>,
@@ -51,6 +51,11 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The store directory; `--model` is optional only so `bench --kernels` can run without one.
+    pub fn store_path(&self) -> Result<&std::path::Path> {
+        self.store.as_deref().ok_or_else(|| anyhow::anyhow!("pass --model STORE"))
+    }
+
     pub fn run_options(&self) -> Result<RunOptions> {
         let backend = match self.io_backend.as_str() {
             "auto" => None,
@@ -70,8 +75,9 @@ impl ModelArgs {
     }
 
     pub fn open(&self) -> Result<(Store, Session)> {
-        let store = Store::open(&self.model, self.source.as_deref())
-            .with_context(|| format!("opening store {}", self.model.display()))?;
+        let path = self.store_path()?;
+        let store =
+            Store::open(path, self.source.as_deref()).with_context(|| format!("opening store {}", path.display()))?;
         let session = Session::open(&store, &self.run_options()?)?;
         eprintln!("{}", session.plan.describe());
         if session.modified_top_k() {

@@ -4,6 +4,7 @@
 //! that replace it on hot loops. Kernels take plain slices and write into caller-owned buffers: no
 //! allocation happens inside them, so the per-token loop can reuse its buffers.
 
+mod avx512;
 pub mod cpu;
 pub mod matvec;
 pub mod mxfp4;
@@ -11,6 +12,7 @@ pub mod mxfp4;
 mod mxfp4_avx2;
 pub mod ops;
 pub mod par;
+pub mod roofline;
 
 pub use matvec::{bf16_matvec, f32_matvec, int8_matvec};
 pub use mxfp4::{E2M1_LUT, e8m0_to_f32, mxfp4_matvec, mxfp4_matvec_par};

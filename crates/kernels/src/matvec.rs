@@ -5,6 +5,8 @@
 
 use half::bf16;
 
+use crate::cpu::Path;
+
 const LANES: usize = 8;
 
 #[inline(always)]
@@ -122,7 +124,58 @@ macro_rules! dispatch {
 
 dispatch!(f32_matvec, f32_matvec_scalar, f32_avx2, f32_body, (w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
 dispatch!(bf16_matvec, bf16_matvec_scalar, bf16_avx2, bf16_body, (w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
-dispatch!(int8_matvec, int8_matvec_scalar, int8_avx2, int8_body, (q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
+dispatch!(int8_matvec_avx2_or_scalar, int8_matvec_scalar, int8_avx2, int8_body, (q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
+
+/// int8 mat-vec, run-time dispatched: AVX-512 when the CPU has it and the scale group is a
+/// multiple of 16, else the AVX2 instantiation, else scalar.
+pub fn int8_matvec(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    if !int8_matvec_on(Path::Avx512, q, scales, group, rows, cols, x, out) {
+        int8_matvec_avx2_or_scalar(q, scales, group, rows, cols, x, out)
+    }
+}
+
+/// Run one specific implementation; false (doing nothing) when the CPU or the shape rules it out.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matvec_on(
+    path: Path,
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+) -> bool {
+    if !path.available() {
+        return false;
+    }
+    match path {
+        Path::Scalar => int8_matvec_scalar(q, scales, group, rows, cols, x, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2+FMA present (checked above).
+        Path::Avx2 => unsafe { int8_avx2(q, scales, group, rows, cols, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => {
+            if group == 0 || !group.is_multiple_of(16) {
+                return false;
+            }
+            check_int8(q, scales, group, rows, cols, x, out);
+            // SAFETY: AVX-512F/BW present (checked above); shapes and group checked.
+            unsafe { crate::avx512::int8_matvec_avx512(q, scales, group, rows, cols, x, out) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => return false,
+    }
+    true
+}
+
+fn check_int8(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &[f32]) {
+    assert!(group > 0 && cols.is_multiple_of(group), "int8 group must divide the row");
+    assert_eq!(q.len(), rows * cols);
+    assert_eq!(scales.len(), rows * (cols / group));
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+}
 
 #[cfg(test)]
 mod tests {
@@ -152,10 +205,48 @@ mod tests {
             assert_eq!(a, b);
             let q: Vec<i8> = w.iter().map(|&v| (v * 80.0).clamp(-127.0, 127.0) as i8).collect();
             let s = vec![0.0125f32; rows];
-            int8_matvec(&q, &s, cols, rows, cols, &x, &mut a);
+            int8_matvec_avx2_or_scalar(&q, &s, cols, rows, cols, &x, &mut a);
             int8_matvec_scalar(&q, &s, cols, rows, cols, &x, &mut b);
             assert_eq!(a, b);
         }
+    }
+
+    /// The AVX-512 int8 kernel against the scalar oracle (different summation order: bounded by
+    /// a few ulps of the sum of |w x|), per-row and grouped scales, extreme values.
+    #[test]
+    fn int8_avx512_matches_oracle() {
+        if !Path::Avx512.available() {
+            println!("SKIPPED Avx512: this CPU lacks it");
+            return;
+        }
+        for &(rows, cols, group) in &[(3, 16, 16), (7, 64, 32), (5, 7168, 7168), (9, 1024, 64)] {
+            let q: Vec<i8> = (0..rows * cols)
+                .map(|i| match i % 11 {
+                    0 => 127,
+                    1 => -127,
+                    _ => ((i * 37) % 255) as i8,
+                })
+                .collect();
+            let s: Vec<f32> = (0..rows * cols / group).map(|i| 1e-3 * (1 + i % 5) as f32).collect();
+            let x: Vec<f32> = (0..cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+            let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+            assert!(int8_matvec_on(Path::Avx512, &q, &s, group, rows, cols, &x, &mut a));
+            int8_matvec_scalar(&q, &s, group, rows, cols, &x, &mut b);
+            for r in 0..rows {
+                let mag: f64 = (0..cols)
+                    .map(|c| (q[r * cols + c] as f64 * s[(r * cols + c) / group] as f64 * x[c] as f64).abs())
+                    .sum();
+                assert!(
+                    ((a[r] - b[r]).abs() as f64) <= 1e-5 * mag,
+                    "{rows}x{cols}/{group} row {r}: {} vs {}",
+                    a[r],
+                    b[r]
+                );
+            }
+        }
+        // A group that is not a multiple of 16 is refused, not mis-computed.
+        let (q, s, x) = (vec![1i8; 24], vec![1.0f32; 2], vec![1.0f32; 24]);
+        assert!(!int8_matvec_on(Path::Avx512, &q, &s, 12, 1, 24, &x, &mut [0.0]));
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! stored as `packed: [rows, cols/2]` bytes, element `2j` in the LOW nibble of byte `j`, and
 //! `scales: [rows, cols/32]` E8M0 bytes, one per block of 32 elements along a row.
 
+use crate::cpu::Path;
+
 /// E2M1 value of each nibble: sign bit 3, two exponent bits, one mantissa bit.
 pub const E2M1_LUT: [f32; 16] =
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
@@ -27,14 +29,52 @@ pub fn e8m0_to_f32(e: u8) -> f32 {
 /// Shapes: packed `[rows, cols/2]`, scales `[rows, cols/32]`, x `[cols]`, out `[rows]`.
 /// Dispatches at run time to the fastest path the CPU has; the scalar path is the oracle.
 pub fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    mxfp4_matvec_on(Path::best(), packed, scales, rows, cols, x, out);
+}
+
+/// Run one specific implementation; returns false (doing nothing) when this CPU lacks it.
+pub fn mxfp4_matvec_on(
+    path: Path,
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+) -> bool {
     check_shapes(packed, scales, rows, cols, x, out);
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA, and the shapes were checked above.
-        unsafe { crate::mxfp4_avx2::mxfp4_matvec_avx2(packed, scales, rows, cols, x, out) };
-        return;
+    if !path.available() {
+        return false;
     }
-    mxfp4_matvec_scalar(packed, scales, rows, cols, x, out)
+    match path {
+        Path::Scalar => mxfp4_matvec_scalar(packed, scales, rows, cols, x, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX2 and FMA (checked above), and the shapes were checked.
+        Path::Avx2 => unsafe { crate::mxfp4_avx2::mxfp4_matvec_avx2(packed, scales, rows, cols, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => with_deinterleaved(x, |xd| {
+            // SAFETY: the CPU supports AVX-512F/BW (checked above), and the shapes were checked.
+            unsafe { crate::avx512::mxfp4_matvec_avx512(packed, scales, rows, cols, xd, out) }
+        }),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => mxfp4_matvec_scalar(packed, scales, rows, cols, x, out),
+    }
+    true
+}
+
+/// Run `f` on `x` deinterleaved per block into a per-thread scratch buffer (reused: no
+/// allocation once warm).
+#[cfg(target_arch = "x86_64")]
+fn with_deinterleaved<R>(x: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        s.resize(x.len(), 0.0);
+        crate::avx512::deinterleave(x, &mut s);
+        f(&s)
+    })
 }
 
 fn check_shapes(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &[f32]) {
@@ -49,6 +89,26 @@ fn check_shapes(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32
 pub fn mxfp4_matvec_par(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     check_shapes(packed, scales, rows, cols, x, out);
     let (half, nb) = (cols / 2, cols / BLOCK);
+    #[cfg(target_arch = "x86_64")]
+    if Path::best() == Path::Avx512 {
+        // Deinterleave once on this thread; every row chunk reads the same copy.
+        return with_deinterleaved(x, |xd| {
+            crate::par::par_rows(rows, cols, out, |r0, o| {
+                let n = o.len();
+                // SAFETY: AVX-512F/BW are present (Path::best) and the shapes were checked.
+                unsafe {
+                    crate::avx512::mxfp4_matvec_avx512(
+                        &packed[r0 * half..(r0 + n) * half],
+                        &scales[r0 * nb..(r0 + n) * nb],
+                        n,
+                        cols,
+                        xd,
+                        o,
+                    )
+                }
+            })
+        });
+    }
     crate::par::par_rows(rows, cols, out, |r0, o| {
         let n = o.len();
         mxfp4_matvec(&packed[r0 * half..(r0 + n) * half], &scales[r0 * nb..(r0 + n) * nb], n, cols, x, o)
@@ -101,11 +161,17 @@ mod tests {
     /// Every path the CPU has against the scalar oracle: random shapes, all nibbles, scale edges.
     #[test]
     fn simd_matches_scalar_oracle() {
-        #[cfg(target_arch = "x86_64")]
-        if !crate::cpu::has_avx2_fma() {
-            println!("SKIPPED: this CPU has no AVX2+FMA path to test");
-            return;
+        for path in [Path::Avx2, Path::Avx512] {
+            if path.available() {
+                simd_path_matches_oracle(path);
+                println!("{path:?}: checked against the scalar oracle");
+            } else {
+                println!("SKIPPED {path:?}: this CPU lacks it");
+            }
         }
+    }
+
+    fn simd_path_matches_oracle(path: Path) {
         let mut seed = 0x1234_5678_u64;
         let mut next = || {
             seed ^= seed << 13;
@@ -120,7 +186,7 @@ mod tests {
                     (0..rows * cols / 32).map(|_| scale_range.0 + (next() % scale_range.1 as u64) as u8).collect();
                 let x: Vec<f32> = (0..cols).map(|_| ((next() % 2001) as f32 - 1000.0) / 1000.0).collect();
                 let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
-                mxfp4_matvec(&packed, &scales, rows, cols, &x, &mut a);
+                assert!(mxfp4_matvec_on(path, &packed, &scales, rows, cols, &x, &mut a));
                 mxfp4_matvec_scalar(&packed, &scales, rows, cols, &x, &mut b);
                 for (r, (u, v)) in a.iter().zip(&b).enumerate() {
                     // Reordered f32 sums differ by at most a few ulps of the sum of |w x|.

@@ -1,0 +1,167 @@
+//! `deltafin bench --kernels`: weight bytes processed per second by each hot kernel, per thread
+//! count, beside the two roofs measured in the same run (memory read bandwidth and the FMA rate
+//! converted to the format's weight bytes at 2 FLOP per weight).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use deltafin_engine::kernel_path;
+use deltafin_kernels::roofline::{fma_peak_gflops, read_bandwidth_gbps};
+use deltafin_kernels::{int8_matvec, mxfp4_matvec_par, par::par_rows};
+use serde_json::{Value, json};
+
+/// Bytes of weights kept in rotation so products stream from RAM, not from the caches.
+const WORKING_SET: usize = 512 << 20;
+
+struct Kernel {
+    name: &'static str,
+    rows: usize,
+    cols: usize,
+    /// Stored bytes per weight (MXFP4 4.25 bits; int8 one byte plus a row scale).
+    bytes_per_weight: f64,
+}
+
+fn run_timed(secs: f64, mut f: impl FnMut()) -> (u64, f64) {
+    let t0 = Instant::now();
+    let mut n = 0u64;
+    while t0.elapsed().as_secs_f64() < secs || n < 3 {
+        f();
+        n += 1;
+    }
+    (n, t0.elapsed().as_secs_f64())
+}
+
+fn fill(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect()
+}
+
+pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads: Vec<usize> = (1..=cores).collect();
+    let mem_buf = vec![0x5a5a_5a5a_5a5a_5a5au64; WORKING_SET / 8];
+    let mut mem = Vec::new();
+    let mut fma = Vec::new();
+    for &t in &threads {
+        mem.push(read_bandwidth_gbps(&mem_buf, t, secs));
+        fma.push(fma_peak_gflops(t, secs.min(0.5)));
+    }
+    drop(mem_buf);
+    let kernels = [
+        Kernel { name: "mxfp4 w1/w3 (K3 expert up/gate)", rows: 3072, cols: 3584, bytes_per_weight: 4.25 / 8.0 },
+        Kernel { name: "mxfp4 w2 (K3 expert down)", rows: 3584, cols: 3072, bytes_per_weight: 4.25 / 8.0 },
+        Kernel { name: "int8 row-scaled (K3 KDA q_proj)", rows: 12288, cols: 7168, bytes_per_weight: 1.0 },
+    ];
+    let mut rows_out = Vec::new();
+    for k in &kernels {
+        let weights = k.rows * k.cols;
+        let bytes = (weights as f64 * k.bytes_per_weight) as usize;
+        let copies = (WORKING_SET / bytes).max(2);
+        let x: Vec<f32> = (0..k.cols).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect();
+        let mut out = vec![0f32; k.rows];
+        let mxfp4 = k.name.starts_with("mxfp4");
+        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+            .map(|c| {
+                if mxfp4 {
+                    let mut sc = fill(weights / 32, c as u64 + 99);
+                    sc.iter_mut().for_each(|b| *b = 118 + *b % 8);
+                    (fill(weights / 2, c as u64 + 1), sc)
+                } else {
+                    (fill(weights, c as u64 + 1), Vec::new())
+                }
+            })
+            .collect();
+        let scales = vec![0.01f32; k.rows];
+        for (ti, &t) in threads.iter().enumerate() {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+            let mut i = 0usize;
+            let (n, s) = pool.install(|| {
+                run_timed(secs, || {
+                    let (p, sc) = &mats[i % copies];
+                    i += 1;
+                    if mxfp4 {
+                        mxfp4_matvec_par(p, sc, k.rows, k.cols, &x, &mut out);
+                    } else {
+                        // SAFETY-free reinterpretation: int8 values from the random bytes.
+                        let q: &[i8] = bytemuck_i8(p);
+                        par_rows(k.rows, k.cols, &mut out, |r0, o| {
+                            let nr = o.len();
+                            int8_matvec(
+                                &q[r0 * k.cols..(r0 + nr) * k.cols],
+                                &scales[r0..r0 + nr],
+                                k.cols,
+                                nr,
+                                k.cols,
+                                &x,
+                                o,
+                            )
+                        });
+                    }
+                })
+            });
+            let gbps = n as f64 * bytes as f64 / s / 1e9;
+            let fma_roof = fma[ti] * 1e9 / 2.0 * k.bytes_per_weight / 1e9;
+            let roof = mem[ti].min(fma_roof);
+            rows_out.push(json!({
+                "name": k.name,
+                "shape": [k.rows, k.cols],
+                "threads": t,
+                "gbps": gbps,
+                "memory_gbps": mem[ti],
+                "fma_roof_gbps": fma_roof,
+                "fraction": gbps / roof,
+                "bound": if fma_roof < mem[ti] { "compute (FMA)" } else { "memory" },
+            }));
+        }
+    }
+    let out = json!({
+        "memory_gbps": mem.last().copied().unwrap_or(f64::NAN),
+        "fma_gflops": fma.last().copied().unwrap_or(f64::NAN),
+        "kernel_path": kernel_path(),
+        "numerics": "exact (f32 decode, f32 accumulation)",
+        "kernels": rows_out,
+    });
+    if json_out {
+        println!("{out}");
+    } else {
+        print_table(&out, &threads, &mem, &fma);
+    }
+    Ok(())
+}
+
+/// View random bytes as int8 weights.
+fn bytemuck_i8(b: &[u8]) -> &[i8] {
+    // SAFETY: u8 and i8 have the same size and alignment, and every bit pattern is valid for both.
+    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const i8, b.len()) }
+}
+
+fn print_table(out: &Value, threads: &[usize], mem: &[f64], fma: &[f64]) {
+    println!("kernel path {}; roofs measured in this run:", out["kernel_path"]);
+    for (i, t) in threads.iter().enumerate() {
+        println!("  {t} thread(s): memory read {:.1} GB/s, FMA {:.1} GFLOP/s", mem[i], fma[i]);
+    }
+    println!(
+        "{:<36} {:>12} {:>7} {:>9} {:>9} {:>9} {:>8}  bound",
+        "kernel", "shape", "threads", "GB/s", "mem GB/s", "FMA GB/s", "fraction"
+    );
+    for k in out["kernels"].as_array().into_iter().flatten() {
+        println!(
+            "{:<36} {:>12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>8.2}  {}",
+            k["name"].as_str().unwrap_or(""),
+            format!("{}x{}", k["shape"][0], k["shape"][1]),
+            k["threads"],
+            k["gbps"].as_f64().unwrap_or(0.0),
+            k["memory_gbps"].as_f64().unwrap_or(0.0),
+            k["fma_roof_gbps"].as_f64().unwrap_or(0.0),
+            k["fraction"].as_f64().unwrap_or(0.0),
+            k["bound"].as_str().unwrap_or("")
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! AVX-512 kernels (F + BW): MXFP4 and int8 mat-vecs. Their oracles are the scalar paths.
+//!
+//! MXFP4: a block's 16 packed bytes widen to 16 lanes; the low nibbles are the block's even
+//! elements and the high nibbles its odd elements, and one `vpermps` against the 16-entry E2M1
+//! table decodes sign and magnitude at once. The input vector is split into even and odd halves
+//! once per product (`deinterleave`), so each block costs two table look-ups and two FMAs.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::mxfp4::{BLOCK, E2M1_LUT, e8m0_to_f32};
+
+/// Split `x` per 32-element block into its 16 even then 16 odd elements. Shapes: x, out `[cols]`.
+pub fn deinterleave(x: &[f32], out: &mut [f32]) {
+    for (xb, ob) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
+        for j in 0..BLOCK / 2 {
+            ob[j] = xb[2 * j];
+            ob[BLOCK / 2 + j] = xb[2 * j + 1];
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F/BW must be available. Shapes as `mxfp4_matvec`, validated by the caller; `xd` is
+/// `x` passed through [`deinterleave`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn mxfp4_matvec_avx512(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xd: &[f32], out: &mut [f32]) {
+    let half = cols / 2;
+    let nblocks = cols / BLOCK;
+    // SAFETY: E2M1_LUT holds exactly 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
+    let low4 = _mm512_set1_epi32(0xF);
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nblocks..(r + 1) * nblocks];
+        if srow.iter().any(|&s| s > 200) {
+            // See the AVX2 kernel: huge scales could overflow a lane where the oracle does not.
+            *o = crate::mxfp4::row_dot_scalar(prow, srow, &interleave_back(xd, cols));
+            continue;
+        }
+        let mut acc = _mm512_setzero_ps();
+        for (b, &s) in srow.iter().enumerate() {
+            let pb = &prow[b * 16..b * 16 + 16];
+            let xb = &xd[b * BLOCK..(b + 1) * BLOCK];
+            // SAFETY: `pb` holds 16 bytes and `xb` 32 floats; loads are unaligned.
+            let (bytes, xe, xo) = unsafe {
+                (
+                    _mm_loadu_si128(pb.as_ptr() as *const __m128i),
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb.as_ptr().add(16)),
+                )
+            };
+            let v = _mm512_cvtepu8_epi32(bytes);
+            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut);
+            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+            let blk = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
+            acc = _mm512_fmadd_ps(blk, _mm512_set1_ps(e8m0_to_f32(s)), acc);
+        }
+        *o = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/// Undo [`deinterleave`] (only for the rare overflow-safe fallback row).
+fn interleave_back(xd: &[f32], cols: usize) -> Vec<f32> {
+    let mut x = vec![0f32; cols];
+    for (xb, db) in x.chunks_exact_mut(BLOCK).zip(xd.chunks_exact(BLOCK)) {
+        for j in 0..BLOCK / 2 {
+            xb[2 * j] = db[j];
+            xb[2 * j + 1] = db[BLOCK / 2 + j];
+        }
+    }
+    x
+}
+
+/// int8 weights with one scale per `group` (a multiple of 16) of each row.
+///
+/// # Safety
+/// AVX-512F/BW must be available; shapes validated by the caller; `group % 16 == 0`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn int8_matvec_avx512(
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let groups = cols / group;
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let row = &q[r * cols..(r + 1) * cols];
+        let srow = &scales[r * groups..(r + 1) * groups];
+        let mut acc = _mm512_setzero_ps();
+        for (g, &s) in srow.iter().enumerate() {
+            let mut ga0 = _mm512_setzero_ps();
+            let mut ga1 = _mm512_setzero_ps();
+            let qg = &row[g * group..(g + 1) * group];
+            let xg = &x[g * group..(g + 1) * group];
+            for (i, (q16, x16)) in qg.chunks_exact(16).zip(xg.chunks_exact(16)).enumerate() {
+                // SAFETY: 16 int8 and 16 f32 per chunk; unaligned loads.
+                let (qv, xv) =
+                    unsafe { (_mm_loadu_si128(q16.as_ptr() as *const __m128i), _mm512_loadu_ps(x16.as_ptr())) };
+                let w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qv));
+                if i % 2 == 0 {
+                    ga0 = _mm512_fmadd_ps(w, xv, ga0);
+                } else {
+                    ga1 = _mm512_fmadd_ps(w, xv, ga1);
+                }
+            }
+            acc = _mm512_fmadd_ps(_mm512_add_ps(ga0, ga1), _mm512_set1_ps(s), acc);
+        }
+        *o = _mm512_reduce_add_ps(acc);
+    }
+}
