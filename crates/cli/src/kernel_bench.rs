@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use deltafin_engine::kernel_path;
+use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_unfused};
 use deltafin_kernels::roofline::{fma_peak_gflops, read_bandwidth_gbps};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par, par::par_rows};
 use serde_json::{Value, json};
@@ -117,6 +118,62 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 "memory_gbps": mem[ti],
                 "fma_roof_gbps": fma_roof,
                 "fraction": gbps / roof,
+                "bound": if fma_roof < mem[ti] { "compute (FMA)" } else { "memory" },
+            }));
+        }
+    }
+    // The whole routed expert, fused against its separate parts.
+    let (inter, lat) = (3072usize, 3584usize);
+    let rec = inter * lat * 3 / 2 + inter * lat * 3 / 32;
+    let copies = (WORKING_SET / rec).max(2);
+    let recs: Vec<Vec<u8>> = (0..copies)
+        .map(|c| {
+            let mut r = fill(rec, c as u64 + 7);
+            // Scales after each packed matrix: keep them in a realistic range.
+            let mut off = 0;
+            for (p, sc) in [
+                (inter * lat / 2, inter * lat / 32),
+                (lat * inter / 2, lat * inter / 32),
+                (inter * lat / 2, inter * lat / 32),
+            ] {
+                off += p;
+                r[off..off + sc].iter_mut().for_each(|b| *b = 118 + *b % 8);
+                off += sc;
+            }
+            r
+        })
+        .collect();
+    let x: Vec<f32> = (0..lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+    let (mut act, mut out) = (vec![0f32; inter], vec![0f32; lat]);
+    for fused in [false, true] {
+        for (ti, &t) in threads.iter().enumerate() {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+            let mut i = 0usize;
+            let (n, s) = pool.install(|| {
+                run_timed(secs, || {
+                    let r = &recs[i % copies];
+                    i += 1;
+                    let (a, b) = (inter * lat / 2, inter * lat / 32);
+                    let w1 = Mxfp4 { packed: &r[..a], scales: &r[a..a + b] };
+                    let w2 = Mxfp4 { packed: &r[a + b..2 * a + b], scales: &r[2 * a + b..2 * a + 2 * b] };
+                    let w3 = Mxfp4 { packed: &r[2 * a + 2 * b..3 * a + 2 * b], scales: &r[3 * a + 2 * b..] };
+                    if fused {
+                        expert_mxfp4(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out);
+                    } else {
+                        expert_mxfp4_unfused(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out);
+                    }
+                })
+            });
+            let gbps = n as f64 * rec as f64 / s / 1e9;
+            let fma_roof = fma[ti] * 1e9 / 2.0 * (4.25 / 8.0) / 1e9;
+            rows_out.push(json!({
+                "name": if fused { "expert fused (w1+w3 one pass, SiTU, w2)" } else { "expert unfused (three products)" },
+                "shape": [inter, lat],
+                "threads": t,
+                "gbps": gbps,
+                "memory_gbps": mem[ti],
+                "fma_roof_gbps": fma_roof,
+                "fraction": gbps / mem[ti].min(fma_roof),
                 "bound": if fma_roof < mem[ti] { "compute (FMA)" } else { "memory" },
             }));
         }

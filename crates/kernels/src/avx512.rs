@@ -114,3 +114,77 @@ pub unsafe fn int8_matvec_avx512(
         *o = _mm512_reduce_add_ps(acc);
     }
 }
+
+/// Gate and up rows `r0..r0+act.len()` in one pass over the input, then SiTU.
+///
+/// # Safety
+/// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
+/// of 32 and `r0 + act.len()` rows at least; `xd` is the input passed through [`deinterleave`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gate_up_situ_avx512(
+    w1: crate::expert::Mxfp4,
+    w3: crate::expert::Mxfp4,
+    r0: usize,
+    latent: usize,
+    xd: &[f32],
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+) {
+    let half = latent / 2;
+    let nblocks = latent / BLOCK;
+    // SAFETY: E2M1_LUT holds exactly 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
+    let low4 = _mm512_set1_epi32(0xF);
+    for (i, a) in act.iter_mut().enumerate() {
+        let r = r0 + i;
+        let (p1, p3) = (&w1.packed[r * half..(r + 1) * half], &w3.packed[r * half..(r + 1) * half]);
+        let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
+        if s1.iter().chain(s3).any(|&s| s > 200) {
+            *a = crate::expert::gate_up_situ_row_scalar(
+                w1,
+                w3,
+                r,
+                latent,
+                &interleave_back(xd, latent),
+                beta,
+                linear_beta,
+            );
+            continue;
+        }
+        let mut g = _mm512_setzero_ps();
+        let mut u = _mm512_setzero_ps();
+        for b in 0..nblocks {
+            let xb = &xd[b * BLOCK..(b + 1) * BLOCK];
+            // SAFETY: 16 packed bytes per block in each matrix, 32 floats of input; unaligned.
+            let (b1, b3, xe, xo) = unsafe {
+                (
+                    _mm_loadu_si128(p1[b * 16..].as_ptr() as *const __m128i),
+                    _mm_loadu_si128(p3[b * 16..].as_ptr() as *const __m128i),
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb.as_ptr().add(16)),
+                )
+            };
+            let v1 = _mm512_cvtepu8_epi32(b1);
+            let v3 = _mm512_cvtepu8_epi32(b3);
+            let g_blk = _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), lut),
+                xo,
+                _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v1, low4), lut), xe),
+            );
+            let u_blk = _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(_mm512_srli_epi32(v3, 4), lut),
+                xo,
+                _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v3, low4), lut), xe),
+            );
+            g = _mm512_fmadd_ps(g_blk, _mm512_set1_ps(e8m0_to_f32(s1[b])), g);
+            u = _mm512_fmadd_ps(u_blk, _mm512_set1_ps(e8m0_to_f32(s3[b])), u);
+        }
+        let (gs, us) = (_mm512_reduce_add_ps(g), _mm512_reduce_add_ps(u));
+        let mut o = [0f32];
+        crate::ops::situ(&[gs], &[us], beta, linear_beta, &mut o);
+        *a = o[0];
+    }
+}

@@ -6,6 +6,7 @@
 
 mod avx512;
 pub mod cpu;
+pub mod expert;
 pub mod matvec;
 pub mod mxfp4;
 #[cfg(target_arch = "x86_64")]

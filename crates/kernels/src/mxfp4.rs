@@ -65,7 +65,7 @@ pub fn mxfp4_matvec_on(
 /// Run `f` on `x` deinterleaved per block into a per-thread scratch buffer (reused: no
 /// allocation once warm).
 #[cfg(target_arch = "x86_64")]
-fn with_deinterleaved<R>(x: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+pub(crate) fn with_deinterleaved<R>(x: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }

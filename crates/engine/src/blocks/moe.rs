@@ -5,8 +5,8 @@
 //! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
 
 use anyhow::Result;
-use deltafin_kernels::mxfp4_matvec_par as mxfp4_matvec;
-use deltafin_kernels::ops::{rms_norm_inplace, situ};
+use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
+use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
 
 use super::mlp::GatedMlp;
@@ -166,25 +166,15 @@ impl LatentMoe {
         let (i, lat) = (self.inter, self.latent);
         let k = routing.experts.len();
         let mut eo = vec![0f32; k * lat]; // [k, LAT] each expert's output, in routing order
-        let mut g = vec![0f32; i]; // [I]
-        let mut u = vec![0f32; i]; // [I]
-        let mut a = vec![0f32; i]; // [I]
+        let mut a = vec![0f32; i]; // [I] SiTU activations of the expert being computed
         let mut done = vec![false; k];
         let layout = &self.layout;
         experts.drain(&mut |slot, record| {
             anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
-            // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I].
-            mxfp4_matvec(layout.part(record, 0), layout.part(record, 1), i, lat, &xl, &mut g);
-            mxfp4_matvec(layout.part(record, 4), layout.part(record, 5), i, lat, &xl, &mut u);
-            situ(&g, &u, self.beta, self.linear_beta, &mut a);
-            mxfp4_matvec(
-                layout.part(record, 2),
-                layout.part(record, 3),
-                lat,
-                i,
-                &a,
-                &mut eo[slot * lat..(slot + 1) * lat],
-            );
+            // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I]. One fused pass per expert.
+            let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
+            let out = &mut eo[slot * lat..(slot + 1) * lat];
+            expert_mxfp4(m(0), m(4), m(2), i, lat, &xl, self.beta, self.linear_beta, &mut a, out);
             done[slot] = true;
             Ok(())
         })?;
