@@ -61,19 +61,32 @@ fn detect_prefix(ck: &Checkpoint) -> &'static str {
     if ck.weight_map.keys().any(|k| k.starts_with(K3_TEXT_PREFIX)) { K3_TEXT_PREFIX } else { "model." }
 }
 
-struct SpineWriter {
+/// Sequential writer of the spine file, tracking the offset and hashing what it is told to.
+pub(crate) struct SpineWriter {
     w: BufWriter<File>,
-    pos: u64,
+    pub(crate) pos: u64,
     path: PathBuf,
 }
 
 impl SpineWriter {
-    fn pad_to(&mut self, align: u64) -> Result<(), StoreError> {
+    pub(crate) fn create(path: &Path) -> Result<Self, StoreError> {
+        let f = File::create(path).map_err(io_err(path))?;
+        Ok(SpineWriter { w: BufWriter::with_capacity(8 << 20, f), pos: 0, path: path.to_path_buf() })
+    }
+
+    /// Flush and sync to disk.
+    pub(crate) fn finish(self) -> Result<(), StoreError> {
+        let path = self.path.clone();
+        let f = self.w.into_inner().map_err(|e| StoreError::Io { path: path.clone(), source: e.into_error() })?;
+        f.sync_all().map_err(io_err(&path))
+    }
+
+    pub(crate) fn pad_to(&mut self, align: u64) -> Result<(), StoreError> {
         let target = align_up(self.pos, align);
         let pad = vec![0u8; (target - self.pos) as usize];
         self.write(&pad, None)
     }
-    fn write(&mut self, bytes: &[u8], h: Option<&mut Xxh3>) -> Result<(), StoreError> {
+    pub(crate) fn write(&mut self, bytes: &[u8], h: Option<&mut Xxh3>) -> Result<(), StoreError> {
         self.w.write_all(bytes).map_err(io_err(&self.path))?;
         if let Some(h) = h {
             h.update(bytes);
@@ -81,6 +94,31 @@ impl SpineWriter {
         self.pos += bytes.len() as u64;
         Ok(())
     }
+}
+
+/// A byte-counting progress bar, drawn only when `show` (a terminal).
+pub(crate) fn byte_progress(total: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(total);
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b
+}
+
+/// Where each of the six tensors sits in a canonical record, and the record's size.
+pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertPart>, u64) {
+    let mut meta = Vec::with_capacity(parts.len());
+    let mut off = 0u64;
+    for (name, shape) in parts {
+        let len = (shape[0] * shape[1]) as u64;
+        meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
+        off += len;
+    }
+    (meta, off)
 }
 
 pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertReport, StoreError> {
@@ -113,28 +151,16 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
         }
         resolved.push((s, full));
     }
-    let record_bytes: u64 = parts.iter().map(|(_, s)| (s[0] * s[1]) as u64).sum();
+    let (part_meta, record_bytes) = record_parts(&parts);
     let expert_total = moe_layers.len() as u64 * cfg.num_experts as u64 * record_bytes;
     let spine_src: u64 = resolved.iter().map(|(_, n)| ck.find(n).map(|(_, t)| t.len).unwrap_or(0)).sum();
 
-    let bar = if opts.progress {
-        let b = indicatif::ProgressBar::new(spine_src + expert_total);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = byte_progress(spine_src + expert_total, opts.progress);
 
     // --- spine ---
     bar.set_message("spine");
     let spine_path = to.join("spine.bin");
-    let f = File::create(&spine_path).map_err(io_err(&spine_path))?;
-    let mut sw = SpineWriter { w: BufWriter::with_capacity(4 << 20, f), pos: 0, path: spine_path.clone() };
+    let mut sw = SpineWriter::create(&spine_path)?;
     let mut tensors = Vec::with_capacity(resolved.len());
     let mut last_layer: Option<Option<usize>> = None;
     let mut fbuf: Vec<f32> = Vec::new();
@@ -212,18 +238,10 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     }
     sw.pad_to(IO_ALIGN)?;
     let spine_bytes = sw.pos;
-    let f = sw.w.into_inner().map_err(|e| StoreError::Io { path: spine_path.clone(), source: e.into_error() })?;
-    f.sync_all().map_err(io_err(&spine_path))?;
+    sw.finish()?;
 
     // --- experts ---
     bar.set_message("experts");
-    let mut part_meta = Vec::new();
-    let mut off = 0u64;
-    for (name, shape) in &parts {
-        let len = (shape[0] * shape[1]) as u64;
-        part_meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
-        off += len;
-    }
     let shard_files: Vec<String> = ck
         .shards
         .iter()

@@ -12,7 +12,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::config::{K3Config, LinearAttnConfig};
-use crate::convert::{IO_ALIGN, align_up};
+use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress, record_parts};
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;
 use crate::schema::{Role, ShapeRule, expert_parts, spine_specs};
@@ -122,29 +122,21 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
 
     // --- spine: int8 matrices with per-row scales giving rows of norm ~1, f32 vectors ---
     let spine_path = out.join("spine.bin");
-    let f = File::create(&spine_path).map_err(io_err(&spine_path))?;
-    let mut w = BufWriter::with_capacity(8 << 20, f);
-    let mut pos = 0u64;
+    let mut w = SpineWriter::create(&spine_path)?;
     let mut tensors = Vec::new();
     let mut last_layer = None;
-    let pad = |w: &mut BufWriter<File>, pos: &mut u64, a: u64| -> Result<(), StoreError> {
-        let t = align_up(*pos, a);
-        w.write_all(&vec![0u8; (t - *pos) as usize]).map_err(io_err(&spine_path))?;
-        *pos = t;
-        Ok(())
-    };
     for spec in spine_specs(&cfg) {
         if last_layer != Some(spec.layer) {
-            pad(&mut w, &mut pos, IO_ALIGN)?;
+            w.pad_to(IO_ALIGN)?;
             last_layer = Some(spec.layer);
         }
-        pad(&mut w, &mut pos, 64)?;
+        w.pad_to(64)?;
         let shape = match &spec.shape {
             ShapeRule::Exact(s) => s.clone(),
             ShapeRule::Numel(n) | ShapeRule::AtLeast(n) => vec![*n],
         };
         let mut h = Xxh3::new();
-        let offset = pos;
+        let offset = w.pos;
         let (mut scales_offset, mut scales_len, mut group) = (0, 0, 0);
         let dtype;
         if spec.role == Role::Matrix {
@@ -158,29 +150,23 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
                         *b = 0x81; // keep int8 symmetric: no -128
                     }
                 });
-                w.write_all(&row).map_err(io_err(&spine_path))?;
-                h.update(&row);
+                w.write(&row, Some(&mut h))?;
             }
-            pos += (rows * cols) as u64;
-            pad(&mut w, &mut pos, 64)?;
-            scales_offset = pos;
+            w.pad_to(64)?;
+            scales_offset = w.pos;
             // Uniform int8 in [-127, 127] has std ~73; scale rows to unit-variance outputs.
             let s = (1.0 / (73.0 * (cols as f32).sqrt())).to_le_bytes();
             let scales: Vec<u8> = (0..rows).flat_map(|_| s).collect();
-            w.write_all(&scales).map_err(io_err(&spine_path))?;
-            h.update(&scales);
-            pos += scales.len() as u64;
+            w.write(&scales, Some(&mut h))?;
             scales_len = scales.len() as u64;
             group = cols;
         } else {
             dtype = SpineDtype::F32;
             let n: usize = shape.iter().product();
             let bytes: Vec<u8> = (0..n).flat_map(|i| vector_value(&spec.name, i, &mut rng).to_le_bytes()).collect();
-            w.write_all(&bytes).map_err(io_err(&spine_path))?;
-            h.update(&bytes);
-            pos += bytes.len() as u64;
+            w.write(&bytes, Some(&mut h))?;
         }
-        let len = if dtype == SpineDtype::Int8 { (shape[0] * shape[1]) as u64 } else { pos - offset };
+        let len = if dtype == SpineDtype::Int8 { (shape[0] * shape[1]) as u64 } else { w.pos - offset };
         tensors.push(SpineTensor {
             name: spec.name.clone(),
             layer: spec.layer,
@@ -194,33 +180,16 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
             xxh3: h.digest(),
         });
     }
-    pad(&mut w, &mut pos, IO_ALIGN)?;
-    let f = w.into_inner().map_err(|e| StoreError::Io { path: spine_path.clone(), source: e.into_error() })?;
-    f.sync_all().map_err(io_err(&spine_path))?;
+    w.pad_to(IO_ALIGN)?;
+    let spine_bytes = w.pos;
+    w.finish()?;
 
     // --- experts: packed, 4096-aligned records of random MXFP4 ---
     let parts = expert_parts(&cfg);
-    let mut part_meta = Vec::new();
-    let mut off = 0u64;
-    for (name, shape) in &parts {
-        let len = (shape[0] * shape[1]) as u64;
-        part_meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
-        off += len;
-    }
-    let record_bytes = off;
+    let (part_meta, record_bytes) = record_parts(&parts);
     let stride = align_up(record_bytes, IO_ALIGN);
-    let bar = if o.progress {
-        let b = indicatif::ProgressBar::new(stride * o.experts as u64 * o.layers as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "experts [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = byte_progress(stride * o.experts as u64 * o.layers as u64, o.progress);
+    bar.set_message("experts");
     let mut files = Vec::new();
     let mut layers = Vec::new();
     let mut record = vec![0u8; stride as usize];
@@ -261,7 +230,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
             file: "spine.bin".into(),
             matrix_dtype: SpineDtype::Int8,
             int8_group: 0,
-            bytes: pos,
+            bytes: spine_bytes,
             tensors,
         },
         experts: ExpertsInfo {
