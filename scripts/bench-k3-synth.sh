@@ -16,5 +16,5 @@ $bin bench --model "$dir/k3-2l" --memory-budget 4G --runs 5 --max-tokens 8 --no-
   --routing-locality 0.6 --vary cache-policy=lru,slru --json > bench-results/experts-locality-policies.json
 # 2. K3's real per-layer spine (4 layers, 64 experts each): resident versus streamed spine.
 [ -f "$dir/k3-real4/manifest.json" ] || $bin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out "$dir/k3-real4"
-$bin bench --model "$dir/k3-real4" --runs 5 --max-tokens 4 --no-prefetch --probe-reads 64 \
-  --vary memory-budget=5G,4.6G --json > bench-results/spine-resident-vs-streamed.json
+$bin bench --model "$dir/k3-real4" --runs 5 --max-tokens 4 --no-prefetch --probe-reads 64 --memory-budget 6G \
+  --vary resident-spine-layers=4,0 --json > bench-results/spine-resident-vs-streamed.json

@@ -11,6 +11,9 @@ use crate::stream::aligned::{align_down, align_up};
 /// Process overhead we do not plan in detail (binary, allocator, per-token scratch, tokenizer).
 pub const FIXED_OVERHEAD: u64 = 96 << 20;
 
+/// Copies of a streamed spine layer alive at once (see `choose_resident`).
+pub const STREAM_LAYER_COPIES: u64 = 4;
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub budget_bytes: u64,
@@ -81,12 +84,12 @@ pub fn spine_layer_bytes(m: &Manifest) -> (Vec<u64>, u64) {
 }
 
 /// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
-/// needs (the loader's aligned read buffer, the layer in use and the one loading ahead).
+/// needs (two aligned read buffers, the decoded layer in use and the one decoded ahead).
 fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Option<usize>) -> Option<(usize, u64)> {
     let n = per.len();
     let cost = |r: usize| {
         let streamed_max = per[r..].iter().copied().max().unwrap_or(0);
-        let reserve = if r < n { 3 * streamed_max } else { 0 };
+        let reserve = if r < n { STREAM_LAYER_COPIES * streamed_max } else { 0 };
         (other + per[..r].iter().sum::<u64>() + reserve + rest, reserve)
     };
     if let Some(r) = forced {
@@ -120,9 +123,9 @@ pub fn make_plan(
         bail!(
             "memory budget {} is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens, I/O buffers {}, overhead {})",
             human(budget),
-            human(other_spine + 3 * per_layer_spine.iter().copied().max().unwrap_or(0) + rest),
+            human(other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0) + rest),
             human(other_spine),
-            human(3 * per_layer_spine.iter().copied().max().unwrap_or(0)),
+            human(STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0)),
             human(state),
             human(io),
             human(FIXED_OVERHEAD)
@@ -244,11 +247,11 @@ mod tests {
         let per = [100; 8];
         // Everything fits (50 + 800 + 10): all resident, no streaming buffers.
         assert_eq!(choose_resident(&per, 50, 10, 860, None), Some((8, 0)));
-        // 50 + 10 + 3*100 (stream reserve) + r*100 <= 700 -> r = 3.
-        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((3, 300)));
+        // 50 + 10 + 4*100 (stream reserve) + r*100 <= 700 -> r = 2.
+        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((2, 400)));
         // Not even the streaming reserve fits.
-        assert_eq!(choose_resident(&per, 50, 10, 300, None), None);
-        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 300)));
+        assert_eq!(choose_resident(&per, 50, 10, 400, None), None);
+        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 400)));
     }
 
     #[test]
