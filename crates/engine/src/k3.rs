@@ -13,6 +13,7 @@ use crate::blocks::mla::{Mla, MlaState};
 use crate::blocks::mlp::GatedMlp;
 use crate::blocks::moe::{LatentMoe, Routing};
 use crate::experts::{ExpertSource, RecordLayout};
+use crate::scratch::Scratch;
 use crate::spine_stream::SpineStreamer;
 use crate::weights::{Linear, load_vec};
 
@@ -60,6 +61,8 @@ pub struct K3Model {
     pub prefetch: bool,
     /// Predict the next MoE layer's experts without hinting (recorded in traces).
     pub predict: bool,
+    /// Positions of MLA cache reserved when a sequence starts (it still grows past them).
+    pub context_reserve: usize,
 }
 
 pub enum LayerState {
@@ -74,6 +77,10 @@ pub struct K3State {
     pub position: usize,
     /// Router choices of the last token, per layer (empty for dense layers).
     pub routing: Vec<Routing>,
+    /// Per-token buffers, reused from token to token.
+    pub scratch: Scratch,
+    /// The block attention residuals of the current token (memory reused).
+    pub blocks: ResidualBlocks,
 }
 
 /// One decoder layer's spine weights, from the store file or a streamed image of it.
@@ -170,6 +177,7 @@ impl K3Model {
             },
             prefetch: false,
             predict: false,
+            context_reserve: 256,
             spine_stream,
             layers,
             config: c,
@@ -212,11 +220,24 @@ impl K3Model {
             layers: (0..self.config.num_hidden_layers)
                 .map(|l| match self.config.attn_kind(l) {
                     AttnKind::Kda => LayerState::Kda(KdaState::new(&self.config.linear_attn_config)),
-                    AttnKind::Mla => LayerState::Mla(MlaState::default()),
+                    AttnKind::Mla => LayerState::Mla(MlaState::with_capacity(
+                        self.context_reserve,
+                        self.config.kv_lora_rank,
+                        self.config.qk_rope_head_dim,
+                    )),
                 })
                 .collect(),
             position: 0,
-            routing: vec![Routing::default(); self.layers.len()],
+            routing: (0..self.layers.len())
+                .map(|_| Routing {
+                    experts: Vec::with_capacity(self.config.num_experts_per_token),
+                    weights: Vec::with_capacity(self.config.num_experts_per_token),
+                    pinned: false,
+                    predicted_next: Vec::with_capacity(self.config.num_experts_per_token),
+                })
+                .collect(),
+            scratch: Scratch::default(),
+            blocks: ResidualBlocks::new(self.config.rms_norm_eps),
         }
     }
 
@@ -235,12 +256,13 @@ impl K3Model {
         if tok >= c.vocab_size {
             anyhow::bail!("token id {tok} is outside the vocabulary (size {})", c.vocab_size);
         }
-        let mut x = vec![0f32; h]; // [H] the running partial sum entering each layer
+        let K3State { layers: states, routing, scratch: sc, blocks, .. } = st;
+        blocks.clear();
+        let mut x = sc.take(h); // [H] the running partial sum entering each layer
         self.embed.row(tok, &mut x);
-        let mut blocks = ResidualBlocks::new(c.rms_norm_eps);
-        let mut hmix = vec![0f32; h]; // [H] input of a sub-layer after residual mixing
-        let mut normed = vec![0f32; h]; // [H]
-        let mut y = vec![0f32; h]; // [H] sub-layer output
+        let mut hmix = sc.take(h); // [H] input of a sub-layer after residual mixing
+        let mut normed = sc.take(h); // [H]
+        let mut y = sc.take(h); // [H] sub-layer output
         for (l, slot) in self.layers.iter().enumerate() {
             let streamed;
             let layer = match slot {
@@ -254,46 +276,44 @@ impl K3Model {
                     &streamed
                 }
             };
-            // The attention sub-layer reads either the plain residual or the block mix.
-            let mut partial: Option<Vec<f32>> = Some(std::mem::take(&mut x));
+            // The attention sub-layer reads either the plain residual or the block mix. At a
+            // block start the running sum is stored as a block and restarts from the attention
+            // output.
             let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);
+            let mut restart = false;
             match &layer.res_w {
                 Some((w_attn, _)) => {
-                    let p = partial.as_deref().unwrap_or(&[]);
-                    blocks.mix(p, w_attn, &mut hmix);
+                    blocks.mix(&x, w_attn, &mut hmix);
                     if block_start {
-                        blocks.push(p);
-                        partial = None;
+                        blocks.push(&x);
+                        restart = true;
                     }
                 }
-                None => hmix.copy_from_slice(partial.as_deref().unwrap_or(&[])),
+                None => hmix.copy_from_slice(&x),
             }
             rms_norm(&hmix, &layer.input_norm, c.rms_norm_eps, &mut normed);
-            match (&layer.attn, &mut st.layers[l]) {
-                (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, &normed, &mut y),
-                (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, &normed, &mut y),
+            match (&layer.attn, &mut states[l]) {
+                (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, &normed, &mut y, sc),
+                (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, &normed, &mut y, sc),
                 _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
             }
-            let mut part = match partial {
-                Some(mut p) => {
-                    p.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-                    p
-                }
-                None => y.clone(),
-            };
+            if restart {
+                x.copy_from_slice(&y);
+            } else {
+                x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+            }
             match &layer.res_w {
-                Some((_, w_mlp)) => blocks.mix(&part, w_mlp, &mut hmix),
-                None => hmix.copy_from_slice(&part),
+                Some((_, w_mlp)) => blocks.mix(&x, w_mlp, &mut hmix),
+                None => hmix.copy_from_slice(&x),
             }
             rms_norm(&hmix, &layer.post_norm, c.rms_norm_eps, &mut normed);
             match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&normed, &mut y),
+                Ffn::Dense(m) => m.forward(&normed, &mut y, sc),
                 Ffn::Moe(m) => {
-                    m.forward(&normed, experts, self.next_moe(l), self.prefetch, &mut st.routing[l], &mut y)?
+                    m.forward(&normed, experts, self.next_moe(l), self.prefetch, &mut routing[l], &mut y, sc)?
                 }
             }
-            part.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-            x = part;
+            x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
         }
         if let Some(w) = &self.output_res_w {
             blocks.mix(&x, w, &mut hmix);
@@ -304,6 +324,9 @@ impl K3Model {
         match &self.lm_head {
             Some(head) => head.forward(&normed, logits),
             None => self.embed.forward(&normed, logits),
+        }
+        for buf in [x, hmix, normed, y] {
+            sc.give(buf);
         }
         st.position += 1;
         Ok(())

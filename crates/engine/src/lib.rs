@@ -6,6 +6,7 @@ pub mod experts;
 pub mod generate;
 pub mod k3;
 pub mod plan;
+pub mod scratch;
 pub mod session;
 pub mod spine_stream;
 pub mod stream;

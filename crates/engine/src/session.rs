@@ -86,6 +86,7 @@ impl Session {
             model.set_experts_per_token(k)?;
         }
         model.prefetch = opts.prefetch;
+        model.context_reserve = opts.context_tokens;
         let experts = StreamingExperts::new(
             store,
             StreamOptions {

@@ -9,6 +9,7 @@ use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
 use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
 
+use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec, load_vec_prefix};
 
 pub enum Gate {
@@ -115,13 +116,13 @@ impl Kda {
     }
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
-    pub fn forward(&self, st: &mut KdaState, x: &[f32], out: &mut [f32]) {
+    pub fn forward(&self, st: &mut KdaState, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
         let (nh, d) = (self.heads, self.head_dim);
         let p = nh * d;
-        let mut pre = vec![0f32; p]; // [P] projection before the conv
-        let mut q = vec![0f32; p]; // [P]
-        let mut k = vec![0f32; p]; // [P]
-        let mut v = vec![0f32; p]; // [P]
+        let mut pre = sc.take(p); // [P] projection before the conv
+        let mut q = sc.take(p); // [P]
+        let mut k = sc.take(p); // [P]
+        let mut v = sc.take(p); // [P]
         for (i, (proj, dst)) in
             [(&self.q_proj, &mut q), (&self.k_proj, &mut k), (&self.v_proj, &mut v)].into_iter().enumerate()
         {
@@ -139,16 +140,16 @@ impl Kda {
                 seg.iter_mut().for_each(|v| *v *= inv);
             }
         }
-        let mut fa = vec![0f32; d]; // [D]
+        let mut fa = sc.take(d); // [D]
         self.f_a.forward(x, &mut fa);
-        let mut a = vec![0f32; p]; // [P] decay logits
+        let mut a = sc.take(p); // [P] decay logits
         self.f_b.forward(&fa, &mut a);
-        let mut b = vec![0f32; nh]; // [heads]
+        let mut b = sc.take(nh); // [heads]
         self.b_proj.forward(x, &mut b);
 
-        let mut y = vec![0f32; p]; // [P]
-        let mut g = vec![0f32; d]; // [Dk] decay of this head
-        let mut delta = vec![0f32; d]; // [Dv]
+        let mut y = sc.take(p); // [P]
+        let mut g = sc.take(d); // [Dk] decay of this head
+        let mut delta = sc.take(d); // [Dv]
         for h in 0..nh {
             let ea = self.a_log[h].exp();
             for j in 0..d {
@@ -180,13 +181,14 @@ impl Kda {
                 y[h * d + vi] = acc;
             }
         }
-        let mut gate = vec![0f32; p]; // [P]
+        let mut gate = sc.take(p); // [P]
         match &self.gate {
             Gate::FullRank(gp) => gp.forward(x, &mut gate),
             Gate::LowRank(ga, gb) => {
-                let mut t = vec![0f32; d]; // [D]
+                let mut t = sc.take(d); // [D]
                 ga.forward(x, &mut t);
                 gb.forward(&t, &mut gate);
+                sc.give(t);
             }
         }
         for h in 0..nh {
@@ -197,5 +199,8 @@ impl Kda {
             }
         }
         self.o_proj.forward(&y, out);
+        for buf in [pre, q, k, v, fa, a, b, y, g, delta, gate] {
+            sc.give(buf);
+        }
     }
 }

@@ -11,6 +11,7 @@ use anyhow::Result;
 use deltafin_kernels::ops::{dot, rms_norm_inplace, sigmoid, softmax_inplace};
 use deltafin_store::{K3Config, SpineSource};
 
+use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
 
 /// The reference's q_a/kv_a layer norms use a fixed eps, not the model's rms_norm_eps.
@@ -53,6 +54,14 @@ pub struct MlaState {
     pub len: usize,
 }
 
+impl MlaState {
+    /// A cache with room for `tokens` positions reserved up front, so decoding within that
+    /// context never reallocates.
+    pub fn with_capacity(tokens: usize, kv_lora: usize, rope: usize) -> Self {
+        MlaState { latents: Vec::with_capacity(tokens * kv_lora), k_pe: Vec::with_capacity(tokens * rope), len: 0 }
+    }
+}
+
 impl Mla {
     pub fn load(store: &dyn SpineSource, prefix: &str, c: &K3Config) -> Result<Self> {
         let h = c.hidden_size;
@@ -83,20 +92,21 @@ impl Mla {
     }
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
-    pub fn forward(&self, st: &mut MlaState, x: &[f32], out: &mut [f32]) {
+    pub fn forward(&self, st: &mut MlaState, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
         let (nh, nope, rope, vd, kvl) = (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
         let qd = nope + rope;
-        let mut q = vec![0f32; nh * qd]; // [heads, nope + rope]
+        let mut q = sc.take(nh * qd); // [heads, nope + rope]
         match &self.q {
             QProj::LowRank { a, norm, b } => {
-                let mut t = vec![0f32; a.rows]; // [q_lora]
+                let mut t = sc.take(a.rows); // [q_lora]
                 a.forward(x, &mut t);
                 rms_norm_inplace(&mut t, norm, LORA_NORM_EPS);
                 b.forward(&t, &mut q);
+                sc.give(t);
             }
             QProj::Full(p) => p.forward(x, &mut q),
         }
-        let mut ckv = vec![0f32; kvl + rope]; // [kv_lora + rope]
+        let mut ckv = sc.take(kvl + rope); // [kv_lora + rope]
         self.kv_a.forward(x, &mut ckv);
         rms_norm_inplace(&mut ckv[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
         st.latents.extend_from_slice(&ckv[..kvl]);
@@ -105,10 +115,10 @@ impl Mla {
         let t_len = st.len;
 
         let scale = (qd as f32).powf(-0.5);
-        let mut attn = vec![0f32; nh * vd]; // [heads, v]
-        let mut q_lat = vec![0f32; kvl]; // [kv_lora]
-        let mut scores = vec![0f32; t_len]; // [t]
-        let mut o_lat = vec![0f32; kvl]; // [kv_lora]
+        let mut attn = sc.take(nh * vd); // [heads, v]
+        let mut q_lat = sc.take(kvl); // [kv_lora]
+        let mut scores = sc.take(t_len); // [t]
+        let mut o_lat = sc.take(kvl); // [kv_lora]
         for h in 0..nh {
             let qh = &q[h * qd..(h + 1) * qd];
             // Absorb the key projection: q_lat = W_k^T q_nope.
@@ -134,12 +144,16 @@ impl Mla {
             self.kv_b.forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
         }
         if let Some(g) = &self.gate {
-            let mut gv = vec![0f32; nh * vd]; // [heads * v]
+            let mut gv = sc.take(nh * vd); // [heads * v]
             g.forward(x, &mut gv);
             for (a, &gg) in attn.iter_mut().zip(&gv) {
                 *a *= sigmoid(gg);
             }
+            sc.give(gv);
         }
         self.o_proj.forward(&attn, out);
+        for buf in [q, ckv, attn, q_lat, scores, o_lat] {
+            sc.give(buf);
+        }
     }
 }

@@ -5,6 +5,7 @@ use anyhow::Result;
 use deltafin_kernels::ops::situ;
 use deltafin_store::SpineSource;
 
+use crate::scratch::Scratch;
 use crate::weights::Linear;
 
 pub struct GatedMlp {
@@ -35,14 +36,17 @@ impl GatedMlp {
     }
 
     /// Shapes: x `[hidden]`, out `[hidden]`.
-    pub fn forward(&self, x: &[f32], out: &mut [f32]) {
+    pub fn forward(&self, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
         let inter = self.gate.rows;
-        let mut g = vec![0f32; inter]; // [inter]
-        let mut u = vec![0f32; inter]; // [inter]
+        let mut g = sc.take(inter); // [inter]
+        let mut u = sc.take(inter); // [inter]
         self.gate.forward(x, &mut g);
         self.up.forward(x, &mut u);
-        let mut a = vec![0f32; inter]; // [inter]
+        let mut a = sc.take(inter); // [inter]
         situ(&g, &u, self.beta, self.linear_beta, &mut a);
         self.down.forward(&a, out);
+        sc.give(g);
+        sc.give(u);
+        sc.give(a);
     }
 }

@@ -12,6 +12,7 @@ use deltafin_store::{K3Config, SpineSource};
 use super::mlp::GatedMlp;
 use super::router::{select_experts, weights_for};
 use crate::experts::{ExpertSource, RecordLayout};
+use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
 
 pub struct LatentMoe {
@@ -105,12 +106,13 @@ impl LatentMoe {
 
     /// The experts this layer's router would pick for `x` (used on an earlier layer's hidden
     /// state to predict this layer's picks for prefetch). Shape: x `[hidden]`.
-    pub fn predict(&self, x: &[f32]) -> Vec<usize> {
-        let mut logits = vec![0f32; self.gate.rows]; // [E]
+    pub fn predict(&self, x: &[f32], ids: &mut Vec<usize>, sc: &mut Scratch) {
+        let mut logits = sc.take(self.gate.rows); // [E]
         self.gate.forward(x, &mut logits);
-        let (mut ids, mut w) = (Vec::new(), Vec::new());
-        select_experts(&logits, &self.bias, self.top_k, self.renormalize, self.scaling, &mut ids, &mut w);
-        ids
+        let mut w = sc.take(0);
+        select_experts(&logits, &self.bias, self.top_k, self.renormalize, self.scaling, ids, &mut w, sc);
+        sc.give(w);
+        sc.give(logits);
     }
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
@@ -127,8 +129,9 @@ impl LatentMoe {
         hint: bool,
         routing: &mut Routing,
         out: &mut [f32],
+        sc: &mut Scratch,
     ) -> Result<()> {
-        let mut logits = vec![0f32; self.gate.rows]; // [E]
+        let mut logits = sc.take(self.gate.rows); // [E]
         self.gate.forward(x, &mut logits);
         if routing.pinned {
             anyhow::ensure!(routing.experts.iter().all(|&e| e < self.gate.rows), "pinned expert id out of range");
@@ -142,32 +145,34 @@ impl LatentMoe {
                 self.scaling,
                 &mut routing.experts,
                 &mut routing.weights,
+                sc,
             );
         }
         experts.begin(self.layer, &routing.experts)?;
 
-        let mut shared = vec![0f32; out.len()]; // [hidden]
+        let mut shared = sc.take(out.len()); // [hidden]
         if let Some(sh) = &self.shared {
-            sh.forward(x, &mut shared);
+            sh.forward(x, &mut shared, sc);
         }
         routing.predicted_next.clear();
         if let Some(n) = next {
-            routing.predicted_next = n.predict(x);
+            n.predict(x, &mut routing.predicted_next, sc);
             if hint {
                 experts.prefetch(n.layer, &routing.predicted_next)?;
             }
         }
 
-        let mut xl = vec![0f32; self.latent]; // [LAT]
+        let mut xl = sc.take(self.latent); // [LAT]
         match &self.down {
             Some(d) => d.forward(x, &mut xl),
             None => xl.copy_from_slice(x),
         }
         let (i, lat) = (self.inter, self.latent);
         let k = routing.experts.len();
-        let mut eo = vec![0f32; k * lat]; // [k, LAT] each expert's output, in routing order
-        let mut a = vec![0f32; i]; // [I] SiTU activations of the expert being computed
-        let mut done = vec![false; k];
+        let mut eo = sc.take(k * lat); // [k, LAT] each expert's output, in routing order
+        let mut a = sc.take(i); // [I] SiTU activations of the expert being computed
+        let mut done = sc.take_ids(); // [k] 1 once an expert's record has been computed
+        done.resize(k, 0);
         let layout = &self.layout;
         experts.drain(&mut |slot, record| {
             anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
@@ -175,11 +180,15 @@ impl LatentMoe {
             let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
             let out = &mut eo[slot * lat..(slot + 1) * lat];
             expert_mxfp4(m(0), m(4), m(2), i, lat, &xl, self.beta, self.linear_beta, &mut a, out);
-            done[slot] = true;
+            done[slot] = 1;
             Ok(())
         })?;
-        anyhow::ensure!(done.iter().all(|&d| d), "expert source did not deliver every expert of layer {}", self.layer);
-        let mut acc = vec![0f32; lat]; // [LAT] weighted sum of expert outputs
+        anyhow::ensure!(
+            done.iter().all(|&d| d == 1),
+            "expert source did not deliver every expert of layer {}",
+            self.layer
+        );
+        let mut acc = sc.take(lat); // [LAT] weighted sum of expert outputs
         for (slot, &w) in routing.weights.iter().enumerate() {
             for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {
                 *s += w * v;
@@ -197,6 +206,10 @@ impl LatentMoe {
                 *o += v;
             }
         }
+        for buf in [logits, shared, xl, eo, a, acc] {
+            sc.give(buf);
+        }
+        sc.give_ids(done);
         Ok(())
     }
 }

@@ -2,11 +2,14 @@
 
 use deltafin_kernels::ops::sigmoid;
 
+use crate::scratch::Scratch;
+
 /// Pick `top_k` experts from router logits. Shapes: logits, bias `[E]`.
 ///
 /// Scores are `sigmoid(logits)`; selection ranks `score + bias`; the returned weights are the
 /// unbiased scores of the chosen experts, renormalised to sum to one when `renormalize` (with
 /// the reference's 1e-20 guard), then multiplied by `scaling`. Ties rank the lower id first.
+#[allow(clippy::too_many_arguments)]
 pub fn select_experts(
     logits: &[f32],
     bias: &[f32],
@@ -15,14 +18,25 @@ pub fn select_experts(
     scaling: f32,
     out_ids: &mut Vec<usize>,
     out_weights: &mut Vec<f32>,
+    sc: &mut Scratch,
 ) {
-    let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect(); // [E]
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    let key = |i: usize| scores[i] + bias[i];
-    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    let mut key = sc.take(logits.len()); // [E] selection score: sigmoid + bias
+    for ((k, &l), &b) in key.iter_mut().zip(logits).zip(bias) {
+        *k = sigmoid(l) + b;
+    }
+    let mut order = sc.take_ids(); // [E]
+    order.extend(0..logits.len());
+    // Only the top k need ordering: partition, then sort those k (ties: lower id first).
+    let cmp = |a: &usize, b: &usize| key[*b].total_cmp(&key[*a]).then(a.cmp(b));
+    if top_k < order.len() {
+        order.select_nth_unstable_by(top_k - 1, cmp);
+    }
+    order[..top_k].sort_unstable_by(cmp);
     out_ids.clear();
     out_ids.extend_from_slice(&order[..top_k]);
     weights_for(logits, out_ids, renormalize, scaling, out_weights);
+    sc.give(key);
+    sc.give_ids(order);
 }
 
 /// Weights for a given choice of experts (used when the choice is pinned, e.g. to replay another
@@ -50,7 +64,7 @@ mod tests {
         let logits = [0.0, 1.0, 2.0, -1.0];
         let bias = [10.0, 0.0, 0.0, 0.0];
         let (mut ids, mut w) = (vec![], vec![]);
-        select_experts(&logits, &bias, 2, true, 2.0, &mut ids, &mut w);
+        select_experts(&logits, &bias, 2, true, 2.0, &mut ids, &mut w, &mut Scratch::default());
         assert_eq!(ids, vec![0, 2]);
         let (s0, s2) = (sigmoid(0.0), sigmoid(2.0));
         assert!((w[0] - 2.0 * s0 / (s0 + s2)).abs() < 1e-6);
