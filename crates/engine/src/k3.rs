@@ -309,9 +309,14 @@ impl K3Model {
             rms_norm(&hmix, &layer.post_norm, c.rms_norm_eps, &mut normed);
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&normed, &mut y, sc),
-                Ffn::Moe(m) => {
-                    m.forward(&normed, experts, self.next_moe(l), self.prefetch, &mut routing[l], &mut y, sc)?
-                }
+                Ffn::Moe(m) => m.forward(
+                    &normed,
+                    experts,
+                    self.next_moe(l).map(|n| (n, self.prefetch)),
+                    &mut routing[l],
+                    &mut y,
+                    sc,
+                )?,
             }
             x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
         }

@@ -118,15 +118,14 @@ impl LatentMoe {
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
     ///
     /// Reads for the chosen experts start as soon as the router has picked them; the shared
-    /// experts (and, with `next`, the next MoE layer's router for prefetch) run while they are in
-    /// flight; each expert is computed when its record arrives, into its own slot, and the slots
+    /// experts (and, with `next`, the next MoE layer's router: its prediction is recorded, and
+    /// hinted to the source for prefetch when the flag is set) run while they are in flight; each expert is computed when its record arrives, into its own slot, and the slots
     /// are summed in routing order so the result does not depend on arrival order.
     pub fn forward(
         &self,
         x: &[f32],
         experts: &mut dyn ExpertSource,
-        next: Option<&LatentMoe>,
-        hint: bool,
+        next: Option<(&LatentMoe, bool)>,
         routing: &mut Routing,
         out: &mut [f32],
         sc: &mut Scratch,
@@ -155,7 +154,7 @@ impl LatentMoe {
             sh.forward(x, &mut shared, sc);
         }
         routing.predicted_next.clear();
-        if let Some(n) = next {
+        if let Some((n, hint)) = next {
             n.predict(x, &mut routing.predicted_next, sc);
             if hint {
                 experts.prefetch(n.layer, &routing.predicted_next)?;
