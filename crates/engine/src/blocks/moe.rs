@@ -119,8 +119,9 @@ impl LatentMoe {
     ///
     /// Reads for the chosen experts start as soon as the router has picked them; the shared
     /// experts (and, with `next`, the next MoE layer's router: its prediction is recorded, and
-    /// hinted to the source for prefetch when the flag is set) run while they are in flight; each expert is computed when its record arrives, into its own slot, and the slots
-    /// are summed in routing order so the result does not depend on arrival order.
+    /// hinted to the source for prefetch when the flag is set) run while they are in flight;
+    /// each expert is computed when its record arrives, into its own slot, and the slots are
+    /// summed in routing order so the result does not depend on arrival order.
     pub fn forward(
         &self,
         x: &[f32],
