@@ -184,6 +184,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if m.buffered {
         gen_args.push("--buffered".into());
     }
+    if m.approx {
+        gen_args.push("--approx".into());
+    }
     if a.warm {
         gen_args.extend(["--repeat".into(), "2".into()]);
     }
@@ -367,6 +370,7 @@ impl Acc {
             "experts_per_token": first["experts_per_token"],
             "modified_top_k": first["modified_top_k"],
             "numerics": first["numerics"],
+            "approximate": first["approximate"],
             "kernel_path": first["kernel_path"],
             "threads": first["threads"],
             "io_backend": first["stream"]["io_backend"],
@@ -391,6 +395,12 @@ fn print_summary(out: &Value) {
     println!("== {} ==", out["config"].as_str().unwrap_or(""));
     if out["modified_top_k"].as_bool() == Some(true) {
         println!("NOTE: {} -- not comparable with default-k figures", out["model"].as_str().unwrap_or(""));
+    }
+    if out["approximate"].as_bool() == Some(true) {
+        println!(
+            "NOTE: APPROXIMATE numerics ({}) -- not comparable with exact figures",
+            out["numerics"].as_str().unwrap_or("")
+        );
     }
     println!(
         "{} runs, {}: {:.3} s/token median ({:.3}-{:.3}), {:.4} tokens/s; TTFT {:.3} s; {} backend, kernels {}",

@@ -61,6 +61,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         Kernel { name: "int8 row-scaled (K3 KDA q_proj)", rows: 12288, cols: 7168, bytes_per_weight: 1.0 },
     ];
     let mut rows_out = Vec::new();
+    let mut xq = deltafin_kernels::approx::QuantizedX::default();
     for k in &kernels {
         let weights = k.rows * k.cols;
         let bytes = (weights as f64 * k.bytes_per_weight) as usize;
@@ -80,46 +81,54 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
             })
             .collect();
         let scales = vec![0.01f32; k.rows];
-        for (ti, &t) in threads.iter().enumerate() {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
-            let mut i = 0usize;
-            let (n, s) = pool.install(|| {
-                run_timed(secs, || {
-                    let (p, sc) = &mats[i % copies];
-                    i += 1;
-                    if mxfp4 {
-                        mxfp4_matvec_par(p, sc, k.rows, k.cols, &x, &mut out);
-                    } else {
-                        // SAFETY-free reinterpretation: int8 values from the random bytes.
-                        let q: &[i8] = bytemuck_i8(p);
-                        par_rows(k.rows, k.cols, &mut out, |r0, o| {
-                            let nr = o.len();
-                            int8_matvec(
-                                &q[r0 * k.cols..(r0 + nr) * k.cols],
-                                &scales[r0..r0 + nr],
-                                k.cols,
-                                nr,
-                                k.cols,
-                                &x,
-                                o,
-                            )
-                        });
-                    }
-                })
-            });
-            let gbps = n as f64 * bytes as f64 / s / 1e9;
-            let fma_roof = fma[ti] * 1e9 / 2.0 * k.bytes_per_weight / 1e9;
-            let roof = mem[ti].min(fma_roof);
-            rows_out.push(json!({
-                "name": k.name,
-                "shape": [k.rows, k.cols],
-                "threads": t,
-                "gbps": gbps,
-                "memory_gbps": mem[ti],
-                "fma_roof_gbps": fma_roof,
-                "fraction": gbps / roof,
-                "bound": if fma_roof < mem[ti] { "compute (FMA)" } else { "memory" },
-            }));
+        xq.quantize(&x);
+        for approx in [false, true] {
+            if approx && !mxfp4 {
+                continue;
+            }
+            for (ti, &t) in threads.iter().enumerate() {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+                let mut i = 0usize;
+                let (n, s) = pool.install(|| {
+                    run_timed(secs, || {
+                        let (p, sc) = &mats[i % copies];
+                        i += 1;
+                        if approx {
+                            deltafin_kernels::approx::mxfp4_matvec_q8_par(p, sc, k.rows, k.cols, &xq, &mut out);
+                        } else if mxfp4 {
+                            mxfp4_matvec_par(p, sc, k.rows, k.cols, &x, &mut out);
+                        } else {
+                            // SAFETY-free reinterpretation: int8 values from the random bytes.
+                            let q: &[i8] = bytemuck_i8(p);
+                            par_rows(k.rows, k.cols, &mut out, |r0, o| {
+                                let nr = o.len();
+                                int8_matvec(
+                                    &q[r0 * k.cols..(r0 + nr) * k.cols],
+                                    &scales[r0..r0 + nr],
+                                    k.cols,
+                                    nr,
+                                    k.cols,
+                                    &x,
+                                    o,
+                                )
+                            });
+                        }
+                    })
+                });
+                let gbps = n as f64 * bytes as f64 / s / 1e9;
+                let fma_roof = fma[ti] * 1e9 / 2.0 * k.bytes_per_weight / 1e9;
+                let roof = mem[ti].min(fma_roof);
+                rows_out.push(json!({
+                    "name": if approx { format!("{} APPROX int8 activations", k.name) } else { k.name.to_string() },
+                    "shape": [k.rows, k.cols],
+                    "threads": t,
+                    "gbps": gbps,
+                    "memory_gbps": mem[ti],
+                    "fma_roof_gbps": fma_roof,
+                    "fraction": gbps / roof,
+                    "bound": if fma_roof < mem[ti] { "compute (FMA)" } else { "memory" },
+                }));
+            }
         }
     }
     // The whole routed expert, fused against its separate parts.

@@ -48,6 +48,10 @@ pub struct ModelArgs {
     /// as the budget holds).
     #[arg(long)]
     pub resident_spine_layers: Option<usize>,
+    /// Approximate mode: routed experts take int8-quantised activations (faster, not exact;
+    /// every output says so).
+    #[arg(long)]
+    pub approx: bool,
 }
 
 impl ModelArgs {
@@ -71,6 +75,7 @@ impl ModelArgs {
             direct: !self.buffered,
             experts_per_token: self.experts_per_token,
             resident_spine_layers: self.resident_spine_layers,
+            approx: self.approx,
         })
     }
 
@@ -82,6 +87,9 @@ impl ModelArgs {
         eprintln!("{}", session.plan.describe());
         if session.modified_top_k() {
             eprintln!("note: {}", session.variant());
+        }
+        if session.model.approx {
+            eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }
         Ok((store, session))
     }
@@ -198,7 +206,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "experts_per_token": s.model.config.num_experts_per_token,
             "modified_top_k": s.modified_top_k(),
             "spine_dtype": store.manifest.spine.matrix_dtype,
-            "numerics": "exact",
+            "numerics": s.numerics(),
+            "approximate": s.model.approx,
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
             "timing": {
@@ -240,6 +249,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let (_store, mut s) = a.model.open()?;
     let g = generate_with(&s.model, &mut s.experts, &a.prompt_tokens, 0, None, GenerateHooks::default())?;
-    println!("{}", serde_json::json!({ "logits": g.prompt_logits, "model": s.variant() }));
+    println!(
+        "{}",
+        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.approx })
+    );
     Ok(())
 }

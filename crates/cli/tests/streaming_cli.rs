@@ -117,6 +117,25 @@ fn fewer_experts_per_token_is_labelled_everywhere() {
 }
 
 #[test]
+fn approximate_mode_is_labelled_everywhere() {
+    let d = tiny_store();
+    let s = d.path().to_str().unwrap();
+    let (out, err) =
+        ok(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "2", "--json", "--approx"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["approximate"], true);
+    assert!(v["numerics"].as_str().unwrap().starts_with("approximate"));
+    assert!(err.contains("APPROXIMATE"), "{err}");
+    let (out, _) = ok(&["logits", "--model", s, "--prompt-tokens", "1,2", "--approx"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["approximate"], true);
+    let (out, _) = ok(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "2", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["approximate"], false);
+    assert_eq!(v["numerics"], "exact");
+}
+
+#[test]
 fn synth_has_k3_geometry_and_runs_within_its_budget() {
     let d = tempfile::tempdir().unwrap();
     let s = d.path().join("syn");

@@ -11,7 +11,7 @@ use crate::blocks::attn_res::{ResidualBlocks, effective_weight};
 use crate::blocks::kda::{Kda, KdaState};
 use crate::blocks::mla::{Mla, MlaState};
 use crate::blocks::mlp::GatedMlp;
-use crate::blocks::moe::{LatentMoe, Routing};
+use crate::blocks::moe::{LatentMoe, MoeRun, Routing};
 use crate::experts::{ExpertSource, RecordLayout};
 use crate::scratch::Scratch;
 use crate::spine_stream::SpineStreamer;
@@ -63,6 +63,8 @@ pub struct K3Model {
     pub predict: bool,
     /// Positions of MLA cache reserved when a sequence starts (it still grows past them).
     pub context_reserve: usize,
+    /// Approximate mode: routed experts take int8-quantised activations (labelled in outputs).
+    pub approx: bool,
 }
 
 pub enum LayerState {
@@ -178,6 +180,7 @@ impl K3Model {
             prefetch: false,
             predict: false,
             context_reserve: 256,
+            approx: false,
             spine_stream,
             layers,
             config: c,
@@ -312,7 +315,7 @@ impl K3Model {
                 Ffn::Moe(m) => m.forward(
                     &normed,
                     experts,
-                    self.next_moe(l).map(|n| (n, self.prefetch)),
+                    MoeRun { next: self.next_moe(l), hint: self.prefetch, approx: self.approx },
                     &mut routing[l],
                     &mut y,
                     sc,

@@ -1,26 +1,27 @@
 //! Reusable per-sequence buffers for the per-token loop. Blocks take what they need and give it
 //! back; after the first tokens every buffer has reached its size, and a token allocates nothing.
 
+use deltafin_kernels::approx::QuantizedX;
+
 #[derive(Default)]
 pub struct Scratch {
     f32s: Vec<Vec<f32>>,
     ids: Vec<Vec<usize>>,
+    /// Quantised activations for approximate mode (expert input, SiTU output).
+    pub xq: QuantizedX,
+    pub aq: QuantizedX,
 }
 
 impl Scratch {
-    /// A zeroed buffer of `n` floats.
+    /// A zeroed buffer of `n` floats: the smallest pooled buffer that already holds `n` (so a
+    /// call site keeps getting a buffer of its size whatever the order of returns), else the
+    /// largest, grown.
     pub fn take(&mut self, n: usize) -> Vec<f32> {
-        let mut v = self.f32s.pop().unwrap_or_default();
+        let fit = self.f32s.iter().enumerate().filter(|(_, v)| v.capacity() >= n).min_by_key(|(_, v)| v.capacity());
+        let pick = fit.or_else(|| self.f32s.iter().enumerate().max_by_key(|(_, v)| v.capacity())).map(|(i, _)| i);
+        let mut v = pick.map(|i| self.f32s.swap_remove(i)).unwrap_or_default();
         v.clear();
         v.resize(n, 0.0);
-        v
-    }
-
-    /// A copy of `src` in a reused buffer.
-    pub fn copy_of(&mut self, src: &[f32]) -> Vec<f32> {
-        let mut v = self.f32s.pop().unwrap_or_default();
-        v.clear();
-        v.extend_from_slice(src);
         v
     }
 

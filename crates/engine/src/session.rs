@@ -27,6 +27,8 @@ pub struct RunOptions {
     pub experts_per_token: Option<usize>,
     /// Keep only this many leading spine layers resident (default: as many as the budget holds).
     pub resident_spine_layers: Option<usize>,
+    /// Approximate mode (int8 activations for routed experts).
+    pub approx: bool,
 }
 
 impl Default for RunOptions {
@@ -41,6 +43,7 @@ impl Default for RunOptions {
             direct: true,
             experts_per_token: None,
             resident_spine_layers: None,
+            approx: false,
         }
     }
 }
@@ -87,6 +90,7 @@ impl Session {
         }
         model.prefetch = opts.prefetch;
         model.context_reserve = opts.context_tokens;
+        model.approx = opts.approx;
         let experts = StreamingExperts::new(
             store,
             StreamOptions {
@@ -117,6 +121,11 @@ impl Session {
         } else {
             "kimi_k3".into()
         }
+    }
+
+    /// How this run computes, for every output.
+    pub fn numerics(&self) -> &'static str {
+        if self.model.approx { "approximate (int8 activations for routed experts)" } else { "exact" }
     }
 
     pub fn report(&self) -> StreamReport {

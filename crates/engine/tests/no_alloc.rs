@@ -85,18 +85,21 @@ fn decode_steps_allocate_nothing_once_warm() {
             }
         }
         let mut src = MemExperts { records, layer: 0, pending: Vec::with_capacity(64) };
-        let mut st = model.new_state();
-        let mut logits = vec![0f32; model.config.vocab_size];
-        for t in [3u32, 9, 27] {
-            model.forward(&mut st, &mut src, t, &mut logits).unwrap();
+        for approx in [false, true] {
+            model.approx = approx;
+            let mut st = model.new_state();
+            let mut logits = vec![0f32; model.config.vocab_size];
+            for t in [3u32, 9, 27] {
+                model.forward(&mut st, &mut src, t, &mut logits).unwrap();
+            }
+            ALLOCS.store(0, Ordering::Relaxed);
+            COUNTING.store(true, Ordering::Relaxed);
+            for t in [5u32, 7, 11] {
+                model.forward(&mut st, &mut src, t, &mut logits).unwrap();
+            }
+            COUNTING.store(false, Ordering::Relaxed);
+            let n = ALLOCS.load(Ordering::Relaxed);
+            assert_eq!(n, 0, "{name} (approx {approx}): {n} allocations in three warm decode steps");
         }
-        ALLOCS.store(0, Ordering::Relaxed);
-        COUNTING.store(true, Ordering::Relaxed);
-        for t in [5u32, 7, 11] {
-            model.forward(&mut st, &mut src, t, &mut logits).unwrap();
-        }
-        COUNTING.store(false, Ordering::Relaxed);
-        let n = ALLOCS.load(Ordering::Relaxed);
-        assert_eq!(n, 0, "{name}: {n} allocations in three warm decode steps");
     }
 }

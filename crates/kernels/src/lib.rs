@@ -4,6 +4,7 @@
 //! that replace it on hot loops. Kernels take plain slices and write into caller-owned buffers: no
 //! allocation happens inside them, so the per-token loop can reuse its buffers.
 
+pub mod approx;
 mod avx512;
 pub mod cpu;
 pub mod expert;

@@ -5,6 +5,7 @@
 //! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
 
 use anyhow::Result;
+use deltafin_kernels::approx::expert_mxfp4_approx;
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
@@ -38,6 +39,17 @@ pub struct LatentMoe {
     pub eps: f32,
     /// Where the six tensors sit in this store's expert records.
     pub layout: RecordLayout,
+}
+
+/// How one MoE step runs beyond its input.
+#[derive(Clone, Copy, Default)]
+pub struct MoeRun<'a> {
+    /// The next MoE layer, whose router predicts its picks from this layer's input.
+    pub next: Option<&'a LatentMoe>,
+    /// Hint the prediction to the expert source (prefetch).
+    pub hint: bool,
+    /// Approximate mode: int8 activations for the routed experts.
+    pub approx: bool,
 }
 
 /// What the router chose for one token of one layer (kept for traces and tests).
@@ -126,7 +138,7 @@ impl LatentMoe {
         &self,
         x: &[f32],
         experts: &mut dyn ExpertSource,
-        next: Option<(&LatentMoe, bool)>,
+        run: MoeRun<'_>,
         routing: &mut Routing,
         out: &mut [f32],
         sc: &mut Scratch,
@@ -155,9 +167,9 @@ impl LatentMoe {
             sh.forward(x, &mut shared, sc);
         }
         routing.predicted_next.clear();
-        if let Some((n, hint)) = next {
+        if let Some(n) = run.next {
             n.predict(x, &mut routing.predicted_next, sc);
-            if hint {
+            if run.hint {
                 experts.prefetch(n.layer, &routing.predicted_next)?;
             }
         }
@@ -171,6 +183,11 @@ impl LatentMoe {
         let k = routing.experts.len();
         let mut eo = sc.take(k * lat); // [k, LAT] each expert's output, in routing order
         let mut a = sc.take(i); // [I] SiTU activations of the expert being computed
+        let mut gu = sc.take(if run.approx { i } else { 0 }); // [I] gate products (approximate mode)
+        let (mut xq, mut aq) = (std::mem::take(&mut sc.xq), std::mem::take(&mut sc.aq));
+        if run.approx {
+            xq.quantize(&xl);
+        }
         let mut done = sc.take_ids(); // [k] 1 once an expert's record has been computed
         done.resize(k, 0);
         let layout = &self.layout;
@@ -179,7 +196,24 @@ impl LatentMoe {
             // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I]. One fused pass per expert.
             let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
             let out = &mut eo[slot * lat..(slot + 1) * lat];
-            expert_mxfp4(m(0), m(4), m(2), i, lat, &xl, self.beta, self.linear_beta, &mut a, out);
+            if run.approx {
+                expert_mxfp4_approx(
+                    m(0),
+                    m(4),
+                    m(2),
+                    i,
+                    lat,
+                    &xq,
+                    self.beta,
+                    self.linear_beta,
+                    &mut gu,
+                    &mut a,
+                    &mut aq,
+                    out,
+                );
+            } else {
+                expert_mxfp4(m(0), m(4), m(2), i, lat, &xl, self.beta, self.linear_beta, &mut a, out);
+            }
             done[slot] = 1;
             Ok(())
         })?;
@@ -206,9 +240,10 @@ impl LatentMoe {
                 *o += v;
             }
         }
-        for buf in [logits, shared, xl, eo, a, acc] {
+        for buf in [logits, shared, xl, eo, a, gu, acc] {
             sc.give(buf);
         }
+        (sc.xq, sc.aq) = (xq, aq);
         sc.give_ids(done);
         Ok(())
     }
