@@ -103,6 +103,9 @@ impl RoutingOverride {
     }
 }
 
+/// Prompt tokens processed together, layer by layer.
+pub const PROMPT_CHUNK: usize = 32;
+
 /// Options for [`generate_greedy`] beyond the prompt.
 #[derive(Default)]
 pub struct GenerateHooks<'a> {
@@ -136,8 +139,17 @@ pub fn generate_with(
     let bytes0 = experts.bytes_read();
     let mut st = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
-    for &t in prompt {
-        step(model, experts, &mut st, t, &mut logits, &mut hooks)?;
+    if hooks.trace.is_none() && hooks.routing.is_none() {
+        // Layer by layer in chunks: each spine layer fetched and each distinct expert read once
+        // per chunk (bit-identical to token by token; traces and routing overrides need the
+        // per-token path).
+        for chunk in prompt.chunks(PROMPT_CHUNK) {
+            model.forward_chunk(&mut st, experts, chunk, &mut logits)?;
+        }
+    } else {
+        for &t in prompt {
+            step(model, experts, &mut st, t, &mut logits, &mut hooks)?;
+        }
     }
     let prompt_logits = logits.clone();
     let prompt_s = start.elapsed().as_secs_f64();

@@ -38,6 +38,22 @@ pub struct Layer {
     pub ffn: Ffn,
 }
 
+/// A layer's weights for one step: borrowed from the resident model or owned after streaming.
+pub enum LayerRef<'a> {
+    Resident(&'a Layer),
+    Streamed(Layer),
+}
+
+impl std::ops::Deref for LayerRef<'_> {
+    type Target = Layer;
+    fn deref(&self) -> &Layer {
+        match self {
+            LayerRef::Resident(l) => l,
+            LayerRef::Streamed(l) => l,
+        }
+    }
+}
+
 /// A decoder layer's spine: in memory, or read from the spine file for every token.
 pub enum LayerSlot {
     Resident(Layer),
@@ -244,6 +260,141 @@ impl K3Model {
         }
     }
 
+    /// Layer `l`'s weights: borrowed when resident, loaded when streamed.
+    fn layer(&self, l: usize) -> Result<LayerRef<'_>> {
+        Ok(match &self.layers[l] {
+            LayerSlot::Resident(layer) => LayerRef::Resident(layer),
+            LayerSlot::Streamed => {
+                let s = self
+                    .spine_stream
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("layer {l} is streamed but no loader runs"))?;
+                LayerRef::Streamed(s.lock().map_err(|_| anyhow::anyhow!("spine loader poisoned"))?.get(l)?)
+            }
+        })
+    }
+
+    /// Everything of layer `l` for one token up to the FFN: residual mixing, attention, the
+    /// running sum, and the FFN's normed input (left in `normed`).
+    /// Shapes: x, hmix, normed, y `[hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_part(
+        &self,
+        layer: &Layer,
+        l: usize,
+        state: &mut LayerState,
+        blocks: &mut ResidualBlocks,
+        x: &mut [f32],
+        hmix: &mut [f32],
+        normed: &mut [f32],
+        y: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let c = &self.config;
+        // The attention sub-layer reads either the plain residual or the block mix. At a block
+        // start the running sum is stored as a block and restarts from the attention output.
+        let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);
+        let mut restart = false;
+        match &layer.res_w {
+            Some((w_attn, _)) => {
+                blocks.mix(x, w_attn, hmix);
+                if block_start {
+                    blocks.push(x);
+                    restart = true;
+                }
+            }
+            None => hmix.copy_from_slice(x),
+        }
+        rms_norm(hmix, &layer.input_norm, c.rms_norm_eps, normed);
+        match (&layer.attn, state) {
+            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, normed, y, sc),
+            (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, normed, y, sc),
+            _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
+        }
+        if restart {
+            x.copy_from_slice(y);
+        } else {
+            x.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
+        }
+        match &layer.res_w {
+            Some((_, w_mlp)) => blocks.mix(x, w_mlp, hmix),
+            None => hmix.copy_from_slice(x),
+        }
+        rms_norm(hmix, &layer.post_norm, c.rms_norm_eps, normed);
+        Ok(())
+    }
+
+    /// A chunk of prompt tokens through the model layer by layer: each layer's spine is fetched
+    /// once and each distinct expert is read once for the whole chunk. Per token the arithmetic
+    /// is that of [`forward`](Self::forward), so logits and state are identical to feeding the
+    /// tokens one at a time. Writes the last token's logits. Shapes: logits `[vocab]`.
+    pub fn forward_chunk(
+        &self,
+        st: &mut K3State,
+        experts: &mut dyn ExpertSource,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let t_n = tokens.len();
+        if t_n <= 1 {
+            return match tokens.first() {
+                Some(&t) => self.forward(st, experts, t, logits),
+                None => anyhow::bail!("empty chunk"),
+            };
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            anyhow::bail!("token id {t} is outside the vocabulary (size {})", c.vocab_size);
+        }
+        let K3State { layers: states, routing, scratch: sc, .. } = st;
+        let mut xs = vec![0f32; t_n * h]; // [T, H] running sums
+        for (t, &tok) in tokens.iter().enumerate() {
+            self.embed.row(tok as usize, &mut xs[t * h..(t + 1) * h]);
+        }
+        let mut blocks: Vec<ResidualBlocks> = (0..t_n).map(|_| ResidualBlocks::new(c.rms_norm_eps)).collect();
+        let mut normed = vec![0f32; t_n * h]; // [T, H] FFN inputs
+        let mut ys = vec![0f32; t_n * h]; // [T, H] FFN outputs
+        let (mut hmix, mut y) = (vec![0f32; h], vec![0f32; h]); // [H] each
+        let mut routings: Vec<Routing> = vec![Routing::default(); t_n];
+        for l in 0..self.layers.len() {
+            let layer = self.layer(l)?;
+            for t in 0..t_n {
+                let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
+                self.attention_part(&layer, l, &mut states[l], &mut blocks[t], x, &mut hmix, nm, &mut y, sc)?;
+            }
+            match &layer.ffn {
+                Ffn::Dense(m) => {
+                    for t in 0..t_n {
+                        m.forward(&normed[t * h..(t + 1) * h], &mut ys[t * h..(t + 1) * h], sc);
+                    }
+                }
+                Ffn::Moe(m) => {
+                    for r in routings.iter_mut() {
+                        r.pinned = false;
+                    }
+                    m.forward_chunk(&normed, experts, self.approx, &mut routings, &mut ys, sc)?;
+                    routing[l].clone_from(&routings[t_n - 1]);
+                }
+            }
+            xs.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
+        }
+        let last = &xs[(t_n - 1) * h..];
+        let blocks_last = &mut blocks[t_n - 1];
+        if let Some(w) = &self.output_res_w {
+            blocks_last.mix(last, w, &mut hmix);
+        } else {
+            hmix.copy_from_slice(last);
+        }
+        rms_norm(&hmix, &self.norm, c.rms_norm_eps, &mut y);
+        match &self.lm_head {
+            Some(head) => head.forward(&y, logits),
+            None => self.embed.forward(&y, logits),
+        }
+        st.position += t_n;
+        Ok(())
+    }
+
     /// Run one token through the model, advancing `st`; writes the next-token logits.
     /// Shapes: logits `[vocab]`.
     pub fn forward(
@@ -266,50 +417,9 @@ impl K3Model {
         let mut hmix = sc.take(h); // [H] input of a sub-layer after residual mixing
         let mut normed = sc.take(h); // [H]
         let mut y = sc.take(h); // [H] sub-layer output
-        for (l, slot) in self.layers.iter().enumerate() {
-            let streamed;
-            let layer = match slot {
-                LayerSlot::Resident(layer) => layer,
-                LayerSlot::Streamed => {
-                    let s = self
-                        .spine_stream
-                        .as_ref()
-                        .ok_or_else(|| anyhow::anyhow!("layer {l} is streamed but no loader runs"))?;
-                    streamed = s.lock().map_err(|_| anyhow::anyhow!("spine loader poisoned"))?.get(l)?;
-                    &streamed
-                }
-            };
-            // The attention sub-layer reads either the plain residual or the block mix. At a
-            // block start the running sum is stored as a block and restarts from the attention
-            // output.
-            let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);
-            let mut restart = false;
-            match &layer.res_w {
-                Some((w_attn, _)) => {
-                    blocks.mix(&x, w_attn, &mut hmix);
-                    if block_start {
-                        blocks.push(&x);
-                        restart = true;
-                    }
-                }
-                None => hmix.copy_from_slice(&x),
-            }
-            rms_norm(&hmix, &layer.input_norm, c.rms_norm_eps, &mut normed);
-            match (&layer.attn, &mut states[l]) {
-                (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, &normed, &mut y, sc),
-                (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, &normed, &mut y, sc),
-                _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
-            }
-            if restart {
-                x.copy_from_slice(&y);
-            } else {
-                x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-            }
-            match &layer.res_w {
-                Some((_, w_mlp)) => blocks.mix(&x, w_mlp, &mut hmix),
-                None => hmix.copy_from_slice(&x),
-            }
-            rms_norm(&hmix, &layer.post_norm, c.rms_norm_eps, &mut normed);
+        for l in 0..self.layers.len() {
+            let layer = self.layer(l)?;
+            self.attention_part(&layer, l, &mut states[l], blocks, &mut x, &mut hmix, &mut normed, &mut y, sc)?;
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&normed, &mut y, sc),
                 Ffn::Moe(m) => m.forward(

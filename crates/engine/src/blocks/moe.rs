@@ -5,7 +5,7 @@
 //! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
 
 use anyhow::Result;
-use deltafin_kernels::approx::expert_mxfp4_approx;
+use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
@@ -116,6 +116,157 @@ impl LatentMoe {
         })
     }
 
+    /// One routed expert applied to one token's latent input. Shapes: xl `[LAT]`, out `[LAT]`,
+    /// a and gu `[I]` scratch (gu only in approximate mode, where `xq` is `xl` quantised).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_into(
+        &self,
+        record: &[u8],
+        xl: &[f32],
+        xq: &QuantizedX,
+        approx: bool,
+        a: &mut [f32],
+        gu: &mut [f32],
+        aq: &mut QuantizedX,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let layout = &self.layout;
+        anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
+        let (i, lat) = (self.inter, self.latent);
+        // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I]. One fused pass per expert.
+        let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
+        if approx {
+            expert_mxfp4_approx(m(0), m(4), m(2), i, lat, xq, self.beta, self.linear_beta, gu, a, aq, out);
+        } else {
+            expert_mxfp4(m(0), m(4), m(2), i, lat, xl, self.beta, self.linear_beta, a, out);
+        }
+        Ok(())
+    }
+
+    /// The routed sum of one token, normed and projected back, plus its shared experts.
+    /// Shapes: eo `[k, LAT]` in routing order, shared and out `[hidden]`.
+    fn combine(&self, weights: &[f32], eo: &[f32], shared: &[f32], acc: &mut [f32], out: &mut [f32]) {
+        let lat = self.latent;
+        acc.fill(0.0);
+        for (slot, &w) in weights.iter().enumerate() {
+            for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {
+                *s += w * v;
+            }
+        }
+        if let Some(n) = &self.norm {
+            rms_norm_inplace(acc, n, self.eps);
+        }
+        match &self.up {
+            Some(up) => up.forward(acc, out),
+            None => out.copy_from_slice(acc),
+        }
+        if self.shared.is_some() {
+            for (o, v) in out.iter_mut().zip(shared) {
+                *o += v;
+            }
+        }
+    }
+
+    /// Several tokens of a prompt through this layer at once: each token is routed as alone, but
+    /// the union of their experts is requested together, so each distinct expert is read once
+    /// per chunk and applied to every token that chose it. Per token the arithmetic is the same
+    /// as [`forward`](Self::forward), so the results are identical.
+    /// Shapes: xs and outs `[T, hidden]`; routings `[T]`.
+    pub fn forward_chunk(
+        &self,
+        xs: &[f32],
+        experts: &mut dyn ExpertSource,
+        approx: bool,
+        routings: &mut [Routing],
+        outs: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let h = self.gate.cols;
+        let t_n = routings.len();
+        let (i, lat) = (self.inter, self.latent);
+        let mut logits = sc.take(self.gate.rows); // [E]
+        let mut union: Vec<usize> = Vec::new(); // distinct experts of the chunk, first-use order
+        for (t, r) in routings.iter_mut().enumerate() {
+            self.gate.forward(&xs[t * h..(t + 1) * h], &mut logits);
+            if r.pinned {
+                weights_for(&logits, &r.experts, self.renormalize, self.scaling, &mut r.weights);
+            } else {
+                select_experts(
+                    &logits,
+                    &self.bias,
+                    self.top_k,
+                    self.renormalize,
+                    self.scaling,
+                    &mut r.experts,
+                    &mut r.weights,
+                    sc,
+                );
+            }
+            r.predicted_next.clear();
+            for &e in &r.experts {
+                anyhow::ensure!(e < self.gate.rows, "expert id out of range");
+                if !union.contains(&e) {
+                    union.push(e);
+                }
+            }
+        }
+        experts.begin(self.layer, &union)?;
+        let mut shared = vec![0f32; t_n * h]; // [T, hidden]
+        if let Some(sh) = &self.shared {
+            for t in 0..t_n {
+                sh.forward(&xs[t * h..(t + 1) * h], &mut shared[t * h..(t + 1) * h], sc);
+            }
+        }
+        let mut xl = vec![0f32; t_n * lat]; // [T, LAT]
+        let mut xqs: Vec<QuantizedX> = (0..t_n).map(|_| QuantizedX::default()).collect();
+        for t in 0..t_n {
+            let dst = &mut xl[t * lat..(t + 1) * lat];
+            match &self.down {
+                Some(d) => d.forward(&xs[t * h..(t + 1) * h], dst),
+                None => dst.copy_from_slice(&xs[t * h..(t + 1) * h]),
+            }
+            if approx {
+                xqs[t].quantize(dst);
+            }
+        }
+        let k = self.top_k.max(routings.iter().map(|r| r.experts.len()).max().unwrap_or(0));
+        let mut eo = vec![0f32; t_n * k * lat]; // [T, k, LAT]
+        let mut a = sc.take(i); // [I]
+        let mut gu = sc.take(i); // [I]
+        let mut aq = QuantizedX::default();
+        let mut delivered = 0usize;
+        experts.drain(&mut |u, record| {
+            let e = union[u];
+            for (t, r) in routings.iter().enumerate() {
+                if let Some(slot) = r.experts.iter().position(|&x| x == e) {
+                    let out = &mut eo[(t * k + slot) * lat..(t * k + slot + 1) * lat];
+                    self.expert_into(
+                        record,
+                        &xl[t * lat..(t + 1) * lat],
+                        &xqs[t],
+                        approx,
+                        &mut a,
+                        &mut gu,
+                        &mut aq,
+                        out,
+                    )?;
+                }
+            }
+            delivered += 1;
+            Ok(())
+        })?;
+        anyhow::ensure!(delivered == union.len(), "expert source did not deliver every expert of layer {}", self.layer);
+        let mut acc = sc.take(lat); // [LAT]
+        for (t, r) in routings.iter().enumerate() {
+            let eo_t = &eo[t * k * lat..(t * k + r.experts.len()) * lat];
+            self.combine(&r.weights, eo_t, &shared[t * h..(t + 1) * h], &mut acc, &mut outs[t * h..(t + 1) * h]);
+        }
+        for buf in [logits, a, gu, acc] {
+            sc.give(buf);
+        }
+        Ok(())
+    }
+
     /// The experts this layer's router would pick for `x` (used on an earlier layer's hidden
     /// state to predict this layer's picks for prefetch). Shape: x `[hidden]`.
     pub fn predict(&self, x: &[f32], ids: &mut Vec<usize>, sc: &mut Scratch) {
@@ -190,30 +341,9 @@ impl LatentMoe {
         }
         let mut done = sc.take_ids(); // [k] 1 once an expert's record has been computed
         done.resize(k, 0);
-        let layout = &self.layout;
         experts.drain(&mut |slot, record| {
-            anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
-            // w1 = gate, w3 = up: [I, LAT]; w2 = down: [LAT, I]. One fused pass per expert.
-            let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
             let out = &mut eo[slot * lat..(slot + 1) * lat];
-            if run.approx {
-                expert_mxfp4_approx(
-                    m(0),
-                    m(4),
-                    m(2),
-                    i,
-                    lat,
-                    &xq,
-                    self.beta,
-                    self.linear_beta,
-                    &mut gu,
-                    &mut a,
-                    &mut aq,
-                    out,
-                );
-            } else {
-                expert_mxfp4(m(0), m(4), m(2), i, lat, &xl, self.beta, self.linear_beta, &mut a, out);
-            }
+            self.expert_into(record, &xl, &xq, run.approx, &mut a, &mut gu, &mut aq, out)?;
             done[slot] = 1;
             Ok(())
         })?;
@@ -223,23 +353,7 @@ impl LatentMoe {
             self.layer
         );
         let mut acc = sc.take(lat); // [LAT] weighted sum of expert outputs
-        for (slot, &w) in routing.weights.iter().enumerate() {
-            for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {
-                *s += w * v;
-            }
-        }
-        if let Some(n) = &self.norm {
-            rms_norm_inplace(&mut acc, n, self.eps);
-        }
-        match &self.up {
-            Some(up) => up.forward(&acc, out),
-            None => out.copy_from_slice(&acc),
-        }
-        if self.shared.is_some() {
-            for (o, v) in out.iter_mut().zip(&shared) {
-                *o += v;
-            }
-        }
+        self.combine(&routing.weights, &eo, &shared, &mut acc, out);
         for buf in [logits, shared, xl, eo, a, gu, acc] {
             sc.give(buf);
         }

@@ -67,6 +67,9 @@ struct Demand {
     /// Whether that buffer is owned by the cache (pinned) rather than by this demand.
     cached: Vec<bool>,
     delivered: Vec<bool>,
+    /// Misses waiting for a free buffer (a prompt chunk can need more experts than there are
+    /// I/O buffers); started as delivered records free theirs.
+    queued: VecDeque<usize>,
 }
 
 pub struct StreamingExperts {
@@ -319,6 +322,28 @@ impl StreamingExperts {
         Ok(())
     }
 
+    /// After demand record `i` was used: a cache hit is unpinned; a fresh record enters the
+    /// cache (or its buffer is freed), and a waiting miss can start in the freed buffer.
+    fn settle(&mut self, i: usize) -> Result<()> {
+        let Some(d) = self.demand.as_mut() else { bail!("demand vanished") };
+        d.delivered[i] = true;
+        let (layer, e, cached, b) = (d.layer, d.experts[i], d.cached[i], d.ready[i]);
+        let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
+        match (cached, b) {
+            (true, _) => cache.unpin(e),
+            (false, Some(b)) => match cache.insert(e, b) {
+                Ok(evicted) => self.free.extend(evicted),
+                Err(b) => self.free.push(b),
+            },
+            (false, None) => {}
+        }
+        while !self.free.is_empty() {
+            let Some(next) = self.demand.as_mut().and_then(|d| d.queued.pop_front()) else { break };
+            self.start_read((layer, next), true)?;
+        }
+        Ok(())
+    }
+
     pub fn policy(&self) -> Policy {
         self.opts.policy
     }
@@ -351,6 +376,7 @@ impl ExpertSource for StreamingExperts {
             ready: vec![None; n],
             cached: vec![false; n],
             delivered: vec![false; n],
+            queued: VecDeque::new(),
         };
         let mut misses = Vec::new();
         for (i, &e) in experts.iter().enumerate() {
@@ -379,14 +405,19 @@ impl ExpertSource for StreamingExperts {
         }
         self.demand = Some(d);
         for e in misses {
-            self.start_read((layer, e), true)?;
+            if self.free.is_empty() {
+                if let Some(d) = self.demand.as_mut() {
+                    d.queued.push_back(e);
+                }
+            } else {
+                self.start_read((layer, e), true)?;
+            }
         }
         Ok(())
     }
 
     fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
         let Some(d) = self.demand.as_ref() else { bail!("expert source: drain() without begin()") };
-        let layer = d.layer;
         let rb = self.record_bytes;
         // Records already in memory first, in order, while the reads are in flight.
         let mut queue: Vec<(usize, usize)> =
@@ -395,9 +426,7 @@ impl ExpertSource for StreamingExperts {
             for (i, b) in queue.drain(..) {
                 let s = self.data_start[b];
                 f(i, &self.bufs[b].as_slice()[s..s + rb])?;
-                if let Some(d) = self.demand.as_mut() {
-                    d.delivered[i] = true;
-                }
+                self.settle(i)?;
             }
             let all = self.demand.as_ref().is_some_and(|d| d.delivered.iter().all(|&x| x));
             if all {
@@ -405,20 +434,7 @@ impl ExpertSource for StreamingExperts {
             }
             queue = self.reap()?;
         }
-        // Settle ownership: cache hits are unpinned; fresh records enter the cache or go free.
-        let d = self.demand.take().ok_or_else(|| anyhow!("demand vanished"))?;
-        let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
-        for (i, &e) in d.experts.iter().enumerate() {
-            let Some(b) = d.ready[i] else { continue };
-            if d.cached[i] {
-                cache.unpin(e);
-            } else {
-                match cache.insert(e, b) {
-                    Ok(evicted) => self.free.extend(evicted),
-                    Err(b) => self.free.push(b),
-                }
-            }
-        }
+        self.demand = None;
         self.pump_prefetch()
     }
 
