@@ -293,7 +293,7 @@ impl K3Model {
         let c = &self.config;
         // The attention sub-layer reads either the plain residual or the block mix. At a block
         // start the running sum is stored as a block and restarts from the attention output.
-        let block_start = c.attn_res_block_size.is_some_and(|b| l % b == 0);
+        let block_start = c.attn_res_block_size.is_some_and(|b| l.is_multiple_of(b));
         let mut restart = false;
         match &layer.res_w {
             Some((w_attn, _)) => {
