@@ -115,6 +115,7 @@ pub fn read_trace(path: &Path) -> Result<Trace> {
 pub fn replay(trace: &Trace, policy: Policy, capacity: usize) -> (f64, HashMap<usize, f64>) {
     let mut caches: HashMap<usize, LayerCache<()>> = HashMap::new();
     let mut per: HashMap<usize, (u64, u64)> = HashMap::new();
+    let mut evicted = Vec::new();
     for t in &trace.tokens {
         for l in &t.layers {
             let c = caches.entry(l.layer).or_insert_with(|| LayerCache::new(capacity, policy));
@@ -124,7 +125,8 @@ pub fn replay(trace: &Trace, policy: Policy, capacity: usize) -> (f64, HashMap<u
                 if c.get(e).is_some() {
                     s.0 += 1;
                 } else {
-                    let _ = c.insert(e, ());
+                    let _ = c.insert(e, (), &mut evicted);
+                    evicted.clear();
                 }
             }
         }

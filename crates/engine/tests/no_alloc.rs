@@ -6,8 +6,8 @@
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::*;
 use deltafin_engine::experts::ExpertSource;
@@ -16,15 +16,34 @@ use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 struct Counting;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+// Counted per thread: the tests of this binary run in parallel.
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static ALLOCS: Cell<usize> = const { Cell::new(0) };
+}
+
+fn counting(on: bool) {
+    COUNTING.with(|c| c.set(on));
+}
+
+fn reset() {
+    ALLOCS.with(|a| a.set(0));
+}
+
+fn allocs() -> usize {
+    ALLOCS.with(|a| a.get())
+}
+
+fn note_alloc() {
+    if COUNTING.with(|c| c.get()) {
+        ALLOCS.with(|a| a.set(a.get() + 1));
+    }
+}
 
 // SAFETY: forwards every call to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
+        note_alloc();
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(layout) }
     }
@@ -33,9 +52,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
+        note_alloc();
         // SAFETY: same contract as the caller's.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -92,14 +109,54 @@ fn decode_steps_allocate_nothing_once_warm() {
             for t in [3u32, 9, 27] {
                 model.forward(&mut st, &mut src, t, &mut logits).unwrap();
             }
-            ALLOCS.store(0, Ordering::Relaxed);
-            COUNTING.store(true, Ordering::Relaxed);
+            reset();
+            counting(true);
             for t in [5u32, 7, 11] {
                 model.forward(&mut st, &mut src, t, &mut logits).unwrap();
             }
-            COUNTING.store(false, Ordering::Relaxed);
-            let n = ALLOCS.load(Ordering::Relaxed);
+            counting(false);
+            let n = allocs();
             assert_eq!(n, 0, "{name} (approx {approx}): {n} allocations in three warm decode steps");
         }
     }
+}
+
+/// The streaming source's per-layer path (hits, misses read with io_uring, prefetch hints, cache
+/// insertion and eviction) allocates nothing once warm either.
+#[test]
+fn streaming_decode_steps_allocate_nothing_once_warm() {
+    use deltafin_engine::stream::cache::Policy;
+    use deltafin_engine::stream::reader::BackendKind;
+    use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
+    let dir = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let mut model = K3Model::load(&store).unwrap();
+    model.prefetch = true;
+    let k = model.config.num_experts_per_token;
+    let opts = StreamOptions {
+        cache_slots_per_layer: 2,
+        policy: Policy::Slru,
+        backend: Some(BackendKind::IoUring),
+        direct: true,
+        queue_depth: 16,
+        io_buffers: 2 * k,
+        prefetch_buffers: k,
+    };
+    let mut src = StreamingExperts::new(&store, opts).unwrap();
+    let mut st = model.new_state();
+    let mut logits = vec![0f32; model.config.vocab_size];
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
+    for &t in &tokens[..30] {
+        model.forward(&mut st, &mut src, t, &mut logits).unwrap();
+    }
+    let reads_before = src.total_stats().demand_reads;
+    reset();
+    counting(true);
+    for &t in &tokens[30..] {
+        model.forward(&mut st, &mut src, t, &mut logits).unwrap();
+    }
+    counting(false);
+    let n = allocs();
+    assert!(src.total_stats().demand_reads > reads_before, "the measured steps must read from disk");
+    assert_eq!(n, 0, "{n} allocations in ten warm streaming decode steps");
 }

@@ -88,15 +88,20 @@ impl<V: Clone> LayerCache<V> {
     fn rebalance(&mut self) {
         let max_protected = (self.capacity * 4 / 5).max(1);
         loop {
-            let protected: Vec<(usize, u64)> =
-                self.entries.iter().filter(|(_, e)| e.protected).map(|(&k, e)| (k, e.last_use)).collect();
-            if protected.len() <= max_protected {
+            // One pass: how many are protected, and the least recent of them.
+            let (mut count, mut oldest) = (0usize, None::<(u64, usize)>);
+            for (&k, e) in self.entries.iter().filter(|(_, e)| e.protected) {
+                count += 1;
+                if oldest.is_none_or(|(t, _)| e.last_use < t) {
+                    oldest = Some((e.last_use, k));
+                }
+            }
+            if count <= max_protected {
                 return;
             }
-            if let Some(&(k, _)) = protected.iter().min_by_key(|(_, t)| *t)
-                && let Some(e) = self.entries.get_mut(&k)
-            {
-                e.protected = false;
+            match oldest.and_then(|(_, k)| self.entries.get_mut(&k)) {
+                Some(e) => e.protected = false,
+                None => return,
             }
         }
     }
@@ -116,10 +121,9 @@ impl<V: Clone> LayerCache<V> {
         }
     }
 
-    /// Insert `expert`. Returns the evicted values (to be recycled), or gives `value` back in
-    /// `Err` when there is no room (capacity 0, or every entry pinned).
-    pub fn insert(&mut self, expert: usize, value: V) -> Result<Vec<V>, V> {
-        let mut evicted = Vec::new();
+    /// Insert `expert`, appending evicted values (to be recycled) to `evicted`; gives `value`
+    /// back in `Err` when there is no room (capacity 0, or every entry pinned).
+    pub fn insert(&mut self, expert: usize, value: V, evicted: &mut Vec<V>) -> Result<(), V> {
         if self.capacity == 0 {
             return Err(value);
         }
@@ -138,7 +142,7 @@ impl<V: Clone> LayerCache<V> {
         }
         self.clock += 1;
         self.entries.insert(expert, Entry { value, last_use: self.clock, protected: false, pins: 0 });
-        Ok(evicted)
+        Ok(())
     }
 }
 
@@ -149,31 +153,33 @@ mod tests {
     #[test]
     fn lru_evicts_least_recent() {
         let mut c = LayerCache::new(2, Policy::Lru);
-        c.insert(1, ()).unwrap();
-        c.insert(2, ()).unwrap();
+        let ev = &mut Vec::new();
+        c.insert(1, (), ev).unwrap();
+        c.insert(2, (), ev).unwrap();
         assert!(c.get(1).is_some());
-        c.insert(3, ()).unwrap();
+        c.insert(3, (), ev).unwrap();
         assert!(c.contains(1) && c.contains(3) && !c.contains(2));
     }
 
     #[test]
     fn slru_protects_reused_entries_from_a_scan() {
         let mut c = LayerCache::new(4, Policy::Slru);
+        let ev = &mut Vec::new();
         for e in [1, 2] {
-            c.insert(e, ()).unwrap();
+            c.insert(e, (), ev).unwrap();
             c.get(e);
         }
         for e in 10..20 {
-            c.insert(e, ()).unwrap();
+            c.insert(e, (), ev).unwrap();
         }
         assert!(c.contains(1) && c.contains(2), "reused experts survive a one-off scan");
         let mut l = LayerCache::new(4, Policy::Lru);
         for e in [1, 2] {
-            l.insert(e, ()).unwrap();
+            l.insert(e, (), ev).unwrap();
             l.get(e);
         }
         for e in 10..20 {
-            l.insert(e, ()).unwrap();
+            l.insert(e, (), ev).unwrap();
         }
         assert!(!l.contains(1) && !l.contains(2), "plain LRU is flushed by the scan");
     }
@@ -181,12 +187,14 @@ mod tests {
     #[test]
     fn pinned_entries_are_never_evicted() {
         let mut c = LayerCache::new(1, Policy::Lru);
-        c.insert(1, 10).unwrap();
+        let mut ev = Vec::new();
+        c.insert(1, 10, &mut ev).unwrap();
         c.pin(1);
-        assert_eq!(c.insert(2, 20), Err(20));
+        assert_eq!(c.insert(2, 20, &mut ev), Err(20));
         c.unpin(1);
-        assert_eq!(c.insert(2, 20), Ok(vec![10]));
+        assert_eq!(c.insert(2, 20, &mut ev), Ok(()));
+        assert_eq!(ev, vec![10]);
         let mut z: LayerCache<u32> = LayerCache::new(0, Policy::Slru);
-        assert_eq!(z.insert(5, 1), Err(1));
+        assert_eq!(z.insert(5, 1, &mut ev), Err(1));
     }
 }

@@ -208,12 +208,14 @@ pub struct Uring {
     pending: std::collections::HashMap<u64, ReadReq>,
     /// Requests waiting for room in the submission queue.
     backlog: std::collections::VecDeque<ReadReq>,
+    /// Completions reaped in one pass (reused).
+    cqes: Vec<(u64, i32)>,
 }
 
 impl Uring {
     pub fn new(files: Arc<Vec<File>>, depth: u32) -> io::Result<Self> {
         let ring = io_uring::IoUring::new(depth.max(2))?;
-        Ok(Uring { ring, files, pending: Default::default(), backlog: Default::default() })
+        Ok(Uring { ring, files, pending: Default::default(), backlog: Default::default(), cqes: Vec::new() })
     }
 
     fn push_backlog(&mut self) -> io::Result<()> {
@@ -259,8 +261,9 @@ impl ReadBackend for Uring {
         if self.pending.is_empty() {
             return Ok(());
         }
+        let mut got = std::mem::take(&mut self.cqes);
         loop {
-            let mut got = Vec::new();
+            got.clear();
             for cqe in self.ring.completion() {
                 got.push((cqe.user_data(), cqe.result()));
             }
@@ -271,7 +274,7 @@ impl ReadBackend for Uring {
                     Err(e) => return Err(e),
                 }
             }
-            for (tag, res) in got {
+            for &(tag, res) in &got {
                 let Some(req) = self.pending.remove(&tag) else {
                     continue;
                 };
@@ -297,6 +300,7 @@ impl ReadBackend for Uring {
                 };
                 out.push((tag, r));
             }
+            self.cqes = got;
             self.push_backlog()?;
             return Ok(());
         }

@@ -59,6 +59,7 @@ struct Flight {
     error: Option<String>,
 }
 
+#[derive(Default)]
 struct Demand {
     layer: usize,
     experts: Vec<usize>,
@@ -78,7 +79,7 @@ pub struct StreamingExperts {
     backend: Box<dyn ReadBackend>,
     pub backend_kind: BackendKind,
     pub o_direct: bool,
-    locs: HashMap<usize, Vec<ExpertLocation>>,
+    locs: Arc<HashMap<usize, Vec<ExpertLocation>>>,
     record_bytes: usize,
     pub slot_bytes: usize,
     bufs: Vec<AlignedBuf>,
@@ -101,6 +102,12 @@ pub struct StreamingExperts {
     bytes_read: u64,
     pub io_wait: Duration,
     paths: Vec<PathBuf>,
+    // Buffers reused from call to call so the per-layer path allocates nothing once warm.
+    reqs: Vec<ReadReq>,
+    done_buf: Vec<(u64, std::io::Result<()>)>,
+    queue_buf: Vec<(usize, usize)>,
+    misses_buf: Vec<usize>,
+    spare_demand: Option<Demand>,
 }
 
 impl StreamingExperts {
@@ -132,7 +139,7 @@ impl StreamingExperts {
             data_start: vec![0; bufs.len()],
             free: (0..bufs.len()).rev().collect(),
             bufs,
-            locs,
+            locs: Arc::new(locs),
             caches,
             flights: HashMap::new(),
             tags: HashMap::new(),
@@ -147,6 +154,11 @@ impl StreamingExperts {
             io_wait: Duration::ZERO,
             paths,
             opts,
+            reqs: Vec::new(),
+            done_buf: Vec::new(),
+            queue_buf: Vec::new(),
+            misses_buf: Vec::new(),
+            spare_demand: None,
         })
     }
 
@@ -165,10 +177,15 @@ impl StreamingExperts {
     /// Start reading (layer, expert) into a free buffer.
     fn start_read(&mut self, key: (usize, usize), demanded: bool) -> Result<()> {
         let buf = self.free.pop().ok_or_else(|| anyhow!("no free expert buffer (plan too small)"))?;
-        let loc = self.location(key.0, key.1)?.clone();
+        let locs = Arc::clone(&self.locs);
+        let loc = locs
+            .get(&key.0)
+            .and_then(|v| v.get(key.1))
+            .ok_or_else(|| anyhow!("no routed expert {} in layer {}", key.1, key.0))?;
         let id = self.next_id;
         self.next_id += 1;
-        let mut reqs = Vec::with_capacity(loc.ranges.len());
+        let mut reqs = std::mem::take(&mut self.reqs);
+        reqs.clear();
         let mut pos = 0usize;
         let base = self.bufs[buf].as_mut_ptr();
         for (i, r) in loc.ranges.iter().enumerate() {
@@ -202,13 +219,18 @@ impl StreamingExperts {
         }
         self.bytes_read += bytes;
         self.backend.submit(&reqs)?;
+        self.reqs = reqs;
         Ok(())
     }
 
     /// Move each range's bytes to their place in the canonical record and check the checksum.
     /// Returns where the record starts in the buffer.
     fn finalize(&mut self, buf: usize, key: (usize, usize)) -> Result<usize> {
-        let loc = self.location(key.0, key.1)?.clone();
+        let locs = Arc::clone(&self.locs);
+        let loc = locs
+            .get(&key.0)
+            .and_then(|v| v.get(key.1))
+            .ok_or_else(|| anyhow!("no routed expert {} in layer {}", key.1, key.0))?;
         let b = self.bufs[buf].as_mut_slice();
         let start = if loc.ranges.len() == 1 {
             let r = loc.ranges[0];
@@ -235,13 +257,13 @@ impl StreamingExperts {
     }
 
     /// Reap completions; finished demanded records are returned as (demand index, buffer).
-    fn reap(&mut self) -> Result<Vec<(usize, usize)>> {
-        let mut done = Vec::new();
+    fn reap(&mut self, ready: &mut Vec<(usize, usize)>) -> Result<()> {
+        let mut done = std::mem::take(&mut self.done_buf);
+        done.clear();
         let t0 = Instant::now();
         self.backend.wait(&mut done)?;
         self.io_wait += t0.elapsed();
-        let mut ready = Vec::new();
-        for (tag, res) in done {
+        for (tag, res) in done.drain(..) {
             let Some(id) = self.tags.remove(&tag) else {
                 continue;
             };
@@ -294,9 +316,8 @@ impl StreamingExperts {
                 None => {
                     // A prefetch finished: keep it as a probationary cache entry.
                     let cache = self.caches.entry(f.key.0).or_insert_with(|| LayerCache::new(0, self.opts.policy));
-                    match cache.insert(f.key.1, f.buf) {
-                        Ok(evicted) => {
-                            self.free.extend(evicted);
+                    match cache.insert(f.key.1, f.buf, &mut self.free) {
+                        Ok(()) => {
                             self.prefetched_unused.insert(f.key);
                         }
                         Err(b) => self.free.push(b),
@@ -304,7 +325,8 @@ impl StreamingExperts {
                 }
             }
         }
-        Ok(ready)
+        self.done_buf = done;
+        Ok(())
     }
 
     /// Submit queued prefetches while prefetch buffers are available.
@@ -331,10 +353,11 @@ impl StreamingExperts {
         let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
         match (cached, b) {
             (true, _) => cache.unpin(e),
-            (false, Some(b)) => match cache.insert(e, b) {
-                Ok(evicted) => self.free.extend(evicted),
-                Err(b) => self.free.push(b),
-            },
+            (false, Some(b)) => {
+                if let Err(b) = cache.insert(e, b, &mut self.free) {
+                    self.free.push(b);
+                }
+            }
             (false, None) => {}
         }
         while !self.free.is_empty() {
@@ -370,15 +393,19 @@ impl ExpertSource for StreamingExperts {
         // Speculation for this layer or earlier ones is stale now: drop what was not submitted.
         self.pending_prefetch.retain(|&(l, _)| l > layer);
         let n = experts.len();
-        let mut d = Demand {
-            layer,
-            experts: experts.to_vec(),
-            ready: vec![None; n],
-            cached: vec![false; n],
-            delivered: vec![false; n],
-            queued: VecDeque::new(),
-        };
-        let mut misses = Vec::new();
+        let mut d = self.spare_demand.take().unwrap_or_default();
+        d.layer = layer;
+        d.experts.clear();
+        d.experts.extend_from_slice(experts);
+        d.ready.clear();
+        d.ready.resize(n, None);
+        d.cached.clear();
+        d.cached.resize(n, false);
+        d.delivered.clear();
+        d.delivered.resize(n, false);
+        d.queued.clear();
+        let mut misses = std::mem::take(&mut self.misses_buf);
+        misses.clear();
         for (i, &e) in experts.iter().enumerate() {
             self.location(layer, e)?;
             let st = self.stats.entry(layer).or_default();
@@ -404,7 +431,7 @@ impl ExpertSource for StreamingExperts {
             }
         }
         self.demand = Some(d);
-        for e in misses {
+        for &e in &misses {
             if self.free.is_empty() {
                 if let Some(d) = self.demand.as_mut() {
                     d.queued.push_back(e);
@@ -413,6 +440,7 @@ impl ExpertSource for StreamingExperts {
                 self.start_read((layer, e), true)?;
             }
         }
+        self.misses_buf = misses;
         Ok(())
     }
 
@@ -420,8 +448,9 @@ impl ExpertSource for StreamingExperts {
         let Some(d) = self.demand.as_ref() else { bail!("expert source: drain() without begin()") };
         let rb = self.record_bytes;
         // Records already in memory first, in order, while the reads are in flight.
-        let mut queue: Vec<(usize, usize)> =
-            d.ready.iter().enumerate().filter_map(|(i, b)| b.map(|b| (i, b))).collect();
+        let mut queue = std::mem::take(&mut self.queue_buf);
+        queue.clear();
+        queue.extend(d.ready.iter().enumerate().filter_map(|(i, b)| b.map(|b| (i, b))));
         loop {
             for (i, b) in queue.drain(..) {
                 let s = self.data_start[b];
@@ -432,9 +461,10 @@ impl ExpertSource for StreamingExperts {
             if all {
                 break;
             }
-            queue = self.reap()?;
+            self.reap(&mut queue)?;
         }
-        self.demand = None;
+        self.queue_buf = queue;
+        self.spare_demand = self.demand.take();
         self.pump_prefetch()
     }
 
