@@ -1,6 +1,7 @@
 //! `generate` and `logits`: the options every model-running command shares, and the two
 //! commands themselves.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -227,6 +228,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         println!("{out}");
     } else {
         match text {
+            Some(t) if std::io::stdout().is_terminal() => println!("{}", terminal_safe(&t)),
             Some(t) => println!("{t}"),
             None => println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
         }
@@ -244,6 +246,14 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Control characters other than newline and tab, shown escaped: generated text must not be
+/// able to drive the user's terminal (a random demo model emits arbitrary bytes).
+fn terminal_safe(t: &str) -> String {
+    t.chars()
+        .map(|c| if c.is_control() && c != '\n' && c != '\t' { c.escape_default().to_string() } else { c.to_string() })
+        .collect()
 }
 
 pub fn logits(a: LogitsArgs) -> Result<()> {
