@@ -116,6 +116,28 @@ impl LatentMoe {
         })
     }
 
+    /// Route one token: the router's top-k, or a pinned choice re-weighted by this router.
+    /// Shapes: x `[hidden]`, logits `[E]` scratch.
+    fn route(&self, x: &[f32], r: &mut Routing, logits: &mut [f32], sc: &mut Scratch) -> Result<()> {
+        self.gate.forward(x, logits);
+        if r.pinned {
+            anyhow::ensure!(r.experts.iter().all(|&e| e < self.gate.rows), "pinned expert id out of range");
+            weights_for(logits, &r.experts, self.renormalize, self.scaling, &mut r.weights);
+        } else {
+            select_experts(
+                logits,
+                &self.bias,
+                self.top_k,
+                self.renormalize,
+                self.scaling,
+                &mut r.experts,
+                &mut r.weights,
+                sc,
+            );
+        }
+        Ok(())
+    }
+
     /// One routed expert applied to one token's latent input. Shapes: xl `[LAT]`, out `[LAT]`,
     /// a and gu `[I]` scratch (gu only in approximate mode, where `xq` is `xl` quantised).
     #[allow(clippy::too_many_arguments)]
@@ -187,21 +209,7 @@ impl LatentMoe {
         let mut logits = sc.take(self.gate.rows); // [E]
         let mut union: Vec<usize> = Vec::new(); // distinct experts of the chunk, first-use order
         for (t, r) in routings.iter_mut().enumerate() {
-            self.gate.forward(&xs[t * h..(t + 1) * h], &mut logits);
-            if r.pinned {
-                weights_for(&logits, &r.experts, self.renormalize, self.scaling, &mut r.weights);
-            } else {
-                select_experts(
-                    &logits,
-                    &self.bias,
-                    self.top_k,
-                    self.renormalize,
-                    self.scaling,
-                    &mut r.experts,
-                    &mut r.weights,
-                    sc,
-                );
-            }
+            self.route(&xs[t * h..(t + 1) * h], r, &mut logits, sc)?;
             r.predicted_next.clear();
             for &e in &r.experts {
                 anyhow::ensure!(e < self.gate.rows, "expert id out of range");
@@ -295,22 +303,7 @@ impl LatentMoe {
         sc: &mut Scratch,
     ) -> Result<()> {
         let mut logits = sc.take(self.gate.rows); // [E]
-        self.gate.forward(x, &mut logits);
-        if routing.pinned {
-            anyhow::ensure!(routing.experts.iter().all(|&e| e < self.gate.rows), "pinned expert id out of range");
-            weights_for(&logits, &routing.experts, self.renormalize, self.scaling, &mut routing.weights);
-        } else {
-            select_experts(
-                &logits,
-                &self.bias,
-                self.top_k,
-                self.renormalize,
-                self.scaling,
-                &mut routing.experts,
-                &mut routing.weights,
-                sc,
-            );
-        }
+        self.route(x, routing, &mut logits, sc)?;
         experts.begin(self.layer, &routing.experts)?;
 
         let mut shared = sc.take(out.len()); // [hidden]
