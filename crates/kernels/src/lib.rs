@@ -5,8 +5,10 @@
 //! allocation happens inside them, so the per-token loop can reuse its buffers.
 
 pub mod approx;
+pub mod attention;
 mod avx512;
 pub mod cpu;
+mod dispatch;
 pub mod expert;
 pub mod matvec;
 pub mod mxfp4;

@@ -96,31 +96,7 @@ fn int8_body(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x
 // The bodies above are written with independent lane accumulators so the compiler vectorises
 // them; each public entry point compiles the same body a second time with AVX2 enabled and
 // picks it at run time. The plain instantiation is the scalar oracle.
-macro_rules! dispatch {
-    ($name:ident, $scalar:ident, $avx2:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
-        /// Run-time dispatched entry point (AVX2 when the CPU has it).
-        pub fn $name($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            if crate::cpu::has_avx2_fma() {
-                // SAFETY: the CPU supports AVX2 and FMA.
-                unsafe { $avx2($($arg),*) };
-                return;
-            }
-            $body($($arg),*)
-        }
-
-        /// The portable path: the oracle the vectorised instantiation is tested against.
-        pub fn $scalar($($arg: $ty),*) {
-            $body($($arg),*)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn $avx2($($arg: $ty),*) {
-            $body($($arg),*)
-        }
-    };
-}
+use crate::dispatch::dispatch;
 
 dispatch!(f32_matvec, f32_matvec_scalar, f32_avx2, f32_body, (w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));
 dispatch!(bf16_matvec, bf16_matvec_scalar, bf16_avx2, bf16_body, (w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]));

@@ -5,6 +5,7 @@
 //! then a per-head RMSNorm gated by `sigmoid(g_proj x)`.
 
 use anyhow::Result;
+use deltafin_kernels::attention::kda_head_step;
 use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
 use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
@@ -162,24 +163,7 @@ impl Kda {
             let beta = sigmoid(b[h]);
             let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
             let (qh, kh, vh) = (&q[h * d..(h + 1) * d], &k[h * d..(h + 1) * d], &v[h * d..(h + 1) * d]);
-            for vi in 0..d {
-                let row = &mut s[vi * d..(vi + 1) * d];
-                let mut mem = 0.0f32;
-                for j in 0..d {
-                    row[j] *= g[j];
-                    mem += row[j] * kh[j];
-                }
-                delta[vi] = (vh[vi] - mem) * beta;
-            }
-            for vi in 0..d {
-                let row = &mut s[vi * d..(vi + 1) * d];
-                let mut acc = 0.0f32;
-                for j in 0..d {
-                    row[j] += kh[j] * delta[vi];
-                    acc += row[j] * qh[j];
-                }
-                y[h * d + vi] = acc;
-            }
+            kda_head_step(s, qh, kh, vh, &g, beta, &mut delta, &mut y[h * d..(h + 1) * d]);
         }
         let mut gate = sc.take(p); // [P]
         match &self.gate {

@@ -8,7 +8,8 @@
 //! them.
 
 use anyhow::Result;
-use deltafin_kernels::ops::{dot, rms_norm_inplace, sigmoid, softmax_inplace};
+use deltafin_kernels::attention::mla_head_attend;
+use deltafin_kernels::ops::{rms_norm_inplace, sigmoid};
 use deltafin_store::{K3Config, SpineSource};
 
 use crate::scratch::Scratch;
@@ -128,18 +129,7 @@ impl Mla {
                 self.kv_b.axpy_row(krow + n, qn, &mut q_lat);
             }
 
-            for (t, s) in scores.iter_mut().enumerate() {
-                let c = &st.latents[t * kvl..(t + 1) * kvl];
-                let pe = &st.k_pe[t * rope..(t + 1) * rope];
-                *s = scale * (dot(&q_lat, c) + dot(&qh[nope..], pe));
-            }
-            softmax_inplace(&mut scores);
-            o_lat.fill(0.0);
-            for (t, &p) in scores.iter().enumerate() {
-                for (o, &c) in o_lat.iter_mut().zip(&st.latents[t * kvl..(t + 1) * kvl]) {
-                    *o += p * c;
-                }
-            }
+            mla_head_attend(&q_lat, &qh[nope..], &st.latents, &st.k_pe, scale, &mut scores, &mut o_lat);
             // Absorb the value projection: out_h = W_v o_lat.
             self.kv_b.forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
         }
