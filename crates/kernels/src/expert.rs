@@ -65,11 +65,19 @@ pub fn expert_mxfp4_unfused(
     act: &mut [f32],
     out: &mut [f32],
 ) {
-    let mut g = vec![0f32; inter]; // [I]
-    let mut u = vec![0f32; inter]; // [I]
-    mxfp4_matvec_par(w1.packed, w1.scales, inter, latent, x, &mut g);
-    mxfp4_matvec_par(w3.packed, w3.scales, inter, latent, x, &mut u);
-    situ(&g, &u, beta, linear_beta, act);
+    // Gate and up products in per-thread buffers reused across calls: this is the production
+    // path on CPUs without AVX-512, and the decode loop must not allocate.
+    thread_local! {
+        static GU: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    GU.with(|gu| {
+        let (g, u) = &mut *gu.borrow_mut();
+        g.resize(inter, 0.0); // [I]
+        u.resize(inter, 0.0); // [I]
+        mxfp4_matvec_par(w1.packed, w1.scales, inter, latent, x, g);
+        mxfp4_matvec_par(w3.packed, w3.scales, inter, latent, x, u);
+        situ(g, u, beta, linear_beta, act);
+    });
     mxfp4_matvec_par(w2.packed, w2.scales, latent, inter, act, out);
 }
 
