@@ -22,7 +22,7 @@ fn chunked_prompts_stream_bit_identically() {
         let model = K3Model::load(&store).unwrap();
         let reference = run(&model, &mut StoreExperts::new(&store), name);
         let all = store.manifest.config.num_experts;
-        for backend in [BackendKind::IoUring, BackendKind::Pread] {
+        for backend in backends() {
             for slots in [0, 1, all] {
                 let mut o = opts(slots, backend, 0, Policy::Slru);
                 o.io_buffers = 6;
@@ -84,7 +84,7 @@ fn streaming_is_bit_identical_across_budgets_backends_and_layouts() {
             let mut model = K3Model::load(&store).unwrap();
             let reference = run(&model, &mut StoreExperts::new(&store), name);
             let all = store.manifest.config.num_experts;
-            for backend in [BackendKind::IoUring, BackendKind::Pread] {
+            for backend in backends() {
                 for slots in [1, 3, all] {
                     for (prefetch, policy) in [(0, Policy::Lru), (8, Policy::Slru)] {
                         model.prefetch = prefetch > 0;
@@ -126,7 +126,7 @@ fn corrupt_record_is_caught_by_the_streaming_reader() {
     std::fs::write(&f, bytes).unwrap();
     let store = Store::open(dir.path(), None).unwrap();
     let model = K3Model::load(&store).unwrap();
-    for backend in [BackendKind::IoUring, BackendKind::Pread] {
+    for backend in backends() {
         let mut src = StreamingExperts::new(&store, opts(2, backend, 0, Policy::Lru)).unwrap();
         let mut st = model.new_state();
         let mut logits = vec![0f32; model.config.vocab_size];

@@ -327,6 +327,11 @@ impl Drop for Uring {
     }
 }
 
+/// Whether this kernel grants an io_uring ring (some sandboxes disable io_uring).
+pub fn io_uring_available() -> bool {
+    io_uring::IoUring::new(2).is_ok()
+}
+
 /// Pick a back-end: the forced one, or io_uring when the kernel grants a ring, else pread.
 pub fn make_backend(
     files: Arc<Vec<File>>,
