@@ -3,6 +3,7 @@
 mod bench;
 mod kernel_bench;
 mod run;
+mod serve_cmd;
 mod trace_cmd;
 
 use std::io::IsTerminal;
@@ -50,6 +51,8 @@ enum Cmd {
     Generate(run::GenerateArgs),
     /// Print the last position's logits for a prompt as JSON.
     Logits(run::LogitsArgs),
+    /// Serve the model over HTTP (OpenAI- and Anthropic-compatible).
+    Serve(serve_cmd::ServeArgs),
     /// Measure decode speed against the drive's raw bandwidth (fresh process per run).
     Bench(bench::BenchArgs),
     /// Write a store with Kimi K3's real expert geometry and random weights.
@@ -123,6 +126,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => run::generate(a),
         Cmd::Logits(a) => run::logits(a),
+        Cmd::Serve(a) => serve_cmd::run(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::ProbeDisk(a) => bench::probe(a),
         Cmd::Trace(t) => trace_cmd::run(t),

@@ -2,14 +2,17 @@
 //! generation.
 
 pub mod blocks;
+pub mod chat;
 pub mod experts;
 pub mod generate;
 pub mod k3;
 pub mod plan;
+pub mod sample;
 pub mod scratch;
 pub mod session;
 pub mod spine_stream;
 pub mod stream;
+pub mod textgen;
 pub mod tokenizer;
 pub mod trace;
 pub mod weights;

@@ -1,0 +1,97 @@
+//! `deltafin serve`: the OpenAI- and Anthropic-compatible HTTP server.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use deltafin_engine::plan::parse_size;
+use deltafin_engine::session::Session;
+use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_server::state::{ModelInfo, unix_now};
+use deltafin_server::{ServeOptions, serve};
+use deltafin_store::Store;
+
+use crate::run::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on (loopback by default: nothing outside this machine can connect).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one; the chosen address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every endpoint
+    /// but /health.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Requests that may wait in line (FIFO) while one generates; more get HTTP 429.
+    #[arg(long, default_value_t = 0)]
+    pub queue: usize,
+    /// Model id clients use (default: the store directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest request body accepted (e.g. 8M).
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    pub max_body_bytes: u64,
+    /// Seconds between SSE keep-alive comments on streams.
+    #[arg(long, default_value_t = 10.0)]
+    pub keep_alive_s: f64,
+    /// Test throttle: sleep this many milliseconds after every model step.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub token_delay_ms: u64,
+    /// Test instrument: scripted replies (JSON `{"replies": [{"when", "text"}]}`) replace the
+    /// sampled tokens when the last user text contains `when`.
+    #[arg(long, hide = true)]
+    pub script: Option<PathBuf>,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    if !(a.keep_alive_s > 0.0 && a.keep_alive_s.is_finite()) {
+        bail!("--keep-alive-s must be a positive number of seconds");
+    }
+    let path = a.model.store_path()?.to_path_buf();
+    let store =
+        Store::open(&path, a.model.source.as_deref()).with_context(|| format!("opening store {}", path.display()))?;
+    if store.tokenizer_file("tiktoken.model").is_none() {
+        bail!("the store {} has no tokenizer (tiktoken.model); the server needs one", path.display());
+    }
+    let tokenizer = Tokenizer::load(&store.dir)?;
+    let run_opts = a.model.run_options()?;
+    let cfg = &store.manifest.config;
+    let id = a.served_model_name.clone().unwrap_or_else(|| {
+        std::fs::canonicalize(&path)
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "kimi-k3".into())
+    });
+    let numerics = if run_opts.approx { "approximate (int8 activations for routed experts)" } else { "exact" };
+    let model = ModelInfo {
+        id,
+        created: unix_now(),
+        context: run_opts.context_tokens,
+        vocab: cfg.vocab_size,
+        numerics: numerics.into(),
+        approx: run_opts.approx,
+    };
+    let opts = ServeOptions {
+        host: a.host,
+        port: a.port,
+        api_key: a.api_key,
+        queue: a.queue,
+        max_body_bytes: usize::try_from(a.max_body_bytes).unwrap_or(usize::MAX),
+        keep_alive: Duration::from_secs_f64(a.keep_alive_s),
+        step_delay: Duration::from_millis(a.token_delay_ms),
+        script: a.script,
+    };
+    serve(opts, model, tokenizer, move || {
+        let session = Session::open(&store, &run_opts)?;
+        eprintln!("{}", session.plan.describe());
+        if session.model.approx {
+            eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
+        }
+        Ok(session)
+    })
+}

@@ -1,0 +1,307 @@
+//! One text generation as an API serves it: sampling, stop strings, the model's end-of-message
+//! token, output parsing into reasoning / answer / tool calls, log-probabilities, and
+//! cancellation, reported token by token to a [`Sink`].
+//!
+//! Both wire formats the server speaks (OpenAI, Anthropic) and every streaming mode run through
+//! this one loop; they differ only in how they print what the sink receives.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::chat::parse::{Markers, OutputEvent, OutputParser};
+use crate::experts::ExpertSource;
+use crate::generate::PROMPT_CHUNK;
+use crate::k3::K3Model;
+use crate::sample::{Sampler, SamplingParams, logprobs};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct TextRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends before the first of these strings in the answer text.
+    pub stop: Vec<String>,
+    /// Report log-probabilities with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Split the output into reasoning, answer and tool calls (chat); raw text otherwise.
+    pub parse_chat: bool,
+    /// The prompt opened the reasoning channel (K3 thinking mode): output starts as reasoning.
+    pub reasoning_open: bool,
+    /// Test instrument: these tokens replace the sampled ones, one per step (the model still
+    /// runs every step); generation ends when they run out.
+    pub forced: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The model ended its turn, or a stop string matched.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The turn ended with tool calls.
+    ToolCalls,
+    /// The sink asked to stop (client gone).
+    Cancelled,
+}
+
+/// Log-probabilities of one generated token.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// (id, logprob), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Seconds from start to the first generated token.
+    pub ttft_s: f64,
+    /// Seconds of decoding after the first token.
+    pub decode_s: f64,
+    /// A stop string ended generation (which one).
+    pub stop_string: Option<String>,
+}
+
+/// Receives a generation as it happens.
+pub trait Sink {
+    /// Polled between prompt chunks and between tokens: false cancels.
+    fn keep_going(&mut self) -> bool;
+    /// Parsed output produced by one token (maybe none: text held for a stop-string check, or a
+    /// marker in progress) and the token's log-probabilities when asked for. False cancels.
+    fn token(&mut self, events: &[OutputEvent], logprob: Option<&TokenLogprob>) -> bool;
+}
+
+/// Holds back the tail of the answer text that could still become a stop string.
+struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+    longest: usize,
+}
+
+impl StopMatcher {
+    fn new(stops: &[String]) -> Self {
+        let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let longest = stops.iter().map(|s| s.len()).max().unwrap_or(0);
+        StopMatcher { stops, held: String::new(), longest }
+    }
+
+    /// Add answer text; returns the text now safe to release and the stop string if one matched
+    /// (the text returned then ends just before it).
+    fn push(&mut self, text: &str) -> (String, Option<String>) {
+        if self.stops.is_empty() {
+            return (text.to_string(), None);
+        }
+        self.held.push_str(text);
+        let hit = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s))).min_by_key(|h| h.0);
+        if let Some((pos, s)) = hit {
+            let s = s.clone();
+            let out = self.held[..pos].to_string();
+            self.held.clear();
+            return (out, Some(s));
+        }
+        let mut keep_from = self.held.len().saturating_sub(self.longest - 1);
+        while !self.held.is_char_boundary(keep_from) {
+            keep_from -= 1;
+        }
+        let out = self.held[..keep_from].to_string();
+        self.held.drain(..keep_from);
+        (out, None)
+    }
+
+    fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// Runs [`TextRequest`]s on one model. `step_delay` is a test throttle slept after every model
+/// step (prompt chunk or token), to hold the engine busy deterministically.
+pub struct TextGenerator<'a> {
+    pub model: &'a K3Model,
+    pub tokenizer: &'a Tokenizer,
+    pub step_delay: Duration,
+}
+
+impl TextGenerator<'_> {
+    pub fn run(&self, experts: &mut dyn ExpertSource, req: &TextRequest, sink: &mut dyn Sink) -> Result<Summary> {
+        anyhow::ensure!(!req.prompt.is_empty(), "the prompt is empty");
+        let start = Instant::now();
+        let model = self.model;
+        let vocab = model.config.vocab_size;
+        let mut summary = Summary {
+            finish: Finish::Length,
+            prompt_tokens: req.prompt.len(),
+            completion_tokens: 0,
+            ttft_s: 0.0,
+            decode_s: 0.0,
+            stop_string: None,
+        };
+        let mut st = model.new_state();
+        let mut logits = vec![0f32; vocab]; // [vocab]
+        for chunk in req.prompt.chunks(PROMPT_CHUNK) {
+            if !sink.keep_going() {
+                summary.finish = Finish::Cancelled;
+                return Ok(summary);
+            }
+            model.forward_chunk(&mut st, experts, chunk, &mut logits)?;
+            self.throttle();
+        }
+        let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
+        let mut parser = markers.map(|m| OutputParser::new(m, req.reasoning_open));
+        let mut stop = StopMatcher::new(&req.stop);
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let eos = self.tokenizer.eos_id;
+        let mut parsed: Vec<OutputEvent> = Vec::new();
+        let mut events: Vec<OutputEvent> = Vec::new();
+        let mut saw_tool_call = false;
+        let mut decode_start = None;
+        summary.finish = loop {
+            if summary.completion_tokens >= req.max_tokens {
+                break Finish::Length;
+            }
+            if !sink.keep_going() {
+                break Finish::Cancelled;
+            }
+            let token = match &req.forced {
+                Some(f) => match f.get(summary.completion_tokens) {
+                    Some(&t) => t,
+                    None => break Finish::Stop,
+                },
+                None => sampler.sample(&logits),
+            };
+            if summary.completion_tokens == 0 {
+                summary.ttft_s = start.elapsed().as_secs_f64();
+                decode_start = Some(Instant::now());
+            }
+            summary.completion_tokens += 1;
+            if Some(token) == eos {
+                break Finish::Stop;
+            }
+            let lp = req.logprobs.filter(|_| (token as usize) < vocab).map(|n| {
+                let l = logprobs(&logits, token, n);
+                TokenLogprob { id: token, logprob: l.logprob, top: l.top }
+            });
+            // Parse, then pass answer text through the stop-string check.
+            parsed.clear();
+            let bytes = self.tokenizer.decode_bytes(&[token]);
+            match parser.as_mut() {
+                Some(p) => p.push(token, &bytes, &mut parsed),
+                None => parsed.push(OutputEvent::Content(String::from_utf8_lossy(&bytes).into_owned())),
+            }
+            let stopped = self.filter_stops(&mut stop, &parsed, &mut events, &mut summary);
+            saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
+            if !sink.token(&events, lp.as_ref()) {
+                break Finish::Cancelled;
+            }
+            if stopped {
+                break Finish::Stop;
+            }
+            if summary.completion_tokens >= req.max_tokens {
+                break Finish::Length;
+            }
+            model.forward(&mut st, experts, token, &mut logits)?;
+            self.throttle();
+        };
+        if summary.finish != Finish::Cancelled {
+            // Release what the parser and the stop check still hold.
+            events.clear();
+            if let Some(p) = parser.as_mut() {
+                parsed.clear();
+                p.finish(&mut parsed);
+                if summary.stop_string.is_none() {
+                    self.filter_stops(&mut stop, &parsed, &mut events, &mut summary);
+                }
+            }
+            if summary.stop_string.is_none() {
+                let rest = stop.flush();
+                if !rest.is_empty() {
+                    events.push(OutputEvent::Content(rest));
+                }
+            }
+            saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
+            if !events.is_empty() {
+                sink.token(&events, None);
+            }
+            if summary.finish == Finish::Stop && saw_tool_call && summary.stop_string.is_none() {
+                summary.finish = Finish::ToolCalls;
+            }
+        }
+        summary.decode_s = decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        Ok(summary)
+    }
+
+    /// Moves `parsed` into `events`, holding back answer text for the stop check. Returns true
+    /// when a stop string matched (later events are dropped).
+    fn filter_stops(
+        &self,
+        stop: &mut StopMatcher,
+        parsed: &[OutputEvent],
+        events: &mut Vec<OutputEvent>,
+        summary: &mut Summary,
+    ) -> bool {
+        events.clear();
+        for ev in parsed {
+            match ev {
+                OutputEvent::Content(text) => {
+                    let (out, hit) = stop.push(text);
+                    if !out.is_empty() {
+                        events.push(OutputEvent::Content(out));
+                    }
+                    if let Some(s) = hit {
+                        summary.stop_string = Some(s);
+                        return true;
+                    }
+                }
+                other => {
+                    // Answer text held back before a call or more reasoning is released first:
+                    // a stop string cannot span other output.
+                    let held = stop.flush();
+                    if !held.is_empty() {
+                        events.push(OutputEvent::Content(held));
+                    }
+                    events.push(other.clone());
+                }
+            }
+        }
+        false
+    }
+
+    fn throttle(&self) {
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_matcher_finds_strings_across_pieces() {
+        let mut m = StopMatcher::new(&["END".into(), "\n\n".into()]);
+        let mut out = String::new();
+        for piece in ["Hello E", "N", "x wor", "ld E", "ND after"] {
+            let (o, hit) = m.push(piece);
+            out.push_str(&o);
+            if hit.is_some() {
+                assert_eq!(hit.as_deref(), Some("END"));
+                break;
+            }
+        }
+        assert_eq!(out, "Hello ENx world ");
+        let mut m = StopMatcher::new(&["é!".into()]);
+        let (o, hit) = m.push("caf");
+        assert_eq!((o.as_str(), hit), ("c", None));
+        let (o, hit) = m.push("é");
+        assert_eq!((o.as_str(), hit), ("af", None));
+        assert_eq!(m.flush(), "é");
+        let mut m = StopMatcher::new(&[]);
+        assert_eq!(m.push("abc").0, "abc");
+    }
+}

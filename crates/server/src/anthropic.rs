@@ -1,0 +1,468 @@
+//! Anthropic's Messages API (`POST /v1/messages`), whole or streamed, over the same generation
+//! path as the OpenAI endpoints: the request becomes a [`Conversation`] and a [`TextRequest`],
+//! and the engine's updates are printed as Anthropic content blocks and stream events.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use deltafin_engine::chat::parse::OutputEvent;
+use deltafin_engine::chat::{Conversation, Message, Role, ToolCall, ToolChoice};
+use deltafin_engine::textgen::{Finish, Summary, TextRequest};
+use futures_util::Stream;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+use crate::openai::{collect, sampling};
+use crate::params::{Obj, field, object, opt_bool, opt_int, opt_str, stop_list};
+use crate::sse::keep_alive;
+use crate::state::{Shared, new_id};
+use crate::worker::Update;
+
+pub struct Prepared {
+    req: TextRequest,
+    stream: bool,
+}
+
+/// Text of a `content` given as a string or as blocks of which only text is taken.
+fn text_of(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(blocks)) => {
+            let mut out = String::new();
+            for b in blocks {
+                match b.get("type").and_then(|t| t.as_str()) {
+                    Some("text") => match b.get("text") {
+                        Some(Value::String(s)) => out.push_str(s),
+                        _ => return Err(ApiError::invalid(param, "a text block needs a string 'text'")),
+                    },
+                    Some(other) => {
+                        return Err(ApiError::invalid(
+                            param,
+                            format!("blocks of type '{other}' are not supported here"),
+                        ));
+                    }
+                    None => return Err(ApiError::invalid(param, "each content block needs a 'type'")),
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(ApiError::invalid(param, "content must be a string or an array of blocks")),
+    }
+}
+
+/// Anthropic messages into the engine's: tool results become tool messages, thinking blocks
+/// become reasoning, tool_use blocks become tool calls.
+fn parse_messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
+    let mut out = Vec::new();
+    if let Some(system) = field(o, "system") {
+        let text = text_of(Some(system), "system")?;
+        if !text.is_empty() {
+            out.push(Message::new(Role::System, text));
+        }
+    }
+    let list = match field(o, "messages") {
+        None => return Err(ApiError::missing("messages")),
+        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid("messages", "'messages' is empty")),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(ApiError::invalid("messages", "'messages' must be an array")),
+    };
+    for (i, m) in list.iter().enumerate() {
+        let param = format!("messages[{i}]");
+        let Some(mo) = m.as_object() else {
+            return Err(ApiError::invalid(&param, "each message must be an object"));
+        };
+        let role = match mo.get("role").and_then(|r| r.as_str()) {
+            Some("user") => Role::User,
+            Some("assistant") => Role::Assistant,
+            _ => return Err(ApiError::invalid(&format!("{param}.role"), "role must be user or assistant")),
+        };
+        let content = mo.get("content");
+        let blocks: Vec<Value> = match content {
+            Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
+            Some(Value::Array(a)) => a.clone(),
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("{param}.content"),
+                    "content must be a string or an array of blocks",
+                ));
+            }
+        };
+        let mut msg = Message::new(role, "");
+        for (j, b) in blocks.iter().enumerate() {
+            let bp = format!("{param}.content[{j}]");
+            let kind = b.get("type").and_then(|t| t.as_str()).unwrap_or("");
+            match (role, kind) {
+                (_, "text") => msg.content.push_str(
+                    b.get("text")
+                        .and_then(|t| t.as_str())
+                        .ok_or_else(|| ApiError::invalid(&bp, "a text block needs a string 'text'"))?,
+                ),
+                (Role::Assistant, "thinking") => {
+                    let t = b.get("thinking").and_then(|t| t.as_str()).unwrap_or_default();
+                    msg.reasoning.get_or_insert_with(String::new).push_str(t);
+                }
+                (Role::Assistant, "redacted_thinking") => {}
+                (Role::Assistant, "tool_use") => {
+                    let name = b.get("name").and_then(|n| n.as_str());
+                    let Some(name) = name else {
+                        return Err(ApiError::invalid(&bp, "a tool_use block needs a 'name'"));
+                    };
+                    msg.tool_calls.push(ToolCall {
+                        id: b.get("id").and_then(|x| x.as_str()).unwrap_or_default().to_string(),
+                        name: name.to_string(),
+                        arguments: b.get("input").cloned().unwrap_or_else(|| json!({})).to_string(),
+                    });
+                }
+                (Role::User, "tool_result") => {
+                    // Results go before the user's own text, as their own messages.
+                    let mut r = Message::new(Role::Tool, text_of(b.get("content"), &bp)?);
+                    r.tool_call_id = b.get("tool_use_id").and_then(|x| x.as_str()).map(String::from);
+                    if b.get("is_error").and_then(|e| e.as_bool()) == Some(true) {
+                        r.content = format!("Error: {}", r.content);
+                    }
+                    out.push(r);
+                }
+                (_, other) => {
+                    return Err(ApiError::invalid(&bp, format!("content blocks of type '{other}' are not supported")));
+                }
+            }
+        }
+        let only_results = role == Role::User
+            && msg.content.is_empty()
+            && blocks.iter().all(|b| b.get("type").and_then(|t| t.as_str()) == Some("tool_result"));
+        if !only_results {
+            out.push(msg);
+        }
+    }
+    Ok(out)
+}
+
+fn parse_tools(o: &Obj) -> Result<Vec<Value>, ApiError> {
+    let list = match field(o, "tools") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let name = t.get("name").and_then(|n| n.as_str());
+            let Some(name) = name else {
+                return Err(ApiError::invalid(&format!("tools[{i}]"), "each tool needs a 'name'"));
+            };
+            // The chat encoding declares tools in OpenAI's shape.
+            let mut f = json!({"name": name});
+            if let Some(d) = t.get("description") {
+                f["description"] = d.clone();
+            }
+            f["parameters"] = t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}));
+            Ok(json!({"type": "function", "function": f}))
+        })
+        .collect()
+}
+
+fn parse_tool_choice(o: &Obj) -> Result<ToolChoice, ApiError> {
+    match field(o, "tool_choice") {
+        None => Ok(ToolChoice::Auto),
+        Some(v) => match v.get("type").and_then(|t| t.as_str()) {
+            Some("auto") => Ok(ToolChoice::Auto),
+            Some("any") => Ok(ToolChoice::Required),
+            Some("none") => Ok(ToolChoice::None),
+            Some("tool") => match v.get("name").and_then(|n| n.as_str()) {
+                Some(n) => Ok(ToolChoice::Function(n.to_string())),
+                None => Err(ApiError::invalid("tool_choice", "tool_choice of type tool needs a 'name'")),
+            },
+            _ => Err(ApiError::invalid("tool_choice", "tool_choice.type must be auto, any, tool or none")),
+        },
+    }
+}
+
+/// `thinking: {"type": "disabled"}` turns K3's reasoning off; `output_config.effort` sets the
+/// effort; otherwise K3's default (reasoning at max effort).
+fn effort(o: &Obj) -> Result<Option<String>, ApiError> {
+    if let Some(t) = field(o, "thinking") {
+        match t.get("type").and_then(|x| x.as_str()) {
+            Some("disabled") => return Ok(Some("none".into())),
+            Some("enabled") | Some("adaptive") => {}
+            _ => return Err(ApiError::invalid("thinking", "thinking.type must be enabled, adaptive or disabled")),
+        }
+    }
+    match field(o, "output_config").and_then(|c| c.get("effort")) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(e)) if ["low", "medium", "high", "max"].contains(&e.as_str()) => Ok(Some(e.clone())),
+        Some(_) => Err(ApiError::invalid("output_config.effort", "effort must be low, medium, high or max")),
+    }
+}
+
+fn conversation(o: &Obj) -> Result<Conversation, ApiError> {
+    Ok(Conversation {
+        messages: parse_messages(o)?,
+        tools: parse_tools(o)?,
+        tool_choice: parse_tool_choice(o)?,
+        reasoning_effort: effort(o)?,
+        response_format: None,
+    })
+}
+
+/// Prompt length of a Messages request (`/v1/messages/count_tokens`).
+pub fn prompt_tokens(state: &Shared, body: &Value) -> Result<usize, ApiError> {
+    let o = object(body)?;
+    state.check_model(opt_str(o, "model")?)?;
+    Ok(crate::prompt::encode_chat(state, &conversation(o)?)?.len())
+}
+
+pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
+    let o = object(body)?;
+    state.check_model(opt_str(o, "model")?)?;
+    let max_tokens =
+        opt_int(o, "max_tokens", 1, i64::from(u32::MAX))?.ok_or_else(|| ApiError::missing("max_tokens"))?;
+    let conv = conversation(o)?;
+    let prompt = crate::prompt::encode_chat(state, &conv)?;
+    let max = state.budget(prompt.len(), Some(max_tokens as usize), "max_tokens")?;
+    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.content.as_str());
+    Ok(Prepared {
+        req: TextRequest {
+            forced: last_user.and_then(|t| state.scripted(t)),
+            prompt,
+            max_tokens: max,
+            // Anthropic's temperature range is [0, 1].
+            sampling: sampling(o, 1.0)?,
+            stop: stop_list(o, "stop_sequences")?,
+            logprobs: None,
+            parse_chat: true,
+            reasoning_open: crate::prompt::thinking(&conv),
+        },
+        stream: opt_bool(o, "stream")?.unwrap_or(false),
+    })
+}
+
+fn stop_reason(s: &Summary) -> (&'static str, Value) {
+    match s.finish {
+        Finish::Stop | Finish::Cancelled => match &s.stop_string {
+            Some(seq) => ("stop_sequence", json!(seq)),
+            None => ("end_turn", Value::Null),
+        },
+        Finish::Length => ("max_tokens", Value::Null),
+        Finish::ToolCalls => ("tool_use", Value::Null),
+    }
+}
+
+/// A tool call's accumulated arguments as the `input` object.
+fn input_of(args: &str) -> Value {
+    match serde_json::from_str::<Value>(args) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({}),
+    }
+}
+
+pub async fn respond(state: Shared, p: Prepared) -> Result<Response, ApiError> {
+    let prompt_tokens = p.req.prompt.len();
+    let rx = state.submit(p.req)?;
+    let id = new_id("msg_");
+    if p.stream {
+        let interval = state.keep_alive;
+        return Ok(Sse::new(stream(state, id, prompt_tokens, rx)).keep_alive(keep_alive(interval)).into_response());
+    }
+    // Blocks in output order; consecutive text of one kind joins one block.
+    let mut blocks: Vec<Value> = Vec::new();
+    let mut call_args: Vec<(usize, String)> = Vec::new();
+    let summary = collect(
+        rx,
+        |ev| match ev {
+            OutputEvent::Reasoning(s) => match blocks.last_mut() {
+                Some(b) if b["type"] == "thinking" => {
+                    let t = format!("{}{s}", b["thinking"].as_str().unwrap_or_default());
+                    b["thinking"] = json!(t);
+                }
+                _ => blocks.push(json!({"type": "thinking", "thinking": s, "signature": ""})),
+            },
+            OutputEvent::Content(s) => match blocks.last_mut() {
+                Some(b) if b["type"] == "text" => {
+                    let t = format!("{}{s}", b["text"].as_str().unwrap_or_default());
+                    b["text"] = json!(t);
+                }
+                _ => blocks.push(json!({"type": "text", "text": s})),
+            },
+            OutputEvent::ToolCallBegin { name, .. } => {
+                call_args.push((blocks.len(), String::new()));
+                blocks.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}}));
+            }
+            OutputEvent::ToolCallArguments { index, json } => {
+                if let Some(c) = call_args.get_mut(*index) {
+                    c.1.push_str(json);
+                }
+            }
+        },
+        |_| {},
+    )
+    .await?;
+    for (at, args) in call_args {
+        blocks[at]["input"] = input_of(&args);
+    }
+    let (reason, seq) = stop_reason(&summary);
+    Ok(axum::Json(json!({
+        "id": id, "type": "message", "role": "assistant", "model": state.model.id,
+        "content": blocks, "stop_reason": reason, "stop_sequence": seq,
+        "usage": {"input_tokens": summary.prompt_tokens, "output_tokens": summary.completion_tokens},
+        "deltafin": {"numerics": state.model.numerics},
+    }))
+    .into_response())
+}
+
+#[derive(PartialEq)]
+enum Block {
+    None,
+    Thinking,
+    Text,
+    ToolUse,
+}
+
+struct StreamState {
+    state: Shared,
+    id: String,
+    prompt_tokens: usize,
+    rx: mpsc::Receiver<Update>,
+    out: std::collections::VecDeque<Event>,
+    started: bool,
+    done: bool,
+    open: Block,
+    /// Index of the open (or next) content block.
+    index: usize,
+}
+
+impl StreamState {
+    fn emit(&mut self, kind: &str, data: Value) {
+        self.out.push_back(Event::default().event(kind).data(data.to_string()));
+    }
+
+    fn close_block(&mut self) {
+        if self.open != Block::None {
+            if self.open == Block::Thinking {
+                let i = self.index;
+                self.emit(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}),
+                );
+            }
+            let i = self.index;
+            self.emit("content_block_stop", json!({"type": "content_block_stop", "index": i}));
+            self.index += 1;
+            self.open = Block::None;
+        }
+    }
+
+    fn open_block(&mut self, kind: Block, block: Value) {
+        self.close_block();
+        let i = self.index;
+        self.emit("content_block_start", json!({"type": "content_block_start", "index": i, "content_block": block}));
+        self.open = kind;
+    }
+
+    fn delta(&mut self, delta: Value) {
+        let i = self.index;
+        self.emit("content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta}));
+    }
+
+    fn message_start(&mut self) {
+        if !self.started {
+            self.started = true;
+            let m = json!({"type": "message_start", "message": {
+                "id": self.id, "type": "message", "role": "assistant", "model": self.state.model.id,
+                "content": [], "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+            }});
+            self.emit("message_start", m);
+        }
+    }
+
+    fn on_update(&mut self, u: Option<Update>) {
+        match u {
+            Some(Update::Started) => self.message_start(),
+            Some(Update::Token { events, .. }) => {
+                self.message_start();
+                for ev in events {
+                    match ev {
+                        OutputEvent::Reasoning(s) => {
+                            if self.open != Block::Thinking {
+                                self.open_block(
+                                    Block::Thinking,
+                                    json!({"type": "thinking", "thinking": "", "signature": ""}),
+                                );
+                            }
+                            self.delta(json!({"type": "thinking_delta", "thinking": s}));
+                        }
+                        OutputEvent::Content(s) => {
+                            if self.open != Block::Text {
+                                self.open_block(Block::Text, json!({"type": "text", "text": ""}));
+                            }
+                            self.delta(json!({"type": "text_delta", "text": s}));
+                        }
+                        OutputEvent::ToolCallBegin { name, .. } => self.open_block(
+                            Block::ToolUse,
+                            json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}}),
+                        ),
+                        OutputEvent::ToolCallArguments { json, .. } => {
+                            self.delta(json!({"type": "input_json_delta", "partial_json": json}))
+                        }
+                    }
+                }
+            }
+            Some(Update::Done(summary)) => {
+                self.message_start();
+                self.close_block();
+                let (reason, seq) = stop_reason(&summary);
+                self.emit(
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                           "usage": {"output_tokens": summary.completion_tokens}}),
+                );
+                self.emit("message_stop", json!({"type": "message_stop"}));
+                self.done = true;
+            }
+            Some(Update::Failed(msg)) => {
+                let e = ApiError::internal(format!("generation failed: {msg}"));
+                self.emit("error", e.anthropic_body());
+                self.done = true;
+            }
+            None => {
+                let e = ApiError::internal("the engine dropped the request");
+                self.emit("error", e.anthropic_body());
+                self.done = true;
+            }
+        }
+    }
+}
+
+fn stream(
+    state: Shared,
+    id: String,
+    prompt_tokens: usize,
+    rx: mpsc::Receiver<Update>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let st = StreamState {
+        state,
+        id,
+        prompt_tokens,
+        rx,
+        out: Default::default(),
+        started: false,
+        done: false,
+        open: Block::None,
+        index: 0,
+    };
+    futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(ev) = st.out.pop_front() {
+                return Some((Ok(ev), st));
+            }
+            if st.done {
+                return None;
+            }
+            let u = st.rx.recv().await;
+            st.on_update(u);
+        }
+    })
+}

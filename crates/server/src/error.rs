@@ -1,0 +1,165 @@
+//! API errors, written in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) or,
+//! on the Anthropic endpoint, in Anthropic's (`{"type": "error", "error": {"type", "message"}}`).
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's error `type`.
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+    }
+
+    /// A request field with a bad value.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+        e.param = Some(param.to_string());
+        e.code = Some("invalid_value");
+        e
+    }
+
+    pub fn missing(param: &str) -> Self {
+        let mut e = Self::invalid(param, format!("'{param}' is required"));
+        e.code = Some("missing_required_parameter");
+        e
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    pub fn malformed_json(detail: impl std::fmt::Display) -> Self {
+        let mut e = Self::bad_request(format!("the body is not valid JSON: {detail}"));
+        e.code = Some("invalid_json");
+        e
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("the model '{model}' does not exist; GET /v1/models lists the one this server runs"),
+        );
+        e.param = Some("model".into());
+        e.code = Some("model_not_found");
+        e
+    }
+
+    pub fn context_exceeded(message: impl Into<String>) -> Self {
+        let mut e = Self::bad_request(message);
+        e.param = Some("messages".into());
+        e.code = Some("context_length_exceeded");
+        e
+    }
+
+    pub fn unauthorized() -> Self {
+        let mut e = Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+        );
+        e.code = Some("invalid_api_key");
+        e
+    }
+
+    pub fn too_large(limit: usize) -> Self {
+        let mut e = Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body is larger than {limit} bytes"),
+        );
+        e.code = Some("request_too_large");
+        e
+    }
+
+    pub fn busy(queue: usize) -> Self {
+        let msg = if queue == 0 {
+            "the server runs one generation at a time and is busy; retry later (start it with --queue N to wait in line)"
+                .to_string()
+        } else {
+            format!("the server is busy and its queue of {queue} is full; retry later")
+        };
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", msg);
+        e.code = Some("rate_limit_exceeded");
+        e.retry_after = Some(1);
+        e
+    }
+
+    pub fn not_found(path: &str) -> Self {
+        let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("no route for {path}"));
+        e.code = Some("not_found");
+        e
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed on this path")
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+    }
+
+    pub fn openai_body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+
+    /// Anthropic's error type for this status.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let kind = match self.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            500 => "api_error",
+            503 | 529 => "overloaded_error",
+            _ => "invalid_request_error",
+        };
+        json!({"type": "error", "error": {"type": kind, "message": self.message}})
+    }
+
+    fn respond(&self, body: serde_json::Value) -> Response {
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.respond(self.openai_body())
+    }
+}
+
+/// An [`ApiError`] answered in Anthropic's shape.
+pub struct AnthropicError(pub ApiError);
+
+impl From<ApiError> for AnthropicError {
+    fn from(e: ApiError) -> Self {
+        AnthropicError(e)
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        self.0.respond(self.0.anthropic_body())
+    }
+}

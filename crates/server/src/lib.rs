@@ -1,0 +1,133 @@
+//! Deltafin's HTTP server: OpenAI- and Anthropic-compatible endpoints over one engine thread.
+//!
+//! The async runtime (tokio, two worker threads) only parses requests and moves bytes; the
+//! model runs on the engine thread ([`worker`]), one generation at a time, with a bounded FIFO
+//! queue in front of it and 429 beyond that.
+
+pub mod anthropic;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod params;
+pub mod prompt;
+pub mod routes;
+pub mod sse;
+pub mod state;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use deltafin_engine::session::Session;
+use deltafin_engine::tokenizer::Tokenizer;
+
+use crate::metrics::Metrics;
+use crate::state::{AppState, ModelInfo, ScriptedReply};
+use crate::worker::Admission;
+
+pub struct ServeOptions {
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs.
+    pub queue: usize,
+    pub max_body_bytes: usize,
+    pub keep_alive: Duration,
+    /// Test throttle: sleep after every model step.
+    pub step_delay: Duration,
+    /// Test instrument: scripted replies (see [`state::ScriptedReply`]).
+    pub script: Option<PathBuf>,
+}
+
+/// Load the scripted replies file: `{"replies": [{"when": "...", "text": "..."}]}`.
+fn load_script(path: &std::path::Path, tok: &Tokenizer) -> Result<Vec<ScriptedReply>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let replies = v.get("replies").and_then(|r| r.as_array()).context("the script needs a 'replies' array")?;
+    replies
+        .iter()
+        .map(|r| {
+            let when = r.get("when").and_then(|w| w.as_str()).context("each reply needs a string 'when'")?;
+            let text = r.get("text").and_then(|w| w.as_str()).context("each reply needs a string 'text'")?;
+            Ok(ScriptedReply { when: when.to_string(), tokens: tok.encode(text) })
+        })
+        .collect()
+}
+
+/// Bind, print `deltafin serve: listening on http://ADDR`, and serve until interrupted.
+pub fn serve(
+    opts: ServeOptions,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    open: impl FnOnce() -> Result<Session> + Send + 'static,
+) -> Result<()> {
+    let tokenizer = Arc::new(tokenizer);
+    let script = match &opts.script {
+        Some(p) => load_script(p, &tokenizer)?,
+        None => Vec::new(),
+    };
+    let metrics = Arc::new(Metrics::default());
+    let admission = Admission::new(opts.queue);
+    let engine = worker::spawn(open, tokenizer.clone(), admission.clone(), metrics.clone(), opts.step_delay)?;
+    let state = Arc::new(AppState {
+        model,
+        tokenizer,
+        metrics,
+        admission,
+        engine,
+        api_key: opts.api_key.clone(),
+        queue: opts.queue,
+        max_body_bytes: opts.max_body_bytes,
+        script,
+        keep_alive: opts.keep_alive,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("deltafin-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
+            .parse()
+            .or_else(|_| format!("[{}]:{}", opts.host, opts.port).parse())
+            .with_context(|| format!("'{}' is not an IP address", opts.host))?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr()?;
+        println!("deltafin serve: listening on http://{local}");
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        let app = routes::router(state);
+        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await.context("serving")?;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    // Open streams are not waited for: the engine thread ends with the process.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("deltafin serve: shutting down");
+}

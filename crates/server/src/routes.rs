@@ -1,0 +1,218 @@
+//! The HTTP surface: routes, authentication, body limits, request counting, and the small
+//! endpoints (health, models, metrics, tokenize, detokenize).
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use deltafin_engine::chat::Conversation;
+use serde_json::{Value, json};
+
+use crate::error::{AnthropicError, ApiError};
+use crate::params::{field, object, opt_str};
+use crate::state::Shared;
+use crate::{anthropic, openai};
+
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(fallback)
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// Counts every request by route and status (unknown paths as one label, so hostile clients
+/// cannot grow the table).
+async fn count(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let endpoint =
+        req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
+    let resp = next.run(req).await;
+    state.metrics.count_request(&endpoint, resp.status().as_u16());
+    resp
+}
+
+/// With `--api-key`, every endpoint but `/health` needs `Authorization: Bearer KEY` or
+/// `x-api-key: KEY`.
+async fn authenticate(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let Some(key) = state.api_key.as_deref() else { return next.run(req).await };
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+    let ok = [bearer, x_api_key].into_iter().flatten().any(|given| same(given.as_bytes(), key.as_bytes()));
+    if ok {
+        return next.run(req).await;
+    }
+    if req.uri().path().starts_with("/v1/messages") {
+        AnthropicError(ApiError::unauthorized()).into_response()
+    } else {
+        ApiError::unauthorized().into_response()
+    }
+}
+
+/// Comparison whose time does not depend on where the strings differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body as JSON, within the size limit.
+async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+    let limit = state.max_body_bytes;
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // The only errors are the limit and a broken connection; a broken connection has no
+        // one left to read the answer.
+        if format!("{e}").contains("length limit") {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::bad_request(format!("reading the body: {e}"))
+        }
+    })?;
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request("the request has no body; send a JSON object"));
+    }
+    serde_json::from_slice(&bytes).map_err(ApiError::malformed_json)
+}
+
+async fn chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = json_body(&state, &headers, body).await?;
+    let p = openai::prepare_chat(&state, &v)?;
+    openai::respond(state, p).await
+}
+
+async fn completions(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = json_body(&state, &headers, body).await?;
+    let p = openai::prepare_completion(&state, &v)?;
+    openai::respond(state, p).await
+}
+
+async fn messages(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
+    let v = json_body(&state, &headers, body).await?;
+    let p = anthropic::prepare(&state, &v)?;
+    Ok(anthropic::respond(state, p).await?)
+}
+
+async fn count_tokens(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
+    let mut v = json_body(&state, &headers, body).await?;
+    // Counting needs no max_tokens.
+    if let Some(o) = v.as_object_mut() {
+        o.entry("max_tokens").or_insert(json!(1));
+    }
+    let n = anthropic::prompt_tokens(&state, &v)?;
+    Ok(axum::Json(json!({"input_tokens": n})).into_response())
+}
+
+fn model_object(state: &Shared) -> Value {
+    let m = &state.model;
+    json!({
+        "id": m.id, "object": "model", "created": m.created, "owned_by": "deltafin",
+        "max_model_len": m.context,
+        "deltafin": {"numerics": m.numerics, "approximate": m.approx, "context": m.context},
+    })
+}
+
+async fn models(State(state): State<Shared>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+}
+
+async fn model(State(state): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    if id == state.model.id {
+        Ok(axum::Json(model_object(&state)).into_response())
+    } else {
+        Err(ApiError::model_not_found(&id))
+    }
+}
+
+async fn health(State(state): State<Shared>) -> Response {
+    let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
+    axum::Json(json!({"status": "ok", "running": running, "queue_length": state.admission.waiting()})).into_response()
+}
+
+async fn metrics(State(state): State<Shared>) -> Response {
+    let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
+    let text = state.metrics.render(state.admission.waiting(), running);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// `{"prompt": text}` (special-token strings in it are recognised, as in completions) or
+/// `{"messages": [...], "tools"?, "reasoning_effort"?}` (the chat encoding with the generation
+/// prompt).
+async fn tokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = json_body(&state, &headers, body).await?;
+    let o = object(&v)?;
+    if let Some(m) = opt_str(o, "model")? {
+        state.check_model(Some(m))?;
+    }
+    let tokens = match (field(o, "prompt"), field(o, "messages")) {
+        (Some(Value::String(s)), None) => state.tokenizer.encode(s),
+        (Some(_), None) => return Err(ApiError::invalid("prompt", "'prompt' must be a string")),
+        (None, Some(m)) => {
+            let conv = Conversation {
+                messages: openai::parse_messages(Some(m))?,
+                tools: openai::parse_tools(o.get("tools"))?,
+                tool_choice: openai::parse_tool_choice(o.get("tool_choice"))?,
+                reasoning_effort: openai::reasoning_effort(o)?,
+                response_format: None,
+            };
+            crate::prompt::encode_chat(&state, &conv)?
+        }
+        _ => return Err(ApiError::bad_request("send either 'prompt' (a string) or 'messages'")),
+    };
+    Ok(axum::Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": state.model.context}))
+        .into_response())
+}
+
+async fn detokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = json_body(&state, &headers, body).await?;
+    let o = object(&v)?;
+    let Some(Value::Array(list)) = field(o, "tokens") else {
+        return Err(ApiError::invalid("tokens", "'tokens' must be an array of token ids"));
+    };
+    let mut ids = Vec::with_capacity(list.len());
+    for t in list {
+        match t.as_u64() {
+            Some(id) if (id as usize) < state.model.vocab => ids.push(id as u32),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tokens",
+                    format!("token ids must be integers in [0, {}) (the vocabulary)", state.model.vocab),
+                ));
+            }
+        }
+    }
+    Ok(axum::Json(json!({"prompt": state.tokenizer.decode(&ids)})).into_response())
+}
+
+async fn fallback(req: Request) -> Response {
+    let mut e = ApiError::not_found(req.uri().path());
+    if req.uri().path().len() > 200 {
+        e.message = "no route for this path".into();
+    }
+    let mut r = e.into_response();
+    *r.status_mut() = StatusCode::NOT_FOUND;
+    r
+}

@@ -1,0 +1,115 @@
+//! What every handler shares, and the one path by which a request becomes a generation.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use deltafin_engine::textgen::TextRequest;
+use deltafin_engine::tokenizer::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::worker::{Admission, EngineHandle, Job, UPDATE_CHANNEL, Update};
+
+/// The served model, as `/v1/models` describes it.
+pub struct ModelInfo {
+    pub id: String,
+    pub created: u64,
+    pub context: usize,
+    pub vocab: usize,
+    /// "exact" or the approximate mode's description: every response carries it.
+    pub numerics: String,
+    pub approx: bool,
+}
+
+/// A scripted reply (test instrument, `--script`): when the last user text contains `when`, the
+/// model's sampled tokens are replaced by `tokens`.
+pub struct ScriptedReply {
+    pub when: String,
+    pub tokens: Vec<u32>,
+}
+
+pub struct AppState {
+    pub model: ModelInfo,
+    pub tokenizer: Arc<Tokenizer>,
+    pub metrics: Arc<Metrics>,
+    pub admission: Arc<Admission>,
+    pub engine: EngineHandle,
+    pub api_key: Option<String>,
+    pub queue: usize,
+    pub max_body_bytes: usize,
+    pub script: Vec<ScriptedReply>,
+    /// Interval of SSE keep-alive comments.
+    pub keep_alive: std::time::Duration,
+}
+
+pub type Shared = Arc<AppState>;
+
+impl AppState {
+    /// Admit a generation and hand it to the engine; its updates arrive on the receiver, and
+    /// dropping the receiver cancels it.
+    pub fn submit(&self, req: TextRequest) -> Result<mpsc::Receiver<Update>, ApiError> {
+        let Some(slot) = self.admission.try_admit() else {
+            self.metrics.rejected_busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(ApiError::busy(self.queue));
+        };
+        let (tx, rx) = mpsc::channel(UPDATE_CHANNEL);
+        self.engine
+            .jobs
+            .send(Job { req, updates: tx, slot })
+            .map_err(|_| ApiError::unavailable("the engine thread has stopped; restart the server"))?;
+        Ok(rx)
+    }
+
+    /// Scripted tokens for a request whose user text is `text`.
+    pub fn scripted(&self, text: &str) -> Option<Vec<u32>> {
+        self.script.iter().find(|s| text.contains(&s.when)).map(|s| s.tokens.clone())
+    }
+
+    /// The model id a request names must be ours.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            None => Err(ApiError::missing("model")),
+            Some(m) if m == self.model.id => Ok(()),
+            Some(m) => Err(ApiError::model_not_found(m)),
+        }
+    }
+
+    /// A prompt that fits, and the generation length it leaves: `max_tokens` when given (an
+    /// error if it does not fit), else the rest of the context.
+    pub fn budget(&self, prompt_len: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
+        let ctx = self.model.context;
+        if prompt_len == 0 {
+            return Err(ApiError::bad_request("the prompt is empty"));
+        }
+        if prompt_len >= ctx {
+            return Err(ApiError::context_exceeded(format!(
+                "the prompt is {prompt_len} tokens; this server's context is {ctx} tokens (start it with a larger --context)"
+            )));
+        }
+        match max_tokens {
+            Some(m) if prompt_len + m > ctx => Err({
+                let mut e = ApiError::context_exceeded(format!(
+                    "the prompt ({prompt_len} tokens) plus {param} ({m}) exceeds the context of {ctx} tokens"
+                ));
+                e.param = Some(param.to_string());
+                e
+            }),
+            Some(m) => Ok(m),
+            None => Ok(ctx - prompt_len),
+        }
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A random id with a prefix, e.g. `chatcmpl-3f9a...`.
+pub fn new_id(prefix: &str) -> String {
+    use rand::Rng;
+    let mut rng = rand::rngs::SmallRng::from_os_rng();
+    format!("{prefix}{:016x}{:08x}", rng.random::<u64>(), rng.random::<u32>())
+}
+
+use rand::SeedableRng as _;
