@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::openai::{collect, sampling};
+use crate::openai::{collect, content_parts, sampling};
 use crate::params::{Obj, field, object, opt_bool, opt_int, opt_str, stop_list};
 use crate::sse::keep_alive;
 use crate::state::{Shared, new_id};
@@ -25,42 +25,16 @@ pub struct Prepared {
     stream: bool,
 }
 
-/// Text of a `content` given as a string or as blocks of which only text is taken.
-fn text_of(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(blocks)) => {
-            let mut out = String::new();
-            for b in blocks {
-                match b.get("type").and_then(|t| t.as_str()) {
-                    Some("text") => match b.get("text") {
-                        Some(Value::String(s)) => out.push_str(s),
-                        _ => return Err(ApiError::invalid(param, "a text block needs a string 'text'")),
-                    },
-                    Some(other) => {
-                        return Err(ApiError::invalid(
-                            param,
-                            format!("blocks of type '{other}' are not supported here"),
-                        ));
-                    }
-                    None => return Err(ApiError::invalid(param, "each content block needs a 'type'")),
-                }
-            }
-            Ok(out)
-        }
-        Some(_) => Err(ApiError::invalid(param, "content must be a string or an array of blocks")),
-    }
-}
-
 /// Anthropic messages into the engine's: tool results become tool messages, thinking blocks
 /// become reasoning, tool_use blocks become tool calls.
 fn parse_messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
     let mut out = Vec::new();
     if let Some(system) = field(o, "system") {
-        let text = text_of(Some(system), "system")?;
-        if !text.is_empty() {
-            out.push(Message::new(Role::System, text));
+        let parts = content_parts(Some(system), "system")?;
+        if !parts.is_empty() {
+            let mut m = Message::new(Role::System, "");
+            m.content = parts;
+            out.push(m);
         }
     }
     let list = match field(o, "messages") {
@@ -95,10 +69,11 @@ fn parse_messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
             let bp = format!("{param}.content[{j}]");
             let kind = b.get("type").and_then(|t| t.as_str()).unwrap_or("");
             match (role, kind) {
-                (_, "text") => msg.content.push_str(
+                (_, "text") => msg.content.push(
                     b.get("text")
                         .and_then(|t| t.as_str())
-                        .ok_or_else(|| ApiError::invalid(&bp, "a text block needs a string 'text'"))?,
+                        .ok_or_else(|| ApiError::invalid(&bp, "a text block needs a string 'text'"))?
+                        .to_string(),
                 ),
                 (Role::Assistant, "thinking") => {
                     let t = b.get("thinking").and_then(|t| t.as_str()).unwrap_or_default();
@@ -118,10 +93,11 @@ fn parse_messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
                 }
                 (Role::User, "tool_result") => {
                     // Results go before the user's own text, as their own messages.
-                    let mut r = Message::new(Role::Tool, text_of(b.get("content"), &bp)?);
+                    let mut r = Message::new(Role::Tool, "");
+                    r.content = content_parts(b.get("content"), &bp)?;
                     r.tool_call_id = b.get("tool_use_id").and_then(|x| x.as_str()).map(String::from);
                     if b.get("is_error").and_then(|e| e.as_bool()) == Some(true) {
-                        r.content = format!("Error: {}", r.content);
+                        r.content.insert(0, "Error: ".into());
                     }
                     out.push(r);
                 }
@@ -222,10 +198,10 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
     let conv = conversation(o)?;
     let prompt = crate::prompt::encode_chat(state, &conv)?;
     let max = state.budget(prompt.len(), Some(max_tokens as usize), "max_tokens")?;
-    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.content.as_str());
+    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
     Ok(Prepared {
         req: TextRequest {
-            forced: last_user.and_then(|t| state.scripted(t)),
+            forced: last_user.and_then(|t| state.scripted(&t)),
             prompt,
             max_tokens: max,
             // Anthropic's temperature range is [0, 1].

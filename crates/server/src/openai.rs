@@ -75,19 +75,19 @@ fn include_usage(o: &Obj) -> Result<bool, ApiError> {
     }
 }
 
-/// Text of a message's `content`: a string, or an array of text parts joined.
-pub fn content_text(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
+/// Parts of a message's `content`: a string, or an array of text parts.
+pub fn content_parts(v: Option<&Value>, param: &str) -> Result<Vec<String>, ApiError> {
     match v {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(parts)) => {
-            let mut out = String::new();
+            let mut out = Vec::with_capacity(parts.len());
             for p in parts {
                 match p {
-                    Value::String(s) => out.push_str(s),
+                    Value::String(s) => out.push(s.clone()),
                     Value::Object(po) => match po.get("type").and_then(|t| t.as_str()) {
                         Some("text") | Some("input_text") => match po.get("text") {
-                            Some(Value::String(s)) => out.push_str(s),
+                            Some(Value::String(s)) => out.push(s.clone()),
                             _ => return Err(ApiError::invalid(param, "a text part needs a string 'text'")),
                         },
                         Some(other) => {
@@ -134,7 +134,8 @@ pub fn parse_messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
             }
             None => return Err(ApiError::invalid(&p("role"), "each message needs a string 'role'")),
         };
-        let mut msg = Message::new(role, content_text(mo.get("content"), &p("content"))?);
+        let mut msg = Message::new(role, "");
+        msg.content = content_parts(mo.get("content"), &p("content"))?;
         msg.name = opt_str(mo, "name")
             .map_err(|_| ApiError::invalid(&p("name"), "'name' must be a string"))?
             .map(String::from);
@@ -147,6 +148,9 @@ pub fn parse_messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
                 }
             }
             msg.tool_calls = parse_tool_calls(mo.get("tool_calls"), &p("tool_calls"))?;
+        }
+        if role == Role::System {
+            msg.tools = parse_tools(mo.get("tools")).map_err(|e| ApiError::invalid(&p("tools"), e.message))?;
         }
         if role == Role::Tool {
             msg.tool_call_id = opt_str(mo, "tool_call_id")
@@ -292,8 +296,8 @@ pub fn prepare_chat(state: &Shared, body: &Value) -> Result<Prepared, ApiError> 
         return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true"));
     }
     let prompt = crate::prompt::encode_chat(state, &conv)?;
-    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.content.as_str());
-    let forced = last_user.and_then(|t| state.scripted(t));
+    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
+    let forced = last_user.and_then(|t| state.scripted(&t));
     let mt = max_tokens(o)?;
     let max = state.budget(prompt.len(), mt.map(|m| m.0), mt.map(|m| m.1).unwrap_or("max_tokens"))?;
     let style = if logprobs { LogprobStyle::Chat(top.unwrap_or(0) as usize) } else { LogprobStyle::None };

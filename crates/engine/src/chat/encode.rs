@@ -141,13 +141,20 @@ pub fn render(conv: &Conversation, opts: RenderOptions) -> Result<Vec<Segment>, 
     let mut tool_index = 0usize;
     for m in &messages {
         match m.role {
+            Role::System if !m.tools.is_empty() => {
+                let body = format!(
+                    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n```json\n{}\n```",
+                    py_json(&Value::Array(m.tools.clone()), true, true)
+                );
+                w.system_typed("tool-declare", &body);
+            }
             Role::System | Role::User => {
                 let role = if m.role == Role::System { "system" } else { "user" };
                 match m.name.as_deref().filter(|n| !n.is_empty()) {
                     Some(n) => w.open("message", &[("role", role), ("name", n)]),
                     None => w.open("message", &[("role", role)]),
                 }
-                w.text(&m.content);
+                m.content.iter().for_each(|part| w.text(part));
                 w.end_message();
             }
             Role::Assistant => {
@@ -163,7 +170,7 @@ pub fn render(conv: &Conversation, opts: RenderOptions) -> Result<Vec<Segment>, 
                     w.close("think");
                 }
                 w.open("response", &[]);
-                w.text(&m.content);
+                m.content.iter().for_each(|part| w.text(part));
                 w.close("response");
                 if !m.tool_calls.is_empty() {
                     w.open("tools", &[]);
@@ -191,7 +198,7 @@ pub fn render(conv: &Conversation, opts: RenderOptions) -> Result<Vec<Segment>, 
                     )));
                 };
                 w.open("message", &[("role", "tool"), ("tool", &name), ("index", &tool_index.to_string())]);
-                w.text(&m.content);
+                m.content.iter().for_each(|part| w.text(part));
                 w.end_message();
             }
         }

@@ -25,8 +25,8 @@ pub struct ToolCall {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Message {
     pub role: Role,
-    /// Text content (parts already joined).
-    pub content: String,
+    /// Text content, as the parts the client sent (each part is encoded on its own).
+    pub content: Vec<String>,
     /// An assistant message's reasoning.
     pub reasoning: Option<String>,
     pub tool_calls: Vec<ToolCall>,
@@ -34,17 +34,27 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// A participant name (user/system), or the tool's name for a tool result.
     pub name: Option<String>,
+    /// A system message that declares more tools mid-conversation (K3's lazy tool loading;
+    /// rendered in place of the message).
+    pub tools: Vec<serde_json::Value>,
 }
 
 impl Message {
+    /// The content's parts joined.
+    pub fn text(&self) -> String {
+        self.content.concat()
+    }
+
     pub fn new(role: Role, content: impl Into<String>) -> Self {
+        let content: String = content.into();
         Message {
             role,
-            content: content.into(),
+            content: if content.is_empty() { Vec::new() } else { vec![content] },
             reasoning: None,
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            tools: Vec::new(),
         }
     }
 }

@@ -64,6 +64,8 @@ enum Element {
         key: String,
         ty: String,
     },
+    /// A call's whole arguments as one JSON text (`<|open|>json type="object"<|sep|>`).
+    Json,
     /// Any other element (`message`, unknown names): its text counts as answer.
     Other(String),
 }
@@ -76,6 +78,7 @@ impl Element {
             Element::Tools => "tools",
             Element::Call => "call",
             Element::Argument { .. } => "argument",
+            Element::Json => "json",
             Element::Other(n) => n,
         }
     }
@@ -103,6 +106,8 @@ pub struct OutputParser {
     /// Calls begun so far; arguments written in the current call.
     calls: usize,
     args_in_call: usize,
+    /// The current call's arguments came as one JSON text.
+    raw_args: bool,
 }
 
 impl OutputParser {
@@ -117,6 +122,7 @@ impl OutputParser {
             value: Vec::new(),
             calls: 0,
             args_in_call: 0,
+            raw_args: false,
         }
     }
 
@@ -172,6 +178,7 @@ impl OutputParser {
         while let Some(top) = self.stack.last() {
             match top {
                 Element::Argument { .. } => self.close("argument", out),
+                Element::Json => self.close("json", out),
                 Element::Call => self.close("call", out),
                 _ => {
                     self.stack.pop();
@@ -191,6 +198,7 @@ impl OutputParser {
                 out.push(OutputEvent::ToolCallBegin { index: self.calls, name: tool });
                 self.calls += 1;
                 self.args_in_call = 0;
+                self.raw_args = false;
                 Element::Call
             }
             "argument" if self.stack.last() == Some(&Element::Call) => {
@@ -199,6 +207,10 @@ impl OutputParser {
                     key: attr(&attrs, "key").unwrap_or_default(),
                     ty: attr(&attrs, "type").unwrap_or_else(|| "string".into()),
                 }
+            }
+            "json" if self.stack.last() == Some(&Element::Call) && self.args_in_call == 0 => {
+                self.value.clear();
+                Element::Json
             }
             _ => Element::Other(name),
         };
@@ -222,10 +234,22 @@ impl OutputParser {
                         json: format!("{sep}{key}: {value}"),
                     });
                 }
+                Element::Json => {
+                    // The model's own JSON text, as written.
+                    let raw = String::from_utf8_lossy(&std::mem::take(&mut self.value)).trim().to_string();
+                    self.raw_args = true;
+                    out.push(OutputEvent::ToolCallArguments { index: self.calls.saturating_sub(1), json: raw });
+                }
                 Element::Call => {
-                    let json = if self.args_in_call == 0 { "{}" } else { "}" };
-                    out.push(OutputEvent::ToolCallArguments { index: self.calls.saturating_sub(1), json: json.into() });
+                    if !self.raw_args {
+                        let json = if self.args_in_call == 0 { "{}" } else { "}" };
+                        out.push(OutputEvent::ToolCallArguments {
+                            index: self.calls.saturating_sub(1),
+                            json: json.into(),
+                        });
+                    }
                     self.args_in_call = 0;
+                    self.raw_args = false;
                 }
                 _ => {}
             }
@@ -234,7 +258,7 @@ impl OutputParser {
 
     fn text(&mut self, bytes: &[u8], out: &mut Vec<OutputEvent>) {
         match self.stack.last() {
-            Some(Element::Argument { .. }) => self.value.extend_from_slice(bytes),
+            Some(Element::Argument { .. } | Element::Json) => self.value.extend_from_slice(bytes),
             // Between calls only layout whitespace is expected; anything else is dropped.
             Some(Element::Tools | Element::Call) => {}
             _ => {
@@ -453,6 +477,19 @@ mod tests {
         p.push(0, b"<|open|>response<|sep|>", &mut ev);
         p.finish(&mut ev);
         assert_eq!(ev, vec![OutputEvent::Content("<|open|>response<|sep|>".into())]);
+    }
+
+    #[test]
+    fn a_call_may_carry_its_arguments_as_one_json_text() {
+        let text = concat!(
+            "r<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>",
+            "<|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>json type=\"object\"<|sep|>{\"a\": [1, 2]}",
+            "<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+        );
+        for piece in 1..5 {
+            let (turn, _) = parse(text, piece);
+            assert_eq!(turn.tool_calls, vec![("f".to_string(), r#"{"a": [1, 2]}"#.to_string())]);
+        }
     }
 
     #[test]
