@@ -9,7 +9,12 @@ cargo clippy --locked --all-targets -q -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --locked --workspace 2>&1 | tee "$log"
+# The server against the official openai and anthropic clients (and raw HTTP), on loopback,
+# using the binary cargo test just built.
+. scripts/ensure-client-venv.sh
+DELTAFIN_BIN=target/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
 # One closing line over all test binaries (cargo prints one per binary, the last often a doc-test
-# run with nothing in it).
+# run with nothing in it) and the pytest run ("N passed, N skipped in Xs").
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
+     /^(=+ )?[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^skipped/) s += $i; if ($(i+1) ~ /^error/) f += $i } }
      END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"
