@@ -70,12 +70,13 @@ def k3_response(text: str) -> str:
 
 
 def k3_tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
-    """`calls` = [(name, {key: value})]; ints become type="integer", strings type="string"."""
+    """`calls` = [(name, {key: value})]; numbers become type="number" (K3's encoder has no
+    integer type), strings type="string"."""
     out = ["<|open|>tools<|sep|>"]
     for index, (name, args) in enumerate(calls, start=1):
         out.append(f'<|open|>call tool="{name}" index="{index}"<|sep|>')
         for key, value in args.items():
-            kind = "integer" if isinstance(value, int) else "string"
+            kind = "number" if isinstance(value, (int, float)) else "string"
             out.append(f'<|open|>argument key="{key}" type="{kind}"<|sep|>{value}<|close|>argument<|sep|>')
         out.append("<|close|>call<|sep|>")
     out.append("<|close|>tools<|sep|>")
@@ -111,8 +112,13 @@ MARATHON_TRIGGER = "marathon"
 MARATHON_PROMPT = "Run the marathon."
 MARATHON_TEXT = "tick tock " * 400
 
+# "early end": the end-of-message token in the middle of a reply (for `ignore_eos`).
+EARLY_END_TRIGGER = "early end"
+EARLY_END_TEXT = "first<|end_of_msg|>second"
+
 SCRIPT = {
     "replies": [
+        {"when": EARLY_END_TRIGGER, "text": EARLY_END_TEXT},
         {"when": WEATHER_TRIGGER, "text": WEATHER_TEXT},
         {"when": RIDDLE_TRIGGER, "text": RIDDLE_TEXT},
         {"when": MARATHON_TRIGGER, "text": MARATHON_TEXT},

@@ -189,3 +189,15 @@ def test_scripted_streaming_completion_stop_is_held_back(scripted_openai):
     assert stop not in text
     assert text.endswith("The ")
     assert text.startswith(RIDDLE_REASONING)
+
+
+def test_end_of_message_stops_unless_ignore_eos(scripted_openai):
+    """The model's EOS (`<|end_of_msg|>`) ends generation; vLLM's `ignore_eos` extension keeps
+    going past it (for benchmarks), and then the token is ordinary output."""
+    prompt = "Please stop at the early end."
+    stopped = complete(scripted_openai, prompt)
+    assert stopped.choices[0].text == "first"
+    assert stopped.choices[0].finish_reason == "stop"
+    went_on = complete(scripted_openai, prompt, extra_body={"ignore_eos": True})
+    assert went_on.choices[0].text == "first<|end_of_msg|>second"
+    assert went_on.usage.completion_tokens > stopped.usage.completion_tokens

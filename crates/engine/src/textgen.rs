@@ -29,6 +29,8 @@ pub struct TextRequest {
     pub parse_chat: bool,
     /// The prompt opened the reasoning channel (K3 thinking mode): output starts as reasoning.
     pub reasoning_open: bool,
+    /// Keep generating past the end-of-message token (benchmarks; vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
     /// Test instrument: these tokens replace the sampled ones, one per step (the model still
     /// runs every step); generation ends when they run out.
     pub forced: Option<Vec<u32>>,
@@ -179,7 +181,7 @@ impl TextGenerator<'_> {
                 decode_start = Some(Instant::now());
             }
             summary.completion_tokens += 1;
-            if Some(token) == eos {
+            if Some(token) == eos && !req.ignore_eos {
                 break Finish::Stop;
             }
             let lp = req.logprobs.filter(|_| (token as usize) < vocab).map(|n| {

@@ -210,6 +210,7 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
             logprobs: None,
             parse_chat: true,
             reasoning_open: crate::prompt::thinking(&conv),
+            ignore_eos: false,
         },
         stream: opt_bool(o, "stream")?.unwrap_or(false),
     })
