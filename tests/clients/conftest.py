@@ -116,8 +116,13 @@ MARATHON_TEXT = "tick tock " * 400
 EARLY_END_TRIGGER = "early end"
 EARLY_END_TEXT = "first<|end_of_msg|>second"
 
+# "unicode please": characters that the tiny vocabulary spells as several byte tokens.
+UNICODE_TRIGGER = "unicode please"
+UNICODE_TEXT = "naïve café — 東京 🌍!"
+
 SCRIPT = {
     "replies": [
+        {"when": UNICODE_TRIGGER, "text": UNICODE_TEXT},
         {"when": EARLY_END_TRIGGER, "text": EARLY_END_TEXT},
         {"when": WEATHER_TRIGGER, "text": WEATHER_TEXT},
         {"when": RIDDLE_TRIGGER, "text": RIDDLE_TEXT},
@@ -218,6 +223,7 @@ class Server:
     stderr_path: Path
     stdout_lines: list[str] = field(default_factory=list)
     stdout_pump: threading.Thread | None = None
+    stopped_by_test: bool = False  # a test ended the process on purpose
 
     @property
     def host(self) -> str:
@@ -338,7 +344,7 @@ class ServerLauncher:
             stderr = server.stderr_text()
             if "panicked" in stderr:
                 problems.append(f"server {server.args} panicked:\n{stderr[-4000:]}")
-            elif died_early and server.url:
+            elif died_early and server.url and not server.stopped_by_test:
                 problems.append(
                     f"server {server.args} had exited ({server.proc.returncode}) before teardown:\n"
                     f"{stderr[-4000:]}"

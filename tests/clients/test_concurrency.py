@@ -285,3 +285,41 @@ def test_keep_alive_comments_flow_while_the_prompt_is_processed(start_server):
         assert before_data.count(b": keep-alive") >= 3, before_data
     finally:
         conn.close()
+
+
+def test_a_queued_request_whose_client_leaves_frees_its_place(start_server, script_file):
+    """--queue 1: A runs, B waits and then disconnects; C must get B's place (wait, not 429)."""
+    server = start_server("--queue", "1", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
+    client = make_openai(server)
+    stream, it = start_marathon(client, max_tokens=100)
+    try:
+        base = queue_length(server)
+        waiting = client.chat.completions.create(
+            model=SERVED_MODEL, messages=user(MARATHON_PROMPT), max_tokens=5, stream=True, timeout=CLIENT_TIMEOUT
+        )
+        wait_queue_length(server, base + 1)
+        waiting.close()
+        wait_queue_length(server, base)
+        c = Background(client, MARATHON_PROMPT, max_tokens=3)
+        wait_queue_length(server, base + 1)
+        drain(it)
+    finally:
+        stream.close()
+    assert c.join().usage.completion_tokens == 3
+
+
+def test_shutdown_does_not_wait_for_open_streams(start_server, script_file):
+    """SIGTERM with a long stream open: the process exits within the grace period, not after
+    the generation (500 tokens x 50 ms = 25 s)."""
+    import signal
+
+    server = start_server("--token-delay-ms", "50", "--script", str(script_file))
+    client = make_openai(server)
+    stream, it = start_marathon(client, max_tokens=500)
+    next(it)
+    t0 = time.monotonic()
+    server.stopped_by_test = True
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    assert time.monotonic() - t0 < 10
+    stream.close()

@@ -421,3 +421,54 @@ def test_request_after_abrupt_reset(default_server):
     assert_healthy(default_server)
     resp = http_request(default_server, "POST", CHAT, chat_body())
     assert resp.status == 200, resp.body[:500]
+
+
+def test_pathological_text_is_tokenised_without_stalling_the_server(default_server):
+    """A megabyte of spaces (deep regex backtracking) and of one letter (one huge BPE piece):
+    tokenised on the blocking pool in pieces, as the reference tokenizer cuts long runs, while
+    /health keeps answering."""
+    import threading
+
+    results = {}
+
+    def tokenize(name, text):
+        results[name] = http_request(default_server, "POST", "/tokenize", {"prompt": text}, timeout=120)
+
+    threads = [
+        threading.Thread(target=tokenize, args=("spaces", " " * 1_000_000 + "x")),
+        threading.Thread(target=tokenize, args=("letters", "a" * 1_000_000)),
+    ]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    assert http_request(default_server, "GET", "/health", timeout=10).status == 200
+    assert time.monotonic() - t0 < 5
+    for t in threads:
+        t.join(130)
+    for name in ("spaces", "letters"):
+        r = results[name]
+        assert r.status == 200, (name, r.body[:200])
+        assert r.json()["count"] > 0
+    assert_healthy(default_server)
+
+
+def test_chat_with_a_huge_message_is_refused_cleanly(default_server):
+    r = http_request(
+        default_server, "POST", "/v1/chat/completions",
+        {"model": SERVED_MODEL, "messages": [{"role": "user", "content": " " * 1_000_000}]},
+        timeout=120,
+    )
+    err = assert_openai_error(r, 400)
+    assert err["code"] == "context_length_exceeded"
+    assert_healthy(default_server)
+
+
+def test_named_tool_choice_must_name_a_declared_tool(default_server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "model": SERVED_MODEL, "max_tokens": 1, "tools": [tool],
+        "messages": [{"role": "user", "content": "hi"}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}},
+    }
+    err = assert_openai_error(http_request(default_server, "POST", "/v1/chat/completions", body), 400)
+    assert err["param"] == "tool_choice"

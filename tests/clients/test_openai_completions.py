@@ -201,3 +201,18 @@ def test_end_of_message_stops_unless_ignore_eos(scripted_openai):
     went_on = complete(scripted_openai, prompt, extra_body={"ignore_eos": True})
     assert went_on.choices[0].text == "first<|end_of_msg|>second"
     assert went_on.usage.completion_tokens > stopped.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_multibyte_characters_split_across_tokens_arrive_whole(scripted_openai, stream):
+    """The tiny vocabulary spells é, 東 and 🌍 as several byte tokens; raw completions must hold
+    a split character until its last byte instead of printing U+FFFD."""
+    from conftest import UNICODE_TEXT
+
+    if stream:
+        chunks = complete(scripted_openai, "unicode please", stream=True)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    else:
+        text = complete(scripted_openai, "unicode please").choices[0].text
+    assert text == UNICODE_TEXT
+    assert "\ufffd" not in text

@@ -89,3 +89,20 @@ def test_tokenize_messages_uses_chat_template(default_server, reference_encoding
         {"role": "assistant", "content": "Seven."}, {"role": "user", "content": "Again?"},
     ])
     assert longer["count"] > got["count"]
+
+
+def test_named_tool_choice_renders_as_required_with_only_that_tool(default_server):
+    """K3's format has no "call this function" message: a named tool_choice is served as
+    tool_choice=required with only the named tool declared."""
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    g = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "call something"}]
+
+    def tokens(**kw):
+        r = http_request(default_server, "POST", "/tokenize", {"messages": messages, **kw})
+        assert r.status == 200, r.body
+        return r.json()["tokens"]
+
+    named = tokens(tools=[f, g], tool_choice={"type": "function", "function": {"name": "g"}})
+    assert named == tokens(tools=[g], tool_choice="required")
+    assert named != tokens(tools=[f, g], tool_choice="required")

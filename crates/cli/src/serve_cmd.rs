@@ -49,8 +49,8 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    if !(a.keep_alive_s > 0.0 && a.keep_alive_s.is_finite()) {
-        bail!("--keep-alive-s must be a positive number of seconds");
+    if !(a.keep_alive_s > 0.0 && a.keep_alive_s <= 3600.0) {
+        bail!("--keep-alive-s must be a number of seconds in (0, 3600]");
     }
     let path = a.model.store_path()?.to_path_buf();
     let store =

@@ -14,7 +14,7 @@ use crate::experts::ExpertSource;
 use crate::generate::PROMPT_CHUNK;
 use crate::k3::K3Model;
 use crate::sample::{Sampler, SamplingParams, logprobs};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
 #[derive(Debug, Clone)]
 pub struct TextRequest {
@@ -155,6 +155,10 @@ impl TextGenerator<'_> {
         }
         let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
         let mut parser = markers.map(|m| OutputParser::new(m, req.reasoning_open));
+        let mut raw_text = Utf8Decoder::default();
+        // Special tokens that are not markup (`[EOS]`, `[EOT]`, media tokens, the end of
+        // message when ignored) are never answer text in a chat.
+        let is_special = |t: u32| self.tokenizer.specials.values().any(|&s| s == t);
         let mut stop = StopMatcher::new(&req.stop);
         let mut sampler = Sampler::new(req.sampling.clone());
         let eos = self.tokenizer.eos_id;
@@ -192,8 +196,17 @@ impl TextGenerator<'_> {
             parsed.clear();
             let bytes = self.tokenizer.decode_bytes(&[token]);
             match parser.as_mut() {
-                Some(p) => p.push(token, &bytes, &mut parsed),
-                None => parsed.push(OutputEvent::Content(String::from_utf8_lossy(&bytes).into_owned())),
+                Some(p) => {
+                    let markup = markers.is_some_and(|m| [m.open, m.close, m.sep].contains(&token));
+                    let bytes: &[u8] = if !markup && is_special(token) { &[] } else { &bytes };
+                    p.push(token, bytes, &mut parsed)
+                }
+                None => {
+                    let text = raw_text.push(&bytes);
+                    if !text.is_empty() {
+                        parsed.push(OutputEvent::Content(text));
+                    }
+                }
             }
             let stopped = self.filter_stops(&mut stop, &parsed, &mut events, &mut summary);
             saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
@@ -212,12 +225,18 @@ impl TextGenerator<'_> {
         if summary.finish != Finish::Cancelled {
             // Release what the parser and the stop check still hold.
             events.clear();
-            if let Some(p) = parser.as_mut() {
-                parsed.clear();
-                p.finish(&mut parsed);
-                if summary.stop_string.is_none() {
-                    self.filter_stops(&mut stop, &parsed, &mut events, &mut summary);
+            parsed.clear();
+            match parser.as_mut() {
+                Some(p) => p.finish(&mut parsed),
+                None => {
+                    let rest = raw_text.flush();
+                    if !rest.is_empty() {
+                        parsed.push(OutputEvent::Content(rest));
+                    }
                 }
+            }
+            if summary.stop_string.is_none() && self.filter_stops(&mut stop, &parsed, &mut events, &mut summary) {
+                summary.finish = Finish::Stop;
             }
             if summary.stop_string.is_none() {
                 let rest = stop.flush();

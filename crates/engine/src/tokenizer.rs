@@ -100,12 +100,12 @@ impl Tokenizer {
 
     /// Encode text; special-token strings in it become their ids.
     pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_with_special_tokens(text)
+        split_long_runs(text).flat_map(|piece| self.bpe.encode_with_special_tokens(piece)).collect()
     }
 
     /// Encode text treating special-token strings as plain text.
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_ordinary(text)
+        split_long_runs(text).flat_map(|piece| self.bpe.encode_ordinary(piece)).collect()
     }
 
     pub fn decode_bytes(&self, ids: &[u32]) -> Vec<u8> {
@@ -115,5 +115,135 @@ impl Tokenizer {
     /// Decode to text, replacing invalid UTF-8 (a split character) with U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         String::from_utf8_lossy(&self.decode_bytes(ids)).into_owned()
+    }
+}
+
+/// Longest run of whitespace or of non-whitespace encoded as one piece, and longest piece, as
+/// Kimi's `tokenization_kimi.py` cuts them. Besides matching the reference, the cut bounds the
+/// regex engine's backtracking depth and the byte-pair merge's quadratic cost on hostile input
+/// (a megabyte of spaces otherwise overflows the regex engine's stack).
+const MAX_RUN_CHARS: usize = 25_000;
+const MAX_PIECE_CHARS: usize = 400_000;
+
+/// Python's `str.isspace` (which, unlike `char::is_whitespace`, includes U+001C..U+001F).
+fn py_isspace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Pieces of at most [`MAX_PIECE_CHARS`] characters, each further cut wherever a run of
+/// whitespace or of non-whitespace exceeds [`MAX_RUN_CHARS`].
+pub fn split_long_runs(text: &str) -> impl Iterator<Item = &str> {
+    let mut pieces = Vec::new();
+    if text.len() <= MAX_RUN_CHARS {
+        pieces.push(text);
+        return pieces.into_iter();
+    }
+    let mut chars_in_chunk = 0;
+    let mut slice_start = 0;
+    let mut run = 0;
+    let mut run_is_space = text.chars().next().is_some_and(py_isspace);
+    for (i, c) in text.char_indices() {
+        if chars_in_chunk == MAX_PIECE_CHARS {
+            // A new 400k-character chunk: runs restart.
+            pieces.push(&text[slice_start..i]);
+            slice_start = i;
+            chars_in_chunk = 0;
+            run = 0;
+            run_is_space = py_isspace(c);
+        }
+        chars_in_chunk += 1;
+        let space = py_isspace(c);
+        if space != run_is_space {
+            run = 1;
+            run_is_space = space;
+        } else {
+            run += 1;
+            if run > MAX_RUN_CHARS {
+                pieces.push(&text[slice_start..i]);
+                slice_start = i;
+                run = 1;
+            }
+        }
+    }
+    pieces.push(&text[slice_start..]);
+    pieces.into_iter()
+}
+
+/// Turns a stream of token bytes into text, holding back a character split across tokens until
+/// its last byte arrives; invalid bytes become U+FFFD.
+#[derive(Default)]
+pub struct Utf8Decoder {
+    pending: Vec<u8>,
+}
+
+impl Utf8Decoder {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let good = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..good]));
+                    match e.error_len() {
+                        // An incomplete character at the end: wait for the next token.
+                        None => {
+                            self.pending.drain(..good);
+                            return out;
+                        }
+                        Some(n) => {
+                            out.push('\u{fffd}');
+                            self.pending.drain(..good + n);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whatever is held, replaced where incomplete.
+    pub fn flush(&mut self) -> String {
+        String::from_utf8_lossy(&std::mem::take(&mut self.pending)).into_owned()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_runs_are_cut_like_the_reference() {
+        assert_eq!(split_long_runs("short text").collect::<Vec<_>>(), vec!["short text"]);
+        let spaces = " ".repeat(60_000) + "x";
+        let pieces: Vec<&str> = split_long_runs(&spaces).collect();
+        assert_eq!(pieces.iter().map(|p| p.len()).collect::<Vec<_>>(), vec![25_000, 25_000, 10_001]);
+        assert_eq!(pieces.concat(), spaces);
+        // Alternating classes never reach the limit.
+        let mixed = "ab ".repeat(20_000);
+        assert_eq!(split_long_runs(&mixed).count(), 1);
+        let wide = "é".repeat(30_000);
+        let pieces: Vec<&str> = split_long_runs(&wide).collect();
+        assert_eq!(pieces.iter().map(|p| p.chars().count()).collect::<Vec<_>>(), vec![25_000, 5_000]);
+    }
+
+    #[test]
+    fn utf8_decoder_holds_split_characters() {
+        let mut d = Utf8Decoder::default();
+        let bytes = "a€b".as_bytes();
+        assert_eq!(d.push(&bytes[..2]), "a");
+        assert_eq!(d.push(&bytes[2..3]), "");
+        assert_eq!(d.push(&bytes[3..]), "€b");
+        assert_eq!(d.push(&[0xff, b'x', 0xe2]), "\u{fffd}x");
+        assert_eq!(d.flush(), "\u{fffd}");
+        assert!(d.is_empty());
     }
 }

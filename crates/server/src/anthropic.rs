@@ -2,23 +2,21 @@
 //! path as the OpenAI endpoints: the request becomes a [`Conversation`] and a [`TextRequest`],
 //! and the engine's updates are printed as Anthropic content blocks and stream events.
 
-use std::convert::Infallible;
+use std::collections::VecDeque;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::chat::{Conversation, Message, Role, ToolCall, ToolChoice};
 use deltafin_engine::textgen::{Finish, Summary, TextRequest};
-use futures_util::Stream;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::openai::{collect, content_parts, sampling};
+use crate::generation::{ChatSettings, Piece, Translator, Turn, chat_request, sse};
+use crate::openai::{content_parts, sampling};
 use crate::params::{Obj, field, object, opt_bool, opt_int, opt_str, stop_list};
-use crate::sse::keep_alive;
 use crate::state::{Shared, new_id};
-use crate::worker::Update;
+use crate::worker::{Admitted, Update};
 
 pub struct Prepared {
     req: TextRequest,
@@ -196,24 +194,17 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
     let max_tokens =
         opt_int(o, "max_tokens", 1, i64::from(u32::MAX))?.ok_or_else(|| ApiError::missing("max_tokens"))?;
     let conv = conversation(o)?;
-    let prompt = crate::prompt::encode_chat(state, &conv)?;
-    let max = state.budget(prompt.len(), Some(max_tokens as usize), "max_tokens")?;
-    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
-    Ok(Prepared {
-        req: TextRequest {
-            forced: last_user.and_then(|t| state.scripted(&t)),
-            prompt,
-            max_tokens: max,
-            // Anthropic's temperature range is [0, 1].
-            sampling: sampling(o, 1.0)?,
-            stop: stop_list(o, "stop_sequences")?,
-            logprobs: None,
-            parse_chat: true,
-            reasoning_open: crate::prompt::thinking(&conv),
-            ignore_eos: false,
-        },
-        stream: opt_bool(o, "stream")?.unwrap_or(false),
-    })
+    let settings = ChatSettings {
+        max_tokens: Some((max_tokens as usize, "max_tokens")),
+        // Agents send large fixed max_tokens (32000 and more): served up to the context.
+        clamp: true,
+        // Anthropic's temperature range is [0, 1].
+        sampling: sampling(o, 1.0)?,
+        stop: stop_list(o, "stop_sequences")?,
+        logprobs: None,
+        ignore_eos: false,
+    };
+    Ok(Prepared { req: chat_request(state, &conv, settings)?, stream: opt_bool(o, "stream")?.unwrap_or(false) })
 }
 
 fn stop_reason(s: &Summary) -> (&'static str, Value) {
@@ -235,50 +226,28 @@ fn input_of(args: &str) -> Value {
     }
 }
 
-pub async fn respond(state: Shared, p: Prepared) -> Result<Response, ApiError> {
+pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
     let prompt_tokens = p.req.prompt.len();
-    let rx = state.submit(p.req)?;
+    let job = state.submit(admitted, p.req)?;
     let id = new_id("msg_");
     if p.stream {
         let interval = state.keep_alive;
-        return Ok(Sse::new(stream(state, id, prompt_tokens, rx)).keep_alive(keep_alive(interval)).into_response());
+        let t = StreamState { state, id, prompt_tokens, started: false, open: Block::None, index: 0 };
+        return Ok(sse(job, t, interval));
     }
-    // Blocks in output order; consecutive text of one kind joins one block.
-    let mut blocks: Vec<Value> = Vec::new();
-    let mut call_args: Vec<(usize, String)> = Vec::new();
-    let summary = collect(
-        rx,
-        |ev| match ev {
-            OutputEvent::Reasoning(s) => match blocks.last_mut() {
-                Some(b) if b["type"] == "thinking" => {
-                    let t = format!("{}{s}", b["thinking"].as_str().unwrap_or_default());
-                    b["thinking"] = json!(t);
-                }
-                _ => blocks.push(json!({"type": "thinking", "thinking": s, "signature": ""})),
-            },
-            OutputEvent::Content(s) => match blocks.last_mut() {
-                Some(b) if b["type"] == "text" => {
-                    let t = format!("{}{s}", b["text"].as_str().unwrap_or_default());
-                    b["text"] = json!(t);
-                }
-                _ => blocks.push(json!({"type": "text", "text": s})),
-            },
-            OutputEvent::ToolCallBegin { name, .. } => {
-                call_args.push((blocks.len(), String::new()));
-                blocks.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}}));
+    let mut turn = Turn::new("toolu_");
+    let summary = turn.collect(job).await?;
+    let blocks: Vec<Value> = turn
+        .pieces
+        .iter()
+        .map(|p| match p {
+            Piece::Reasoning(s) => json!({"type": "thinking", "thinking": s, "signature": ""}),
+            Piece::Content(s) => json!({"type": "text", "text": s}),
+            Piece::Call { id, name, arguments } => {
+                json!({"type": "tool_use", "id": id, "name": name, "input": input_of(arguments)})
             }
-            OutputEvent::ToolCallArguments { index, json } => {
-                if let Some(c) = call_args.get_mut(*index) {
-                    c.1.push_str(json);
-                }
-            }
-        },
-        |_| {},
-    )
-    .await?;
-    for (at, args) in call_args {
-        blocks[at]["input"] = input_of(&args);
-    }
+        })
+        .collect();
     let (reason, seq) = stop_reason(&summary);
     Ok(axum::Json(json!({
         "id": id, "type": "message", "role": "assistant", "model": state.model.id,
@@ -297,53 +266,48 @@ enum Block {
     ToolUse,
 }
 
+/// Prints a job's updates as Anthropic stream events.
 struct StreamState {
     state: Shared,
     id: String,
     prompt_tokens: usize,
-    rx: mpsc::Receiver<Update>,
-    out: std::collections::VecDeque<Event>,
     started: bool,
-    done: bool,
     open: Block,
     /// Index of the open (or next) content block.
     index: usize,
 }
 
-impl StreamState {
-    fn emit(&mut self, kind: &str, data: Value) {
-        self.out.push_back(Event::default().event(kind).data(data.to_string()));
-    }
+fn emit(out: &mut VecDeque<Event>, kind: &str, data: Value) {
+    out.push_back(Event::default().event(kind).data(data.to_string()));
+}
 
-    fn close_block(&mut self) {
+impl StreamState {
+    fn close_block(&mut self, out: &mut VecDeque<Event>) {
         if self.open != Block::None {
-            if self.open == Block::Thinking {
-                let i = self.index;
-                self.emit(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}),
-                );
-            }
             let i = self.index;
-            self.emit("content_block_stop", json!({"type": "content_block_stop", "index": i}));
+            if self.open == Block::Thinking {
+                let d = json!({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}});
+                emit(out, "content_block_delta", d);
+            }
+            emit(out, "content_block_stop", json!({"type": "content_block_stop", "index": i}));
             self.index += 1;
             self.open = Block::None;
         }
     }
 
-    fn open_block(&mut self, kind: Block, block: Value) {
-        self.close_block();
+    fn open_block(&mut self, out: &mut VecDeque<Event>, kind: Block, block: Value) {
+        self.close_block(out);
         let i = self.index;
-        self.emit("content_block_start", json!({"type": "content_block_start", "index": i, "content_block": block}));
+        emit(out, "content_block_start", json!({"type": "content_block_start", "index": i, "content_block": block}));
         self.open = kind;
     }
 
-    fn delta(&mut self, delta: Value) {
+    fn delta(&self, out: &mut VecDeque<Event>, delta: Value) {
         let i = self.index;
-        self.emit("content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta}));
+        emit(out, "content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta}));
     }
 
-    fn message_start(&mut self) {
+    fn message_start(&mut self, out: &mut VecDeque<Event>) {
         if !self.started {
             self.started = true;
             let m = json!({"type": "message_start", "message": {
@@ -351,95 +315,71 @@ impl StreamState {
                 "content": [], "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
             }});
-            self.emit("message_start", m);
-        }
-    }
-
-    fn on_update(&mut self, u: Option<Update>) {
-        match u {
-            Some(Update::Started) => self.message_start(),
-            Some(Update::Token { events, .. }) => {
-                self.message_start();
-                for ev in events {
-                    match ev {
-                        OutputEvent::Reasoning(s) => {
-                            if self.open != Block::Thinking {
-                                self.open_block(
-                                    Block::Thinking,
-                                    json!({"type": "thinking", "thinking": "", "signature": ""}),
-                                );
-                            }
-                            self.delta(json!({"type": "thinking_delta", "thinking": s}));
-                        }
-                        OutputEvent::Content(s) => {
-                            if self.open != Block::Text {
-                                self.open_block(Block::Text, json!({"type": "text", "text": ""}));
-                            }
-                            self.delta(json!({"type": "text_delta", "text": s}));
-                        }
-                        OutputEvent::ToolCallBegin { name, .. } => self.open_block(
-                            Block::ToolUse,
-                            json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}}),
-                        ),
-                        OutputEvent::ToolCallArguments { json, .. } => {
-                            self.delta(json!({"type": "input_json_delta", "partial_json": json}))
-                        }
-                    }
-                }
-            }
-            Some(Update::Done(summary)) => {
-                self.message_start();
-                self.close_block();
-                let (reason, seq) = stop_reason(&summary);
-                self.emit(
-                    "message_delta",
-                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                           "usage": {"output_tokens": summary.completion_tokens}}),
-                );
-                self.emit("message_stop", json!({"type": "message_stop"}));
-                self.done = true;
-            }
-            Some(Update::Failed(msg)) => {
-                let e = ApiError::internal(format!("generation failed: {msg}"));
-                self.emit("error", e.anthropic_body());
-                self.done = true;
-            }
-            None => {
-                let e = ApiError::internal("the engine dropped the request");
-                self.emit("error", e.anthropic_body());
-                self.done = true;
-            }
+            emit(out, "message_start", m);
         }
     }
 }
 
-fn stream(
-    state: Shared,
-    id: String,
-    prompt_tokens: usize,
-    rx: mpsc::Receiver<Update>,
-) -> impl Stream<Item = Result<Event, Infallible>> {
-    let st = StreamState {
-        state,
-        id,
-        prompt_tokens,
-        rx,
-        out: Default::default(),
-        started: false,
-        done: false,
-        open: Block::None,
-        index: 0,
-    };
-    futures_util::stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(ev) = st.out.pop_front() {
-                return Some((Ok(ev), st));
+impl Translator for StreamState {
+    fn translate(&mut self, u: Option<Update>, out: &mut VecDeque<Event>) -> bool {
+        match u {
+            Some(Update::Started) => {
+                self.message_start(out);
+                false
             }
-            if st.done {
-                return None;
+            Some(Update::Token { events, .. }) => {
+                self.message_start(out);
+                for ev in events {
+                    match ev {
+                        OutputEvent::Reasoning(s) => {
+                            if self.open != Block::Thinking {
+                                let b = json!({"type": "thinking", "thinking": "", "signature": ""});
+                                self.open_block(out, Block::Thinking, b);
+                            }
+                            self.delta(out, json!({"type": "thinking_delta", "thinking": s}));
+                        }
+                        OutputEvent::Content(s) => {
+                            if self.open != Block::Text {
+                                self.open_block(out, Block::Text, json!({"type": "text", "text": ""}));
+                            }
+                            self.delta(out, json!({"type": "text_delta", "text": s}));
+                        }
+                        OutputEvent::ToolCallBegin { name, .. } => {
+                            let b = json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}});
+                            self.open_block(out, Block::ToolUse, b);
+                        }
+                        // The parser emits a call's arguments only while the call is open, so
+                        // they belong to the open tool_use block.
+                        OutputEvent::ToolCallArguments { json, .. } if self.open == Block::ToolUse => {
+                            self.delta(out, json!({"type": "input_json_delta", "partial_json": json}))
+                        }
+                        OutputEvent::ToolCallArguments { .. } => {}
+                    }
+                }
+                false
             }
-            let u = st.rx.recv().await;
-            st.on_update(u);
+            Some(Update::Done(summary)) => {
+                self.message_start(out);
+                self.close_block(out);
+                let (reason, seq) = stop_reason(&summary);
+                emit(
+                    out,
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                           "usage": {"output_tokens": summary.completion_tokens}}),
+                );
+                emit(out, "message_stop", json!({"type": "message_stop"}));
+                true
+            }
+            Some(Update::Failed(msg)) => {
+                let e = ApiError::internal(format!("generation failed: {msg}"));
+                emit(out, "error", e.anthropic_body());
+                true
+            }
+            None => {
+                emit(out, "error", ApiError::internal("the engine dropped the request").anthropic_body());
+                true
+            }
         }
-    })
+    }
 }

@@ -6,6 +6,7 @@
 
 pub mod anthropic;
 pub mod error;
+pub mod generation;
 pub mod metrics;
 pub mod openai;
 pub mod params;
@@ -15,7 +16,6 @@ pub mod sse;
 pub mod state;
 pub mod worker;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +41,9 @@ pub struct ServeOptions {
     /// Test instrument: scripted replies (see [`state::ScriptedReply`]).
     pub script: Option<PathBuf>,
 }
+
+/// How long a shutdown waits for responses in flight.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// Load the scripted replies file: `{"replies": [{"when": "...", "text": "..."}]}`.
 fn load_script(path: &std::path::Path, tok: &Tokenizer) -> Result<Vec<ScriptedReply>> {
@@ -92,17 +95,30 @@ pub fn serve(
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
-        let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
-            .parse()
-            .or_else(|_| format!("[{}]:{}", opts.host, opts.port).parse())
-            .with_context(|| format!("'{}' is not an IP address", opts.host))?;
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port))
+            .await
+            .with_context(|| format!("listening on {}:{}", opts.host, opts.port))?;
         let local = listener.local_addr()?;
         println!("deltafin serve: listening on http://{local}");
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
         let app = routes::router(state);
-        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await.context("serving")?;
+        // On a signal, stop accepting and let responses in flight finish, but no longer than
+        // SHUTDOWN_GRACE: an open stream could otherwise hold the process for a whole
+        // generation.
+        let (signalled, mut on_signal) = tokio::sync::watch::channel(false);
+        let graceful = async move {
+            shutdown_signal().await;
+            let _ = signalled.send(true);
+        };
+        let deadline = async move {
+            let _ = on_signal.changed().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            r = axum::serve(listener, app).with_graceful_shutdown(graceful) => r.context("serving")?,
+            _ = deadline => eprintln!("deltafin serve: closed the connections still open"),
+        }
         Ok::<(), anyhow::Error>(())
     })?;
     // Open streams are not waited for: the engine thread ends with the process.

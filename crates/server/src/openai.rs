@@ -1,22 +1,20 @@
 //! OpenAI's wire format: `/v1/chat/completions` and `/v1/completions`, whole or streamed.
 
-use std::convert::Infallible;
+use std::collections::VecDeque;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::chat::{Conversation, Message, Role, ToolCall, ToolChoice};
 use deltafin_engine::sample::SamplingParams;
 use deltafin_engine::textgen::{Finish, Summary, TextRequest, TokenLogprob};
-use futures_util::Stream;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
+use crate::generation::{ChatSettings, Translator, Turn, chat_request, sse};
 use crate::params::{Obj, field, object, opt_bool, opt_f64, opt_int, opt_seed, opt_str, stop_list, unsupported};
-use crate::sse::keep_alive;
 use crate::state::{Shared, new_id, unix_now};
-use crate::worker::Update;
+use crate::worker::{Admitted, Update};
 
 /// Most alternatives per token for `top_logprobs` (OpenAI's limit).
 const MAX_TOP_LOGPROBS: i64 = 20;
@@ -241,10 +239,12 @@ fn parse_response_format(v: Option<&Value>) -> Result<Option<Option<Value>>, Api
 pub fn reasoning_effort(o: &Obj) -> Result<Option<String>, ApiError> {
     match opt_str(o, "reasoning_effort")? {
         None => Ok(None),
+        // OpenAI's lowest level; K3's lowest is `low`.
+        Some("minimal") => Ok(Some("low".into())),
         Some(e @ ("none" | "low" | "medium" | "high" | "max")) => Ok(Some(e.to_string())),
         Some(_) => Err(ApiError::invalid(
             "reasoning_effort",
-            "'reasoning_effort' must be none (no reasoning), low, medium, high or max",
+            "'reasoning_effort' must be none (no reasoning), minimal, low, medium, high or max",
         )),
     }
 }
@@ -295,38 +295,31 @@ pub fn prepare_chat(state: &Shared, body: &Value) -> Result<Prepared, ApiError> 
     if top.is_some() && !logprobs {
         return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true"));
     }
-    let prompt = crate::prompt::encode_chat(state, &conv)?;
-    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
-    let forced = last_user.and_then(|t| state.scripted(&t));
-    let mt = max_tokens(o)?;
-    let max = state.budget(prompt.len(), mt.map(|m| m.0), mt.map(|m| m.1).unwrap_or("max_tokens"))?;
     let style = if logprobs { LogprobStyle::Chat(top.unwrap_or(0) as usize) } else { LogprobStyle::None };
+    let settings = ChatSettings {
+        max_tokens: max_tokens(o)?,
+        clamp: false,
+        sampling: sampling(o, 2.0)?,
+        stop: stop_list(o, "stop")?,
+        logprobs: style.top(),
+        ignore_eos: opt_bool(o, "ignore_eos")?.unwrap_or(false),
+    };
     Ok(Prepared {
-        req: TextRequest {
-            prompt,
-            max_tokens: max,
-            sampling: sampling(o, 2.0)?,
-            stop: stop_list(o, "stop")?,
-            logprobs: style.top(),
-            parse_chat: true,
-            reasoning_open: crate::prompt::thinking(&conv),
-            ignore_eos: opt_bool(o, "ignore_eos")?.unwrap_or(false),
-            forced,
-        },
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: include_usage(o)?,
+        req: chat_request(state, &conv, settings)?,
         logprobs: style,
         chat: true,
     })
 }
 
-/// The `prompt` of a completion request as token ids.
+/// The `prompt` of a completion request as token ids, and as text (for scripted replies).
 fn completion_prompt(state: &Shared, v: Option<&Value>) -> Result<(Vec<u32>, String), ApiError> {
     let bad = || ApiError::invalid("prompt", "'prompt' must be a string or an array of token ids");
     let ids_of = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
             .map(|t| match t.as_u64() {
-                Some(id) if (id as usize) < state.model.vocab => Ok(id as u32),
+                Some(id) if id < state.model.vocab as u64 => Ok(id as u32),
                 _ => Err(ApiError::invalid(
                     "prompt",
                     format!("token ids must be integers in [0, {}) (the vocabulary)", state.model.vocab),
@@ -334,22 +327,19 @@ fn completion_prompt(state: &Shared, v: Option<&Value>) -> Result<(Vec<u32>, Str
             })
             .collect()
     };
+    let from_ids = |a: &[Value]| -> Result<(Vec<u32>, String), ApiError> {
+        let ids = ids_of(a)?;
+        let text = state.tokenizer.decode(&ids);
+        Ok((ids, text))
+    };
     match v {
         None | Some(Value::Null) => Err(ApiError::missing("prompt")),
         Some(Value::String(s)) => Ok((state.tokenizer.encode(s), s.clone())),
-        Some(Value::Array(a)) if a.iter().all(|x| x.is_number()) => {
-            let ids = ids_of(a)?;
-            let text = state.tokenizer.decode(&ids);
-            Ok((ids, text))
-        }
+        Some(Value::Array(a)) if a.iter().all(|x| x.is_number()) => from_ids(a),
         // A batch of one.
         Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
             Value::String(s) => Ok((state.tokenizer.encode(s), s.clone())),
-            Value::Array(inner) => {
-                let ids = ids_of(inner)?;
-                let text = state.tokenizer.decode(&ids);
-                Ok((ids, text))
-            }
+            Value::Array(inner) => from_ids(inner),
             _ => Err(bad()),
         },
         Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
@@ -359,6 +349,9 @@ fn completion_prompt(state: &Shared, v: Option<&Value>) -> Result<(Vec<u32>, Str
     }
 }
 
+/// OpenAI's default length for completions.
+const DEFAULT_COMPLETION_TOKENS: usize = 16;
+
 pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
     let o = object(body)?;
     state.check_model(opt_str(o, "model")?)?;
@@ -366,16 +359,10 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
     check_n(o)?;
     refuse_unsupported(o)?;
     let top = opt_int(o, "logprobs", 0, MAX_TOP_LOGPROBS)?;
-    let mt = opt_int(o, "max_tokens", 1, i64::from(u32::MAX))?.map(|n| n as usize);
-    // OpenAI's default for completions is 16 tokens.
-    let max = state.budget(
-        prompt.len(),
-        Some(mt.unwrap_or(16).min(state.model.context.saturating_sub(prompt.len()).max(1))),
-        "max_tokens",
-    );
-    let max = match (mt, max) {
-        (None, Err(e)) if e.code == Some("context_length_exceeded") && prompt.len() < state.model.context => 1,
-        (_, r) => r?,
+    let max = match opt_int(o, "max_tokens", 1, i64::from(u32::MAX))? {
+        Some(n) => state.budget(prompt.len(), Some(n as usize), "max_tokens")?,
+        // The default never makes a fitting prompt fail.
+        None => state.budget(prompt.len(), None, "max_tokens")?.min(DEFAULT_COMPLETION_TOKENS),
     };
     let style = match top {
         Some(n) => LogprobStyle::Legacy(n as usize),
@@ -416,53 +403,9 @@ fn usage(s: &Summary) -> Value {
     })
 }
 
-/// Accumulates a whole response from updates.
-struct Collected {
-    reasoning: String,
-    content: String,
-    /// (id, name, arguments)
-    calls: Vec<(String, String, String)>,
-}
-
-impl Collected {
-    fn new() -> Self {
-        Collected { reasoning: String::new(), content: String::new(), calls: Vec::new() }
-    }
-
-    fn apply(&mut self, ev: &OutputEvent) {
-        match ev {
-            OutputEvent::Reasoning(s) => self.reasoning.push_str(s),
-            OutputEvent::Content(s) => self.content.push_str(s),
-            OutputEvent::ToolCallBegin { name, .. } => self.calls.push((new_id("call_"), name.clone(), String::new())),
-            OutputEvent::ToolCallArguments { index, json } => {
-                if let Some(c) = self.calls.get_mut(*index) {
-                    c.2.push_str(json);
-                }
-            }
-        }
-    }
-}
-
-/// Wait for a job's updates to the end.
-pub async fn collect(
-    mut rx: mpsc::Receiver<Update>,
-    mut on_event: impl FnMut(&OutputEvent),
-    mut on_logprob: impl FnMut(TokenLogprob),
-) -> Result<Summary, ApiError> {
-    while let Some(u) = rx.recv().await {
-        match u {
-            Update::Started => {}
-            Update::Token { events, logprob } => {
-                events.iter().for_each(&mut on_event);
-                if let Some(l) = logprob {
-                    on_logprob(l);
-                }
-            }
-            Update::Done(s) => return Ok(s),
-            Update::Failed(msg) => return Err(ApiError::internal(format!("generation failed: {msg}"))),
-        }
-    }
-    Err(ApiError::internal("the engine dropped the request"))
+/// A token as text: its bytes decoded, a split character replaced.
+fn token_text(state: &Shared, id: u32) -> String {
+    String::from_utf8_lossy(&state.tokenizer.decode_bytes(&[id])).into_owned()
 }
 
 fn token_entry(state: &Shared, id: u32, logprob: f32) -> Value {
@@ -482,19 +425,18 @@ fn chat_logprobs(state: &Shared, lps: &[TokenLogprob]) -> Value {
     json!({"content": content})
 }
 
-fn legacy_logprobs(state: &Shared, lps: &[TokenLogprob], mut offset: usize) -> Value {
+/// Completions' log-probabilities; `offset` is the text offset of the first token, advanced
+/// past these tokens.
+fn legacy_logprobs(state: &Shared, lps: &[TokenLogprob], offset: &mut usize) -> Value {
     let (mut tokens, mut token_lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for l in lps {
-        let text = String::from_utf8_lossy(&state.tokenizer.decode_bytes(&[l.id])).into_owned();
-        offsets.push(offset);
-        offset += text.len();
+        let text = token_text(state, l.id);
+        offsets.push(*offset);
+        *offset += text.len();
         tokens.push(text);
         token_lps.push(l.logprob);
-        let top: serde_json::Map<String, Value> = l
-            .top
-            .iter()
-            .map(|&(id, lp)| (String::from_utf8_lossy(&state.tokenizer.decode_bytes(&[id])).into_owned(), json!(lp)))
-            .collect();
+        let top: serde_json::Map<String, Value> =
+            l.top.iter().map(|&(id, lp)| (token_text(state, id), json!(lp))).collect();
         tops.push(Value::Object(top));
     }
     json!({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets})
@@ -505,34 +447,38 @@ fn fingerprint(state: &Shared) -> String {
 }
 
 /// Answer a prepared request: a JSON body, or an event stream.
-pub async fn respond(state: Shared, p: Prepared) -> Result<Response, ApiError> {
-    let rx = state.submit(p.req.clone())?;
+pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
+    let job = state.submit(admitted, p.req.clone())?;
     let id = new_id(if p.chat { "chatcmpl-" } else { "cmpl-" });
     if p.stream {
         let interval = state.keep_alive;
-        return Ok(Sse::new(stream(state, p, id, rx)).keep_alive(keep_alive(interval)).into_response());
+        let t = StreamState { created: unix_now(), state, p, id, sent_role: false, text_offset: 0 };
+        return Ok(sse(job, t, interval));
     }
-    let mut c = Collected::new();
-    let mut lps = Vec::new();
-    let summary = collect(rx, |e| c.apply(e), |l| lps.push(l)).await?;
+    let mut turn = Turn::new("call_");
+    let summary = turn.collect(job).await?;
     let created = unix_now();
     let body = if p.chat {
-        let mut message = json!({"role": "assistant", "content": c.content});
-        if !c.reasoning.is_empty() {
-            message["reasoning_content"] = json!(c.reasoning);
+        let content = turn.content();
+        let mut message = json!({"role": "assistant", "content": content});
+        let reasoning = turn.reasoning();
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = json!(reasoning);
         }
-        if !c.calls.is_empty() {
-            message["tool_calls"] = c
-                .calls
-                .iter()
-                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
-                .collect();
-            if c.content.is_empty() {
+        let calls: Vec<Value> = turn
+            .calls()
+            .map(
+                |(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}),
+            )
+            .collect();
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+            if content.is_empty() {
                 message["content"] = Value::Null;
             }
         }
         let logprobs = match p.logprobs {
-            LogprobStyle::Chat(_) => chat_logprobs(&state, &lps),
+            LogprobStyle::Chat(_) => chat_logprobs(&state, &turn.logprobs),
             _ => Value::Null,
         };
         json!({
@@ -544,13 +490,13 @@ pub async fn respond(state: Shared, p: Prepared) -> Result<Response, ApiError> {
         })
     } else {
         let logprobs = match p.logprobs {
-            LogprobStyle::Legacy(_) => legacy_logprobs(&state, &lps, 0),
+            LogprobStyle::Legacy(_) => legacy_logprobs(&state, &turn.logprobs, &mut 0),
             _ => Value::Null,
         };
         json!({
             "id": id, "object": "text_completion", "created": created, "model": state.model.id,
             "system_fingerprint": fingerprint(&state),
-            "choices": [{"index": 0, "text": c.content, "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
+            "choices": [{"index": 0, "text": turn.content(), "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
             "usage": usage(&summary),
             "deltafin": {"numerics": state.model.numerics},
         })
@@ -558,17 +504,13 @@ pub async fn respond(state: Shared, p: Prepared) -> Result<Response, ApiError> {
     Ok(axum::Json(body).into_response())
 }
 
-/// Where a streamed response stands.
+/// Prints a job's updates as OpenAI chunks.
 struct StreamState {
     state: Shared,
     p: Prepared,
     id: String,
     created: u64,
-    rx: mpsc::Receiver<Update>,
-    /// Events ready to send.
-    out: std::collections::VecDeque<Event>,
     sent_role: bool,
-    done: bool,
     /// Byte offset of the next token's text (completions' `text_offset`).
     text_offset: usize,
 }
@@ -589,24 +531,19 @@ impl StreamState {
         }
         Event::default().data(v.to_string())
     }
+}
 
-    fn on_update(&mut self, u: Option<Update>) {
+impl Translator for StreamState {
+    fn translate(&mut self, u: Option<Update>, out: &mut VecDeque<Event>) -> bool {
         match u {
-            None => {
-                self.done = true;
-                self.out.push_back(error_event(&ApiError::internal("the engine dropped the request")));
-                self.out.push_back(Event::default().data("[DONE]"));
-            }
-            Some(Update::Started) => {}
+            Some(Update::Started) => false,
             Some(Update::Token { events, logprob }) => {
                 let mut choices = token_choices(self.p.chat, &events);
                 if let Some(l) = logprob {
                     let lp = match self.p.logprobs {
                         LogprobStyle::Chat(_) => chat_logprobs(&self.state, std::slice::from_ref(&l)),
                         LogprobStyle::Legacy(_) => {
-                            let v = legacy_logprobs(&self.state, std::slice::from_ref(&l), self.text_offset);
-                            self.text_offset += self.state.tokenizer.decode_bytes(&[l.id]).len();
-                            v
+                            legacy_logprobs(&self.state, std::slice::from_ref(&l), &mut self.text_offset)
                         }
                         LogprobStyle::None => Value::Null,
                     };
@@ -623,12 +560,11 @@ impl StreamState {
                         self.sent_role = true;
                         c["delta"]["role"] = json!("assistant");
                     }
-                    let ev = self.chunk(vec![c], None);
-                    self.out.push_back(ev);
+                    out.push_back(self.chunk(vec![c], None));
                 }
+                false
             }
             Some(Update::Done(summary)) => {
-                self.done = true;
                 let fr = finish_reason(summary.finish);
                 let last = if self.p.chat {
                     let delta = if self.sent_role { json!({}) } else { json!({"role": "assistant"}) };
@@ -636,54 +572,25 @@ impl StreamState {
                 } else {
                     json!({"index": 0, "text": "", "logprobs": null, "finish_reason": fr})
                 };
-                let ev = self.chunk(vec![last], None);
-                self.out.push_back(ev);
+                out.push_back(self.chunk(vec![last], None));
                 if self.p.include_usage {
-                    let ev = self.chunk(vec![], Some(usage(&summary)));
-                    self.out.push_back(ev);
+                    out.push_back(self.chunk(vec![], Some(usage(&summary))));
                 }
-                self.out.push_back(Event::default().data("[DONE]"));
+                out.push_back(Event::default().data("[DONE]"));
+                true
             }
             Some(Update::Failed(msg)) => {
-                self.done = true;
-                self.out.push_back(error_event(&ApiError::internal(format!("generation failed: {msg}"))));
-                self.out.push_back(Event::default().data("[DONE]"));
+                out.push_back(error_event(&ApiError::internal(format!("generation failed: {msg}"))));
+                out.push_back(Event::default().data("[DONE]"));
+                true
+            }
+            None => {
+                out.push_back(error_event(&ApiError::internal("the engine dropped the request")));
+                out.push_back(Event::default().data("[DONE]"));
+                true
             }
         }
     }
-}
-
-/// The SSE events of a streamed response. Dropping the stream (client gone) drops the update
-/// receiver, which cancels the generation.
-fn stream(
-    state: Shared,
-    p: Prepared,
-    id: String,
-    rx: mpsc::Receiver<Update>,
-) -> impl Stream<Item = Result<Event, Infallible>> {
-    let st = StreamState {
-        created: unix_now(),
-        state,
-        p,
-        id,
-        rx,
-        out: Default::default(),
-        sent_role: false,
-        done: false,
-        text_offset: 0,
-    };
-    futures_util::stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(ev) = st.out.pop_front() {
-                return Some((Ok(ev), st));
-            }
-            if st.done {
-                return None;
-            }
-            let u = st.rx.recv().await;
-            st.on_update(u);
-        }
-    })
 }
 
 fn error_event(e: &ApiError) -> Event {

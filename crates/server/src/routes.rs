@@ -12,6 +12,7 @@ use deltafin_engine::chat::Conversation;
 use serde_json::{Value, json};
 
 use crate::error::{AnthropicError, ApiError};
+use crate::generation::off_runtime;
 use crate::params::{field, object, opt_str};
 use crate::state::Shared;
 use crate::{anthropic, openai};
@@ -99,21 +100,27 @@ async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Va
 }
 
 async fn chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let admitted = state.admit()?;
     let v = json_body(&state, &headers, body).await?;
-    let p = openai::prepare_chat(&state, &v)?;
-    openai::respond(state, p).await
+    let s = state.clone();
+    let p = off_runtime(move || openai::prepare_chat(&s, &v)).await?;
+    openai::respond(state, admitted, p).await
 }
 
 async fn completions(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let admitted = state.admit()?;
     let v = json_body(&state, &headers, body).await?;
-    let p = openai::prepare_completion(&state, &v)?;
-    openai::respond(state, p).await
+    let s = state.clone();
+    let p = off_runtime(move || openai::prepare_completion(&s, &v)).await?;
+    openai::respond(state, admitted, p).await
 }
 
 async fn messages(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
+    let admitted = state.admit()?;
     let v = json_body(&state, &headers, body).await?;
-    let p = anthropic::prepare(&state, &v)?;
-    Ok(anthropic::respond(state, p).await?)
+    let s = state.clone();
+    let p = off_runtime(move || anthropic::prepare(&s, &v)).await?;
+    Ok(anthropic::respond(state, admitted, p).await?)
 }
 
 async fn count_tokens(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
@@ -122,7 +129,8 @@ async fn count_tokens(State(state): State<Shared>, headers: HeaderMap, body: Bod
     if let Some(o) = v.as_object_mut() {
         o.entry("max_tokens").or_insert(json!(1));
     }
-    let n = anthropic::prompt_tokens(&state, &v)?;
+    let s = state.clone();
+    let n = off_runtime(move || anthropic::prompt_tokens(&s, &v)).await?;
     Ok(axum::Json(json!({"input_tokens": n})).into_response())
 }
 
@@ -139,7 +147,11 @@ async fn models(State(state): State<Shared>) -> Response {
     axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
 }
 
-async fn model(State(state): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+async fn model(
+    State(state): State<Shared>,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Result<Response, ApiError> {
+    let Ok(Path(id)) = id else { return Err(ApiError::bad_request("the model id in the path is not valid UTF-8")) };
     if id == state.model.id {
         Ok(axum::Json(model_object(&state)).into_response())
     } else {
@@ -163,13 +175,20 @@ async fn metrics(State(state): State<Shared>) -> Response {
 /// prompt).
 async fn tokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let v = json_body(&state, &headers, body).await?;
-    let o = object(&v)?;
+    let s = state.clone();
+    let tokens = off_runtime(move || tokens_of(&s, &v)).await?;
+    Ok(axum::Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": state.model.context}))
+        .into_response())
+}
+
+fn tokens_of(state: &Shared, v: &Value) -> Result<Vec<u32>, ApiError> {
+    let o = object(v)?;
     if let Some(m) = opt_str(o, "model")? {
         state.check_model(Some(m))?;
     }
-    let tokens = match (field(o, "prompt"), field(o, "messages")) {
-        (Some(Value::String(s)), None) => state.tokenizer.encode(s),
-        (Some(_), None) => return Err(ApiError::invalid("prompt", "'prompt' must be a string")),
+    match (field(o, "prompt"), field(o, "messages")) {
+        (Some(Value::String(s)), None) => Ok(state.tokenizer.encode(s)),
+        (Some(_), None) => Err(ApiError::invalid("prompt", "'prompt' must be a string")),
         (None, Some(m)) => {
             let conv = Conversation {
                 messages: openai::parse_messages(Some(m))?,
@@ -178,12 +197,10 @@ async fn tokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -
                 reasoning_effort: openai::reasoning_effort(o)?,
                 response_format: None,
             };
-            crate::prompt::encode_chat(&state, &conv)?
+            crate::prompt::encode_chat(state, &conv)
         }
-        _ => return Err(ApiError::bad_request("send either 'prompt' (a string) or 'messages'")),
-    };
-    Ok(axum::Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": state.model.context}))
-        .into_response())
+        _ => Err(ApiError::bad_request("send either 'prompt' (a string) or 'messages'")),
+    }
 }
 
 async fn detokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {

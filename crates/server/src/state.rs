@@ -5,11 +5,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use deltafin_engine::textgen::TextRequest;
 use deltafin_engine::tokenizer::Tokenizer;
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::worker::{Admission, EngineHandle, Job, UPDATE_CHANNEL, Update};
+use crate::worker::{Admission, Admitted, EngineHandle, JobHandle};
 
 /// The served model, as `/v1/models` describes it.
 pub struct ModelInfo {
@@ -46,19 +45,20 @@ pub struct AppState {
 pub type Shared = Arc<AppState>;
 
 impl AppState {
-    /// Admit a generation and hand it to the engine; its updates arrive on the receiver, and
-    /// dropping the receiver cancels it.
-    pub fn submit(&self, req: TextRequest) -> Result<mpsc::Receiver<Update>, ApiError> {
-        let Some(slot) = self.admission.try_admit() else {
+    /// A place for a generation (running or waiting), taken before any work on the request;
+    /// 429 when there is none.
+    pub fn admit(&self) -> Result<Admitted, ApiError> {
+        self.admission.try_admit().ok_or_else(|| {
             self.metrics.rejected_busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(ApiError::busy(self.queue));
-        };
-        let (tx, rx) = mpsc::channel(UPDATE_CHANNEL);
+            ApiError::busy(self.queue)
+        })
+    }
+
+    /// Hand an admitted generation to the engine; dropping the handle cancels it.
+    pub fn submit(&self, admitted: Admitted, req: TextRequest) -> Result<JobHandle, ApiError> {
         self.engine
-            .jobs
-            .send(Job { req, updates: tx, slot })
-            .map_err(|_| ApiError::unavailable("the engine thread has stopped; restart the server"))?;
-        Ok(rx)
+            .submit(admitted, req)
+            .ok_or_else(|| ApiError::unavailable("the engine thread has stopped; restart the server"))
     }
 
     /// Scripted tokens for a request whose user text is `text`.

@@ -1,13 +1,15 @@
 //! The engine thread and admission to it.
 //!
 //! The model runs on its own thread (and the kernel thread pool it drives); the async runtime
-//! only moves bytes. Jobs reach the thread through a FIFO channel; each job streams its updates
-//! back through a bounded channel, whose closing (the HTTP side dropped it: client gone) cancels
-//! the generation at the next token or prompt chunk. Admission counts running plus waiting jobs
-//! against `1 + queue`; beyond that a request is refused with 429 before any work is done.
+//! only moves bytes. Admission counts running plus waiting requests against `1 + queue` before
+//! any work is done; beyond that a request is refused with 429. Admitted jobs reach the engine
+//! through a FIFO channel and stream their updates back through an unbounded channel: a client
+//! that stops reading costs at most one generation's updates in memory and never blocks the
+//! engine. Dropping the receiving side (client gone) cancels a running generation at its next
+//! token or prompt chunk, and frees a waiting one's place in the queue at once.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deltafin_engine::chat::parse::OutputEvent;
@@ -32,14 +34,7 @@ pub enum Update {
     Failed(String),
 }
 
-pub struct Job {
-    pub req: TextRequest,
-    pub updates: mpsc::Sender<Update>,
-    /// Holds the job's admission slot until the engine is done with it.
-    pub slot: Slot,
-}
-
-/// Running plus waiting jobs, bounded.
+/// Running plus waiting requests, bounded.
 pub struct Admission {
     limit: usize,
     admitted: AtomicUsize,
@@ -51,34 +46,86 @@ impl Admission {
         Arc::new(Admission { limit: 1 + queue, admitted: AtomicUsize::new(0), running: AtomicBool::new(false) })
     }
 
-    pub fn try_admit(self: &Arc<Self>) -> Option<Slot> {
+    /// A place for one request, or `None` when running + waiting is at the limit.
+    pub fn try_admit(self: &Arc<Self>) -> Option<Admitted> {
         self.admitted
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.limit).then_some(n + 1))
             .ok()
-            .map(|_| Slot(self.clone()))
+            .map(|_| Admitted(Arc::new(Ticket { state: AtomicU8::new(QUEUED), admission: self.clone() })))
     }
 
-    /// Jobs admitted and not yet running.
+    /// Requests admitted and not yet running.
     pub fn waiting(&self) -> usize {
         let n = self.admitted.load(Ordering::Acquire);
         n.saturating_sub(self.running.load(Ordering::Acquire) as usize)
     }
 }
 
-pub struct Slot(Arc<Admission>);
+const QUEUED: u8 = 0;
+const RUNNING: u8 = 1;
+const FINISHED: u8 = 2;
+const ABANDONED: u8 = 3;
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.admitted.fetch_sub(1, Ordering::AcqRel);
+/// One admitted request's place. Exactly one transition frees it: waiting -> abandoned (the
+/// client side let go first) or running -> finished (the engine is done).
+pub struct Ticket {
+    state: AtomicU8,
+    admission: Arc<Admission>,
+}
+
+impl Ticket {
+    fn transition(&self, from: u8, to: u8) -> bool {
+        self.state.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    fn release(&self) {
+        self.admission.admitted.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// Capacity of a job's update channel: a client that stops reading holds the engine after this
-/// many tokens (back-pressure), and dropping the stream frees it.
-pub const UPDATE_CHANNEL: usize = 64;
+/// The client side's hold on a ticket: dropping it before the engine takes the job gives the
+/// place back at once.
+pub struct Admitted(Arc<Ticket>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        if self.0.transition(QUEUED, ABANDONED) {
+            self.0.release();
+        }
+    }
+}
+
+pub struct Job {
+    pub req: TextRequest,
+    pub updates: mpsc::UnboundedSender<Update>,
+    pub ticket: Arc<Ticket>,
+}
+
+/// A submitted job as the HTTP side holds it.
+pub struct JobHandle {
+    pub updates: mpsc::UnboundedReceiver<Update>,
+    /// Dropped with the handle (client gone): frees a waiting job's place.
+    _admitted: Admitted,
+}
+
+impl JobHandle {
+    pub async fn recv(&mut self) -> Option<Update> {
+        self.updates.recv().await
+    }
+}
 
 pub struct EngineHandle {
-    pub jobs: std::sync::mpsc::Sender<Job>,
+    jobs: std::sync::mpsc::Sender<Job>,
+}
+
+impl EngineHandle {
+    /// Queue a job; `None` if the engine thread is gone.
+    pub fn submit(&self, admitted: Admitted, req: TextRequest) -> Option<JobHandle> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ticket = admitted.0.clone();
+        self.jobs.send(Job { req, updates: tx, ticket }).ok()?;
+        Some(JobHandle { updates: rx, _admitted: admitted })
+    }
 }
 
 /// Start the engine thread. `open` loads the model on that thread; its error is returned here.
@@ -119,15 +166,14 @@ fn run_job(
     step_delay: Duration,
     job: Job,
 ) {
-    let Job { req, updates, slot } = job;
-    if updates.is_closed() {
-        // The client left while waiting.
-        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-        drop(slot);
+    let Job { req, updates, ticket } = job;
+    if !ticket.transition(QUEUED, RUNNING) {
+        // The client left while waiting; its place is already free.
+        metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return;
     }
     admission.running.store(true, Ordering::Release);
-    let _ = updates.blocking_send(Update::Started);
+    let _ = updates.send(Update::Started);
     let generator = TextGenerator { model: &session.model, tokenizer, step_delay };
     let mut sink = ChannelSink { updates: &updates };
     let result =
@@ -142,22 +188,24 @@ fn run_job(
             Update::Failed(format!("{e:#}"))
         }
         Err(_) => {
-            // A bug, not an input error; the engine state of this request is discarded and the
-            // server keeps serving.
+            // A bug, not an input error: this request's state is discarded and the server
+            // keeps serving (the expert cache only holds checksummed records).
             metrics.failed.fetch_add(1, Ordering::Relaxed);
             Update::Failed("internal error in the engine".into())
         }
     };
     metrics.set_expert_stats(session);
-    // Free the slot before the last update, so a client that sends its next request as soon as
+    // Free the place before the last update, so a client that sends its next request as soon as
     // this one completes is never refused.
     admission.running.store(false, Ordering::Release);
-    drop(slot);
-    let _ = updates.blocking_send(last);
+    if ticket.transition(RUNNING, FINISHED) {
+        ticket.release();
+    }
+    let _ = updates.send(last);
 }
 
 struct ChannelSink<'a> {
-    updates: &'a mpsc::Sender<Update>,
+    updates: &'a mpsc::UnboundedSender<Update>,
 }
 
 impl Sink for ChannelSink<'_> {
@@ -166,6 +214,36 @@ impl Sink for ChannelSink<'_> {
     }
 
     fn token(&mut self, events: &[OutputEvent], logprob: Option<&TokenLogprob>) -> bool {
-        self.updates.blocking_send(Update::Token { events: events.to_vec(), logprob: logprob.cloned() }).is_ok()
+        self.updates.send(Update::Token { events: events.to_vec(), logprob: logprob.cloned() }).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_freed_exactly_once() {
+        let a = Admission::new(1);
+        let first = a.try_admit().unwrap();
+        let second = a.try_admit().unwrap();
+        assert!(a.try_admit().is_none());
+        // A waiting request whose client leaves frees its place at once.
+        drop(second);
+        let third = a.try_admit().unwrap();
+        // The engine took `first`: the client letting go does not free it; finishing does.
+        let t = first.0.clone();
+        assert!(t.transition(QUEUED, RUNNING));
+        drop(first);
+        assert!(a.try_admit().is_none());
+        assert!(t.transition(RUNNING, FINISHED));
+        t.release();
+        let fourth = a.try_admit().unwrap();
+        // A ticket abandoned while queued is skipped by the engine.
+        let t3 = third.0.clone();
+        drop(third);
+        assert!(!t3.transition(QUEUED, RUNNING));
+        drop(fourth);
+        assert_eq!(a.admitted.load(Ordering::Acquire), 0);
     }
 }

@@ -16,7 +16,7 @@
 //! looks like one, and a header split over several tokens is held until its `<|sep|>` arrives.
 //! Text is released as soon as it is valid UTF-8; events are emitted in output order.
 
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
 /// The special-token ids of K3's markup.
 #[derive(Debug, Clone, Copy)]
@@ -100,7 +100,7 @@ pub struct OutputParser {
     /// Header bytes being read.
     header: Vec<u8>,
     /// Text bytes not yet valid UTF-8 (a character split across tokens).
-    pending: Vec<u8>,
+    utf8: Utf8Decoder,
     /// The argument value being read.
     value: Vec<u8>,
     /// Calls begun so far; arguments written in the current call.
@@ -118,7 +118,7 @@ impl OutputParser {
             mode: Mode::Text,
             stack: if in_reasoning { vec![Element::Think] } else { Vec::new() },
             header: Vec::new(),
-            pending: Vec::new(),
+            utf8: Utf8Decoder::default(),
             value: Vec::new(),
             calls: 0,
             args_in_call: 0,
@@ -235,8 +235,13 @@ impl OutputParser {
                     });
                 }
                 Element::Json => {
-                    // The model's own JSON text, as written.
+                    // The model's own JSON text, as written when it is an object; anything else
+                    // (cut short, not JSON) becomes `{}` so that every client gets an object.
                     let raw = String::from_utf8_lossy(&std::mem::take(&mut self.value)).trim().to_string();
+                    let raw = match serde_json::from_str::<serde_json::Value>(&raw) {
+                        Ok(serde_json::Value::Object(_)) => raw,
+                        _ => "{}".to_string(),
+                    };
                     self.raw_args = true;
                     out.push(OutputEvent::ToolCallArguments { index: self.calls.saturating_sub(1), json: raw });
                 }
@@ -259,29 +264,19 @@ impl OutputParser {
     fn text(&mut self, bytes: &[u8], out: &mut Vec<OutputEvent>) {
         match self.stack.last() {
             Some(Element::Argument { .. } | Element::Json) => self.value.extend_from_slice(bytes),
-            // Between calls only layout whitespace is expected; anything else is dropped.
-            Some(Element::Tools | Element::Call) => {}
+            // Inside the tool section only layout whitespace is expected; anything else (even in
+            // an unknown element there) is dropped, so no text lands between a call's pieces.
+            _ if self.stack.iter().any(|e| matches!(e, Element::Tools | Element::Call)) => {}
             _ => {
-                self.pending.extend_from_slice(bytes);
-                let valid = match std::str::from_utf8(&self.pending) {
-                    Ok(s) => s.len(),
-                    // A split character at the end waits for its next bytes; invalid bytes
-                    // elsewhere are replaced.
-                    Err(e) if e.error_len().is_none() => e.valid_up_to(),
-                    Err(_) => self.pending.len(),
-                };
-                if valid > 0 {
-                    let text = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
-                    self.pending.drain(..valid);
-                    self.emit(text, out);
-                }
+                let text = self.utf8.push(bytes);
+                self.emit(text, out);
             }
         }
     }
 
     fn flush_text(&mut self, out: &mut Vec<OutputEvent>) {
-        if !self.pending.is_empty() {
-            let text = String::from_utf8_lossy(&std::mem::take(&mut self.pending)).into_owned();
+        if !self.utf8.is_empty() {
+            let text = self.utf8.flush();
             self.emit(text, out);
         }
     }
