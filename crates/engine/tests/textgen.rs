@@ -1,0 +1,120 @@
+//! The API's generation loop on the fixtures: greedy equals mlx-lm's greedy continuation,
+//! seeded sampling is reproducible, forced tokens, stop strings and cancellation behave, and
+//! log-probabilities are those of the model's distribution.
+
+mod common;
+
+use common::*;
+use deltafin_engine::chat::parse::OutputEvent;
+use deltafin_engine::experts::StoreExperts;
+use deltafin_engine::k3::K3Model;
+use deltafin_engine::sample::SamplingParams;
+use deltafin_engine::textgen::{Finish, Sink, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_store::{ExpertLayout, SpineDtype, Store};
+
+/// Records everything; cancels after `cancel_after` tokens when set.
+#[derive(Default)]
+struct Recorder {
+    events: Vec<OutputEvent>,
+    logprobs: Vec<TokenLogprob>,
+    tokens: usize,
+    cancel_after: Option<usize>,
+}
+
+impl Sink for Recorder {
+    fn keep_going(&mut self) -> bool {
+        self.cancel_after.is_none_or(|n| self.tokens < n)
+    }
+
+    fn token(&mut self, events: &[OutputEvent], logprob: Option<&TokenLogprob>) -> bool {
+        self.tokens += 1;
+        self.events.extend_from_slice(events);
+        self.logprobs.extend(logprob.cloned());
+        true
+    }
+}
+
+impl Recorder {
+    fn text(&self) -> String {
+        self.events.iter().map(|e| if let OutputEvent::Content(s) = e { s.as_str() } else { "" }).collect()
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, temperature: f32, seed: u64) -> TextRequest {
+    TextRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams { temperature, top_p: 1.0, top_k: 0, seed: Some(seed) },
+        stop: Vec::new(),
+        logprobs: Some(2),
+        parse_chat: false,
+        reasoning_open: false,
+        ignore_eos: true,
+        forced: None,
+    }
+}
+
+#[test]
+fn generation_loop_matches_the_reference_and_its_own_rules() {
+    for name in FIXTURES {
+        let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::InPlace);
+        let store = Store::open(dir.path(), None).unwrap();
+        let model = K3Model::load(&store).unwrap();
+        let tok = Tokenizer::load(&store.dir).unwrap();
+        let generator = TextGenerator { model: &model, tokenizer: &tok, step_delay: Default::default() };
+        let run = |req: &TextRequest, rec: &mut Recorder| {
+            let mut src = StoreExperts::new(&store);
+            generator.run(&mut src, req, rec).unwrap()
+        };
+        for p in reference(name).prompts.iter() {
+            // Greedy (temperature 0): the reference continuation, whose tokens decode to the text.
+            let req = request(p.tokens.clone(), p.greedy.len(), 0.0, 1);
+            let mut rec = Recorder::default();
+            let s = run(&req, &mut rec);
+            assert_eq!(s.finish, Finish::Length);
+            assert_eq!(s.completion_tokens, p.greedy.len());
+            assert_eq!(rec.logprobs.iter().map(|l| l.id).collect::<Vec<_>>(), p.greedy, "{name}: greedy");
+            assert_eq!(rec.text(), tok.decode(&p.greedy), "{name}: text of the greedy tokens");
+            for l in &rec.logprobs {
+                // The greedy pick is the most likely token; its log-probability is <= 0.
+                assert_eq!(l.top[0].0, l.id);
+                assert!(l.logprob <= 0.0 && (l.logprob - l.top[0].1).abs() < 1e-6);
+            }
+        }
+        let prompt = reference(name).prompts[0].tokens.clone();
+        // Seeded sampling: same seed, same tokens; another seed, other tokens.
+        let sampled = |seed| {
+            let mut rec = Recorder::default();
+            run(&request(prompt.clone(), 24, 1.0, seed), &mut rec);
+            rec.logprobs.iter().map(|l| l.id).collect::<Vec<_>>()
+        };
+        assert_eq!(sampled(7), sampled(7));
+        assert_ne!(sampled(7), sampled(8));
+        // A stop string cuts the text before it and ends generation.
+        let mut full = Recorder::default();
+        run(&request(prompt.clone(), 24, 0.0, 1), &mut full);
+        let text = full.text();
+        let chars: Vec<char> = text.chars().collect();
+        let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+        let mut req = request(prompt.clone(), 24, 0.0, 1);
+        req.stop = vec![stop.clone()];
+        let mut rec = Recorder::default();
+        let s = run(&req, &mut rec);
+        assert_eq!(s.finish, Finish::Stop);
+        assert_eq!(s.stop_string.as_deref(), Some(stop.as_str()));
+        assert_eq!(rec.text(), text[..text.find(&stop).unwrap()]);
+        // Forced tokens replace the sampled ones and end generation when they run out.
+        let forced = tok.encode("forced words");
+        let mut req = request(prompt.clone(), 100, 0.0, 1);
+        req.forced = Some(forced.clone());
+        let mut rec = Recorder::default();
+        let s = run(&req, &mut rec);
+        assert_eq!((s.finish, rec.text().as_str()), (Finish::Stop, "forced words"));
+        assert_eq!(s.completion_tokens, forced.len());
+        // Cancellation: the sink's refusal stops generation at once.
+        let mut rec = Recorder { cancel_after: Some(3), ..Default::default() };
+        let s = run(&request(prompt.clone(), 50, 0.0, 1), &mut rec);
+        assert_eq!((s.finish, rec.tokens), (Finish::Cancelled, 3));
+    }
+}
