@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use deltafin_engine::kernel_path;
+use deltafin_kernels::batch::expert_mxfp4_batch;
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_unfused};
 use deltafin_kernels::roofline::{fma_peak_gflops, read_bandwidth_gbps};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par, par::par_rows};
@@ -154,7 +155,11 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         .collect();
     let x: Vec<f32> = (0..lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
     let (mut act, mut out) = (vec![0f32; inter], vec![0f32; lat]);
-    for fused in [false, true] {
+    // A prompt chunk's tokens sharing an expert: one pass over the record serves BATCH inputs.
+    const BATCH: usize = 8;
+    let xs: Vec<f32> = (0..BATCH * lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+    let (mut act_b, mut out_b) = (vec![0f32; BATCH * inter], vec![0f32; BATCH * lat]);
+    for mode in ["unfused", "fused", "batch"] {
         for (ti, &t) in threads.iter().enumerate() {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
             let mut i = 0usize;
@@ -166,17 +171,36 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                     let w1 = Mxfp4 { packed: &r[..a], scales: &r[a..a + b] };
                     let w2 = Mxfp4 { packed: &r[a + b..2 * a + b], scales: &r[2 * a + b..2 * a + 2 * b] };
                     let w3 = Mxfp4 { packed: &r[2 * a + 2 * b..3 * a + 2 * b], scales: &r[3 * a + 2 * b..] };
-                    if fused {
-                        expert_mxfp4(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out);
-                    } else {
-                        expert_mxfp4_unfused(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out);
+                    match mode {
+                        "fused" => expert_mxfp4(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out),
+                        "batch" => expert_mxfp4_batch(
+                            w1,
+                            w3,
+                            w2,
+                            inter,
+                            lat,
+                            &xs,
+                            BATCH,
+                            4.0,
+                            Some(25.0),
+                            &mut act_b,
+                            &mut out_b,
+                        ),
+                        _ => expert_mxfp4_unfused(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out),
                     }
                 })
             });
-            let gbps = n as f64 * rec as f64 / s / 1e9;
+            // Weight bytes times the inputs they were applied to: what as many single-token
+            // products would have had to stream.
+            let inputs = if mode == "batch" { BATCH } else { 1 };
+            let gbps = n as f64 * (rec * inputs) as f64 / s / 1e9;
             let fma_roof = fma[ti] * 1e9 / 2.0 * (4.25 / 8.0) / 1e9;
             rows_out.push(json!({
-                "name": if fused { "expert fused (w1+w3 one pass, SiTU, w2)" } else { "expert unfused (three products)" },
+                "name": match mode {
+                    "fused" => "expert fused (w1+w3 one pass, SiTU, w2)".to_string(),
+                    "batch" => format!("expert fused, batch of {BATCH} tokens (bytes x tokens)"),
+                    _ => "expert unfused (three products)".to_string(),
+                },
                 "shape": [inter, lat],
                 "threads": t,
                 "gbps": gbps,

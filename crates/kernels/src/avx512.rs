@@ -188,3 +188,207 @@ pub unsafe fn gate_up_situ_avx512(
         *a = o[0];
     }
 }
+
+/// Rows of an MXFP4 matrix against `n` inputs: each block is decoded once per group of up to
+/// [`crate::batch::MAX_BATCH`] inputs. Per input, the same operations in the same order as
+/// [`mxfp4_matvec_avx512`], so each output is bit-identical to it.
+///
+/// # Safety
+/// AVX-512F/BW must be available. `packed`/`scales` hold `rows` rows of `cols` (a multiple of
+/// 32); `xd` is `[n, cols]`, each input passed through [`deinterleave`]; `out` is `[rows, n]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn mxfp4_rows_batch_avx512(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xd: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(crate::batch::MAX_BATCH);
+        // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
+        unsafe {
+            match m {
+                1 => rows_group::<1>(packed, scales, rows, cols, xd, n, t0, out),
+                2 => rows_group::<2>(packed, scales, rows, cols, xd, n, t0, out),
+                3 => rows_group::<3>(packed, scales, rows, cols, xd, n, t0, out),
+                4 => rows_group::<4>(packed, scales, rows, cols, xd, n, t0, out),
+                5 => rows_group::<5>(packed, scales, rows, cols, xd, n, t0, out),
+                6 => rows_group::<6>(packed, scales, rows, cols, xd, n, t0, out),
+                7 => rows_group::<7>(packed, scales, rows, cols, xd, n, t0, out),
+                _ => rows_group::<8>(packed, scales, rows, cols, xd, n, t0, out),
+            }
+        }
+        t0 += m;
+    }
+}
+
+/// Inputs `t0..t0+N` of [`mxfp4_rows_batch_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_group<const N: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xd: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let half = cols / 2;
+    let nblocks = cols / BLOCK;
+    // SAFETY: E2M1_LUT holds exactly 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
+    let low4 = _mm512_set1_epi32(0xF);
+    let inputs: [&[f32]; N] = std::array::from_fn(|j| &xd[(t0 + j) * cols..(t0 + j + 1) * cols]);
+    for r in 0..rows {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nblocks..(r + 1) * nblocks];
+        if srow.iter().any(|&s| s > 200) {
+            for (j, x) in inputs.iter().enumerate() {
+                out[r * n + t0 + j] = crate::mxfp4::row_dot_scalar(prow, srow, &interleave_back(x, cols));
+            }
+            continue;
+        }
+        let mut acc = [_mm512_setzero_ps(); N];
+        for (b, &s) in srow.iter().enumerate() {
+            // SAFETY: 16 packed bytes per block; unaligned load.
+            let bytes = unsafe { _mm_loadu_si128(prow[b * 16..].as_ptr() as *const __m128i) };
+            let v = _mm512_cvtepu8_epi32(bytes);
+            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut);
+            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+            let scale = _mm512_set1_ps(e8m0_to_f32(s));
+            for j in 0..N {
+                let xb = &inputs[j][b * BLOCK..(b + 1) * BLOCK];
+                // SAFETY: 32 floats per block of each input; unaligned loads.
+                let (xe, xo) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
+                let blk = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
+                acc[j] = _mm512_fmadd_ps(blk, scale, acc[j]);
+            }
+        }
+        for j in 0..N {
+            out[r * n + t0 + j] = _mm512_reduce_add_ps(acc[j]);
+        }
+    }
+}
+
+/// Gate and up rows `r0..` against `n` inputs in one pass, then SiTU: [`gate_up_situ_avx512`]
+/// with each block pair decoded once per group of up to [`crate::batch::MAX_BATCH`] inputs, and
+/// per input the same operations in the same order (bit-identical outputs).
+///
+/// # Safety
+/// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
+/// of 32 and at least `r0 + act.len() / n` rows; `xd` is `[n, latent]`, each input passed through
+/// [`deinterleave`]; `act` is `[rows, n]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gate_up_situ_batch_avx512(
+    w1: crate::expert::Mxfp4,
+    w3: crate::expert::Mxfp4,
+    r0: usize,
+    latent: usize,
+    xd: &[f32],
+    n: usize,
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+) {
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(crate::batch::MAX_BATCH);
+        let args = (w1, w3, r0, latent, xd, n, t0, beta, linear_beta);
+        // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
+        unsafe {
+            match m {
+                1 => gate_up_group::<1>(args, act),
+                2 => gate_up_group::<2>(args, act),
+                3 => gate_up_group::<3>(args, act),
+                4 => gate_up_group::<4>(args, act),
+                5 => gate_up_group::<5>(args, act),
+                6 => gate_up_group::<6>(args, act),
+                7 => gate_up_group::<7>(args, act),
+                _ => gate_up_group::<8>(args, act),
+            }
+        }
+        t0 += m;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+type GateUpArgs<'a> =
+    (crate::expert::Mxfp4<'a>, crate::expert::Mxfp4<'a>, usize, usize, &'a [f32], usize, usize, f32, Option<f32>);
+
+/// Inputs `t0..t0+N` of [`gate_up_situ_batch_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
+    let (w1, w3, r0, latent, xd, n, t0, beta, linear_beta) = args;
+    let half = latent / 2;
+    let nblocks = latent / BLOCK;
+    // SAFETY: E2M1_LUT holds exactly 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
+    let low4 = _mm512_set1_epi32(0xF);
+    let inputs: [&[f32]; N] = std::array::from_fn(|j| &xd[(t0 + j) * latent..(t0 + j + 1) * latent]);
+    for i in 0..act.len() / n {
+        let r = r0 + i;
+        let (p1, p3) = (&w1.packed[r * half..(r + 1) * half], &w3.packed[r * half..(r + 1) * half]);
+        let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
+        if s1.iter().chain(s3).any(|&s| s > 200) {
+            for (j, x) in inputs.iter().enumerate() {
+                act[i * n + t0 + j] = crate::expert::gate_up_situ_row_scalar(
+                    w1,
+                    w3,
+                    r,
+                    latent,
+                    &interleave_back(x, latent),
+                    beta,
+                    linear_beta,
+                );
+            }
+            continue;
+        }
+        let mut g = [_mm512_setzero_ps(); N];
+        let mut u = [_mm512_setzero_ps(); N];
+        for b in 0..nblocks {
+            // SAFETY: 16 packed bytes per block in each matrix; unaligned loads.
+            let (b1, b3) = unsafe {
+                (
+                    _mm_loadu_si128(p1[b * 16..].as_ptr() as *const __m128i),
+                    _mm_loadu_si128(p3[b * 16..].as_ptr() as *const __m128i),
+                )
+            };
+            let (v1, v3) = (_mm512_cvtepu8_epi32(b1), _mm512_cvtepu8_epi32(b3));
+            let (w1e, w1o) = (
+                _mm512_permutexvar_ps(_mm512_and_si512(v1, low4), lut),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), lut),
+            );
+            let (w3e, w3o) = (
+                _mm512_permutexvar_ps(_mm512_and_si512(v3, low4), lut),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(v3, 4), lut),
+            );
+            let (sc1, sc3) = (_mm512_set1_ps(e8m0_to_f32(s1[b])), _mm512_set1_ps(e8m0_to_f32(s3[b])));
+            for j in 0..N {
+                let xb = &inputs[j][b * BLOCK..(b + 1) * BLOCK];
+                // SAFETY: 32 floats per block of each input; unaligned loads.
+                let (xe, xo) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
+                let g_blk = _mm512_fmadd_ps(w1o, xo, _mm512_mul_ps(w1e, xe));
+                let u_blk = _mm512_fmadd_ps(w3o, xo, _mm512_mul_ps(w3e, xe));
+                g[j] = _mm512_fmadd_ps(g_blk, sc1, g[j]);
+                u[j] = _mm512_fmadd_ps(u_blk, sc3, u[j]);
+            }
+        }
+        for j in 0..N {
+            let (gs, us) = (_mm512_reduce_add_ps(g[j]), _mm512_reduce_add_ps(u[j]));
+            let mut o = [0f32];
+            crate::ops::situ(&[gs], &[us], beta, linear_beta, &mut o);
+            act[i * n + t0 + j] = o[0];
+        }
+    }
+}

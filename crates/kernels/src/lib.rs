@@ -7,6 +7,7 @@
 pub mod approx;
 pub mod attention;
 mod avx512;
+pub mod batch;
 pub mod cpu;
 mod dispatch;
 pub mod expert;

@@ -6,6 +6,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
+use deltafin_kernels::batch::expert_mxfp4_batch;
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
@@ -165,6 +166,17 @@ impl LatentMoe {
         Ok(())
     }
 
+    /// One exact-mode expert for `n` tokens at once (each weight block decoded once for all of
+    /// them; per token bit-identical to [`Self::expert_into`]). Shapes: xs `[n, LAT]`, act
+    /// `[n, I]`, out `[n, LAT]`.
+    fn expert_batch_into(&self, record: &[u8], xs: &[f32], n: usize, act: &mut [f32], out: &mut [f32]) -> Result<()> {
+        let layout = &self.layout;
+        anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
+        let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
+        expert_mxfp4_batch(m(0), m(4), m(2), self.inter, self.latent, xs, n, self.beta, self.linear_beta, act, out);
+        Ok(())
+    }
+
     /// The routed sum of one token, normed and projected back, plus its shared experts.
     /// Shapes: eo `[k, LAT]` in routing order, shared and out `[hidden]`.
     fn combine(&self, weights: &[f32], eo: &[f32], shared: &[f32], acc: &mut [f32], out: &mut [f32]) {
@@ -243,10 +255,19 @@ impl LatentMoe {
         let mut gu = sc.take(i); // [I]
         let mut aq = QuantizedX::default();
         let mut delivered = 0usize;
+        // An expert used by several tokens of the chunk runs them as one small batch.
+        let mut users: Vec<(usize, usize)> = Vec::with_capacity(t_n); // (token, slot)
+        let mut xb = vec![0f32; t_n * lat]; // [n, LAT] inputs of one expert's tokens
+        let mut ab = vec![0f32; t_n * i]; // [n, I]
+        let mut ob = vec![0f32; t_n * lat]; // [n, LAT]
         experts.drain(&mut |u, record| {
             let e = union[u];
-            for (t, r) in routings.iter().enumerate() {
-                if let Some(slot) = r.experts.iter().position(|&x| x == e) {
+            users.clear();
+            users.extend(
+                routings.iter().enumerate().filter_map(|(t, r)| r.experts.iter().position(|&x| x == e).map(|s| (t, s))),
+            );
+            if approx || users.len() == 1 {
+                for &(t, slot) in &users {
                     let out = &mut eo[(t * k + slot) * lat..(t * k + slot + 1) * lat];
                     self.expert_into(
                         record,
@@ -258,6 +279,15 @@ impl LatentMoe {
                         &mut aq,
                         out,
                     )?;
+                }
+            } else {
+                let n = users.len();
+                for (j, &(t, _)) in users.iter().enumerate() {
+                    xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
+                }
+                self.expert_batch_into(record, &xb[..n * lat], n, &mut ab[..n * i], &mut ob[..n * lat])?;
+                for (j, &(t, slot)) in users.iter().enumerate() {
+                    eo[(t * k + slot) * lat..(t * k + slot + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
                 }
             }
             delivered += 1;
