@@ -60,21 +60,65 @@ pub fn mxfp4_matvec_q8_scalar(
     }
 }
 
-/// Dispatched approximate product (AVX2 when available; the integer sums are exact, so the SIMD
-/// path equals the scalar one up to the order of the final f32 accumulation).
+/// An approximate-mode implementation, for tests and benchmarks that pin one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Q8Path {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl Q8Path {
+    pub const ALL: [Q8Path; 3] = [Q8Path::Scalar, Q8Path::Avx2, Q8Path::Avx512Vnni];
+
+    pub fn available(self) -> bool {
+        match self {
+            Q8Path::Scalar => true,
+            Q8Path::Avx2 => crate::cpu::has_avx2_fma(),
+            Q8Path::Avx512Vnni => crate::cpu::has_avx512_vnni() && crate::cpu::has_avx2_fma(),
+        }
+    }
+
+    pub fn best() -> Q8Path {
+        [Q8Path::Avx512Vnni, Q8Path::Avx2].into_iter().find(|p| p.available()).unwrap_or(Q8Path::Scalar)
+    }
+}
+
+/// Dispatched approximate product (AVX-512 VNNI, else AVX2, else scalar; the integer sums are
+/// exact, so a SIMD path equals the scalar one up to the order of the final f32 accumulation).
 pub fn mxfp4_matvec_q8(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xq: &QuantizedX, out: &mut [f32]) {
+    mxfp4_matvec_q8_on(Q8Path::best(), packed, scales, rows, cols, xq, out);
+}
+
+/// Run one implementation; returns false (doing nothing) when this CPU lacks it.
+pub fn mxfp4_matvec_q8_on(
+    path: Q8Path,
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &QuantizedX,
+    out: &mut [f32],
+) -> bool {
     assert!(cols.is_multiple_of(BLOCK));
     assert_eq!(packed.len(), rows * cols / 2);
     assert_eq!(scales.len(), rows * cols / BLOCK);
     assert_eq!(xq.q.len(), cols);
+    assert_eq!(xq.scales.len(), cols / BLOCK);
     assert_eq!(out.len(), rows);
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::has_avx2_fma() {
-        // SAFETY: AVX2 present; shapes asserted above.
-        unsafe { mxfp4_matvec_q8_avx2(packed, scales, rows, cols, xq, out) };
-        return;
+    if !path.available() {
+        return false;
     }
-    mxfp4_matvec_q8_scalar(packed, scales, rows, cols, xq, out)
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F/BW/VNNI present (checked above); shapes asserted above.
+        Q8Path::Avx512Vnni => unsafe { mxfp4_matvec_q8_vnni(packed, scales, rows, cols, xq, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 present (checked above); shapes asserted above.
+        Q8Path::Avx2 => unsafe { mxfp4_matvec_q8_avx2(packed, scales, rows, cols, xq, out) },
+        _ => mxfp4_matvec_q8_scalar(packed, scales, rows, cols, xq, out),
+    }
+    true
 }
 
 /// Row-parallel [`mxfp4_matvec_q8`].
@@ -136,6 +180,106 @@ unsafe fn mxfp4_matvec_q8_avx2(
     }
 }
 
+/// Two blocks (64 weights) per step with AVX-512 VNNI: the 32 packed bytes widen to 64 nibbles
+/// laid out as block A's even, A's odd, B's even, B's odd weights (the activations' layout),
+/// `vpshufb` maps them to |2·E2M1| bytes, the weights' signs move onto the activations (masked
+/// negation), and one `vpdpbusd` forms all 64 products summed in fours; lanes 0-7 hold block A
+/// and 8-15 block B. Scales are decoded 16 blocks at a time (E8M0 is an f32 exponent field) and
+/// multiplied with the activations' block scales; one permute picks a pair's two.
+///
+/// # Safety
+/// AVX-512F/BW/VL/VNNI must be available; shapes validated by the caller.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn mxfp4_matvec_q8_vnni(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &QuantizedX,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    let mut mag = [0u8; 16];
+    for (m, &w) in mag.iter_mut().zip(&E2M1_X2_I8) {
+        *m = w.unsigned_abs();
+    }
+    // SAFETY: 16 bytes, broadcast to the four 128-bit lanes.
+    let lut = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(mag.as_ptr() as *const __m128i)) };
+    let low4 = _mm512_set1_epi8(0x0F);
+    let sign = _mm512_set1_epi8(0x08);
+    let zero = _mm512_setzero_si512();
+    let half_ps = _mm512_set1_ps(0.5);
+    // Permute indices: pair k takes scale 2k in lanes 0-7 and 2k+1 in lanes 8-15.
+    let pair_idx: [__m512i; 8] = std::array::from_fn(|k| {
+        let (a, b) = (2 * k as i32, 2 * k as i32 + 1);
+        _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+    });
+    'rows: for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nb..(r + 1) * nb];
+        let mut acc = _mm512_setzero_ps();
+        for b0 in (0..nb).step_by(16) {
+            let n = (nb - b0).min(16);
+            let m16: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            // SAFETY: masked loads touch only the `n` scale bytes and activation scales in bounds.
+            let (sbytes, xs) = unsafe {
+                (
+                    _mm_maskz_loadu_epi8(m16, srow[b0..].as_ptr() as *const i8),
+                    _mm512_maskz_loadu_ps(m16, xq.scales[b0..].as_ptr()),
+                )
+            };
+            // E8M0 0 (2^-127, subnormal) and 255 (NaN) do not decode as an exponent field: such
+            // rare rows take the scalar path, which handles them exactly.
+            let odd = _mm_mask_cmpeq_epi8_mask(m16, sbytes, _mm_setzero_si128())
+                | _mm_mask_cmpeq_epi8_mask(m16, sbytes, _mm_set1_epi8(-1));
+            if odd != 0 {
+                let mut one = [0f32];
+                mxfp4_matvec_q8_scalar(prow, srow, 1, cols, xq, &mut one);
+                *o = one[0];
+                continue 'rows;
+            }
+            let wscale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sbytes), 23));
+            let sv = _mm512_mul_ps(_mm512_mul_ps(wscale, xs), half_ps);
+            let mut b = b0;
+            while b < b0 + n {
+                // A pair of blocks, or the last block alone (its partner's bytes and scale zero).
+                let pair = b + 1 < b0 + n;
+                let (bytes, x) = if pair {
+                    // SAFETY: 32 packed bytes and 64 activations in bounds; unaligned loads.
+                    unsafe {
+                        (
+                            _mm256_loadu_si256(prow[b * 16..].as_ptr() as *const __m256i),
+                            _mm512_loadu_si512(xq.q[b * BLOCK..].as_ptr() as *const _),
+                        )
+                    }
+                } else {
+                    // SAFETY: 16 packed bytes and 32 activations in bounds; the rest is zero.
+                    unsafe {
+                        (
+                            _mm256_zextsi128_si256(_mm_loadu_si128(prow[b * 16..].as_ptr() as *const __m128i)),
+                            _mm512_zextsi256_si512(_mm256_loadu_si256(xq.q[b * BLOCK..].as_ptr() as *const __m256i)),
+                        )
+                    }
+                };
+                // [lo(A), lo(B), hi(A), hi(B)] in 128-bit lanes, reordered to A lo, A hi, B lo, B hi.
+                let wide = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+                let nib = _mm512_and_si512(_mm512_shuffle_i64x2(wide, wide, 0b11_01_10_00), low4);
+                let w = _mm512_shuffle_epi8(lut, nib);
+                let neg = _mm512_test_epi8_mask(nib, sign);
+                let xs = _mm512_mask_sub_epi8(x, neg, zero, x);
+                let dot = _mm512_dpbusd_epi32(zero, w, xs);
+                // A lone last block's partner lane scale is the zero of the masked load.
+                let scale = _mm512_permutexvar_ps(pair_idx[(b - b0) / 2], sv);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+                b += 2;
+            }
+        }
+        *o = _mm512_reduce_add_ps(acc);
+    }
+}
+
 /// The routed expert in approximate mode: `w2 · situ(w1 · x, w3 · x)` with int8 activations
 /// (`xq` is the expert input quantised once per layer; `aq` is scratch for the SiTU output).
 #[allow(clippy::too_many_arguments)]
@@ -186,19 +330,50 @@ mod tests {
         let x: Vec<f32> = (0..cols).map(|_| ((next() % 20001) as f32 - 10000.0) / 5000.0).collect();
         let mut xq = QuantizedX::default();
         xq.quantize(&x);
-        let (mut a, mut b, mut e) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
-        mxfp4_matvec_q8(&packed, &scales, rows, cols, &xq, &mut a);
+        let (mut b, mut e) = (vec![0f32; rows], vec![0f32; rows]);
         mxfp4_matvec_q8_scalar(&packed, &scales, rows, cols, &xq, &mut b);
         mxfp4_matvec_scalar(&packed, &scales, rows, cols, &x, &mut e);
         let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for r in 0..rows {
-            // Integer block sums are exact: SIMD and scalar differ only in f32 accumulation order.
-            assert!((a[r] - b[r]).abs() <= 1e-5 * scale, "row {r}: {} vs {}", a[r], b[r]);
-            // int8 activations: within a few percent of the largest output.
-            assert!((a[r] - e[r]).abs() <= 0.03 * scale, "row {r}: approx {} exact {}", a[r], e[r]);
+        for path in Q8Path::ALL {
+            let mut a = vec![0f32; rows];
+            if !mxfp4_matvec_q8_on(path, &packed, &scales, rows, cols, &xq, &mut a) {
+                println!("SKIPPED approximate path {path:?}: this CPU lacks it");
+                continue;
+            }
+            for r in 0..rows {
+                // Integer block sums are exact: SIMD and scalar differ only in f32 accumulation order.
+                assert!((a[r] - b[r]).abs() <= 1e-5 * scale, "{path:?} row {r}: {} vs {}", a[r], b[r]);
+                // int8 activations: within a few percent of the largest output.
+                assert!((a[r] - e[r]).abs() <= 0.03 * scale, "{path:?} row {r}: approx {} exact {}", a[r], e[r]);
+            }
         }
-        if !crate::cpu::has_avx2_fma() {
-            println!("SKIPPED AVX2 approximate path: this CPU lacks it");
+    }
+
+    #[test]
+    fn approximate_paths_agree_on_odd_block_counts_and_extremes() {
+        // Odd block counts exercise the single-block tail; every nibble and the largest
+        // activations (+-127 after quantisation) appear.
+        for (rows, cols) in [(3, 32), (5, 96), (9, 224)] {
+            let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect();
+            let mut scales: Vec<u8> = (0..rows * cols / 32).map(|i| 100 + (i % 40) as u8).collect();
+            // E8M0 0 (2^-127) takes the safe path in the SIMD kernels.
+            scales[cols / 32] = 0;
+            let x: Vec<f32> = (0..cols).map(|i| if i % 5 == 0 { -3.0 } else { (i as f32 * 0.7).sin() }).collect();
+            let mut xq = QuantizedX::default();
+            xq.quantize(&x);
+            let mut want = vec![0f32; rows];
+            mxfp4_matvec_q8_scalar(&packed, &scales, rows, cols, &xq, &mut want);
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for path in Q8Path::ALL {
+                let mut got = vec![0f32; rows];
+                if !mxfp4_matvec_q8_on(path, &packed, &scales, rows, cols, &xq, &mut got) {
+                    println!("SKIPPED approximate path {path:?}: this CPU lacks it");
+                    continue;
+                }
+                for r in 0..rows {
+                    assert!((got[r] - want[r]).abs() <= 1e-5 * scale, "{path:?} {rows}x{cols} row {r}");
+                }
+            }
         }
     }
 }

@@ -32,6 +32,21 @@ pub fn has_avx512() -> bool {
     })
 }
 
+/// Whether the AVX-512 VNNI (+VL) integer dot-product kernels (approximate mode) may run.
+pub fn has_avx512_vnni() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx512() && std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// A kernel implementation, for tests and benchmarks that pin one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
