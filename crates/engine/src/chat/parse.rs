@@ -103,6 +103,8 @@ pub struct OutputParser {
     utf8: Utf8Decoder,
     /// The argument value being read.
     value: Vec<u8>,
+    /// A string argument's bytes not yet valid UTF-8.
+    arg_utf8: Utf8Decoder,
     /// Calls begun so far; arguments written in the current call.
     calls: usize,
     args_in_call: usize,
@@ -120,6 +122,7 @@ impl OutputParser {
             header: Vec::new(),
             utf8: Utf8Decoder::default(),
             value: Vec::new(),
+            arg_utf8: Utf8Decoder::default(),
             calls: 0,
             args_in_call: 0,
             raw_args: false,
@@ -203,10 +206,21 @@ impl OutputParser {
             }
             "argument" if self.stack.last() == Some(&Element::Call) => {
                 self.value.clear();
-                Element::Argument {
-                    key: attr(&attrs, "key").unwrap_or_default(),
-                    ty: attr(&attrs, "type").unwrap_or_else(|| "string".into()),
+                let key = attr(&attrs, "key").unwrap_or_default();
+                let ty = attr(&attrs, "type").unwrap_or_else(|| "string".into());
+                if ty == "string" {
+                    // String values stream as they arrive (a coding agent's file contents can be
+                    // thousands of tokens): the key and the opening quote now, the escaped text
+                    // token by token, the closing quote at the end.
+                    let sep = if self.args_in_call == 0 { "{" } else { ", " };
+                    self.args_in_call += 1;
+                    let key_json = serde_json::Value::String(key.clone()).to_string();
+                    out.push(OutputEvent::ToolCallArguments {
+                        index: self.calls.saturating_sub(1),
+                        json: format!("{sep}{key_json}: \""),
+                    });
                 }
+                Element::Argument { key, ty }
             }
             "json" if self.stack.last() == Some(&Element::Call) && self.args_in_call == 0 => {
                 self.value.clear();
@@ -223,6 +237,11 @@ impl OutputParser {
         while self.stack.len() > pos {
             let Some(el) = self.stack.pop() else { break };
             match el {
+                Element::Argument { ty, .. } if ty == "string" => {
+                    let rest = self.arg_utf8.flush();
+                    let json = format!("{}\"", escape_json_fragment(&rest));
+                    out.push(OutputEvent::ToolCallArguments { index: self.calls.saturating_sub(1), json });
+                }
                 Element::Argument { key, ty } => {
                     let raw = String::from_utf8_lossy(&std::mem::take(&mut self.value)).into_owned();
                     let value = typed_value(&raw, &ty);
@@ -263,6 +282,15 @@ impl OutputParser {
 
     fn text(&mut self, bytes: &[u8], out: &mut Vec<OutputEvent>) {
         match self.stack.last() {
+            Some(Element::Argument { ty, .. }) if ty == "string" => {
+                let text = self.arg_utf8.push(bytes);
+                if !text.is_empty() {
+                    out.push(OutputEvent::ToolCallArguments {
+                        index: self.calls.saturating_sub(1),
+                        json: escape_json_fragment(&text),
+                    });
+                }
+            }
             Some(Element::Argument { .. } | Element::Json) => self.value.extend_from_slice(bytes),
             // Inside the tool section only layout whitespace is expected; anything else (even in
             // an unknown element there) is dropped, so no text lands between a call's pieces.
@@ -313,6 +341,13 @@ fn parse_header(h: &str) -> (String, Vec<(String, String)>) {
         rest = &after[end + 1..];
     }
     (name.to_string(), attrs)
+}
+
+/// `text` JSON-escaped without the surrounding quotes: escaped pieces of a string concatenate to
+/// the escaped string, because JSON escapes character by character.
+fn escape_json_fragment(text: &str) -> String {
+    let quoted = serde_json::Value::String(text.to_string()).to_string();
+    quoted[1..quoted.len() - 1].to_string()
 }
 
 fn attr(attrs: &[(String, String)], key: &str) -> Option<String> {
@@ -446,6 +481,20 @@ mod tests {
         // Reasoning comes first, then content, then the calls.
         assert!(matches!(events[0], OutputEvent::Reasoning(_)));
         assert!(events.iter().any(|e| matches!(e, OutputEvent::Content(_))));
+    }
+
+    #[test]
+    fn string_arguments_stream_token_by_token() {
+        let text = concat!(
+            "r<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"write\" index=\"1\"<|sep|>",
+            "<|open|>argument key=\"body\" type=\"string\"<|sep|>line \"one\"\nline 二\\<|close|>argument<|sep|>",
+            "<|close|>call<|sep|><|close|>tools<|sep|>"
+        );
+        let (turn, events) = parse(text, 2);
+        let fragments = events.iter().filter(|e| matches!(e, OutputEvent::ToolCallArguments { .. })).count();
+        assert!(fragments > 5, "{fragments} fragments: the value should stream");
+        let v: serde_json::Value = serde_json::from_str(&turn.tool_calls[0].1).unwrap();
+        assert_eq!(v["body"], "line \"one\"\nline 二\\");
     }
 
     #[test]
