@@ -3,7 +3,9 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use deltafin_kernels::approx::{QuantizedX, mxfp4_matvec_q8_par};
+use deltafin_kernels::batch::expert_mxfp4_batch;
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
+use deltafin_kernels::ops::{rms_norm, softmax_inplace};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par};
 
 fn bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -53,7 +55,27 @@ fn kernels(c: &mut Criterion) {
     g.bench_function("expert fused", |b| {
         b.iter(|| expert_mxfp4(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut eo))
     });
+    // Eight prompt tokens through one expert: throughput counts the record once per token.
+    let n = 8;
+    let xs: Vec<f32> = (0..n * lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+    let (mut act_b, mut eo_b) = (vec![0f32; n * inter], vec![0f32; n * lat]);
+    g.throughput(Throughput::Bytes((n * 3 * (p1.len() + s1.len())) as u64));
+    g.bench_function("expert fused batch 8", |b| {
+        b.iter(|| expert_mxfp4_batch(w1, w3, w2, inter, lat, &xs, n, 4.0, Some(25.0), &mut act_b, &mut eo_b))
+    });
     g.finish();
+
+    // The small per-token reductions, for scale against the products above: K3's hidden size
+    // (an RMSNorm per sub-layer) and its router's 896 logits / a 4096-token attention row.
+    let mut s = c.benchmark_group("k3-reductions");
+    let h: Vec<f32> = (0..7168).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect();
+    let (w, mut o) = (vec![1.0f32; 7168], vec![0f32; 7168]);
+    s.throughput(Throughput::Elements(7168));
+    s.bench_function("rms_norm 7168", |b| b.iter(|| rms_norm(&h, &w, 1e-6, &mut o)));
+    let mut z: Vec<f32> = (0..4096).map(|i| (i % 13) as f32 * 0.1).collect();
+    s.throughput(Throughput::Elements(4096));
+    s.bench_function("softmax 4096", |b| b.iter(|| softmax_inplace(&mut z)));
+    s.finish();
 }
 
 criterion_group!(benches, kernels);
