@@ -141,18 +141,10 @@ mod tests {
     use super::*;
     use crate::mxfp4::mxfp4_matvec;
 
-    fn bytes(n: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (s >> 33) as u8
-            })
-            .collect()
-    }
+    use crate::testdata::bytes;
 
     fn scales(n: usize, seed: u64) -> Vec<u8> {
-        bytes(n, seed).iter().map(|b| 117 + b % 8).collect()
+        crate::testdata::scales(n, seed, 117, 8)
     }
 
     fn inputs(n: usize, cols: usize) -> Vec<f32> {

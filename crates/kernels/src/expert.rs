@@ -106,16 +106,8 @@ mod tests {
     #[test]
     fn fused_matches_unfused() {
         let (inter, latent) = (96, 128);
-        let bytes = |n: usize, seed: u64| -> Vec<u8> {
-            let mut s = seed;
-            (0..n)
-                .map(|_| {
-                    s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    (s >> 33) as u8
-                })
-                .collect()
-        };
-        let scales = |n: usize, seed: u64| -> Vec<u8> { bytes(n, seed).iter().map(|b| 119 + b % 4).collect() };
+        use crate::testdata::bytes;
+        let scales = |n: usize, seed: u64| crate::testdata::scales(n, seed, 119, 4);
         let (p1, p3, p2) = (bytes(inter * latent / 2, 1), bytes(inter * latent / 2, 2), bytes(latent * inter / 2, 3));
         let (s1, s3, s2) =
             (scales(inter * latent / 32, 4), scales(inter * latent / 32, 5), scales(latent * inter / 32, 6));
