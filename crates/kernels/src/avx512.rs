@@ -392,3 +392,112 @@ unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
         }
     }
 }
+
+/// RMSNorm with the sum of squares in f64 lanes (as the scalar oracle keeps f64); only the
+/// summation order differs from it.
+///
+/// # Safety
+/// AVX-512F must be available; `x.len() == weight.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn rms_norm_inplace_avx512(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = x.len();
+    let (mut s0, mut s1) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 floats in bounds; unaligned load.
+        let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) };
+        let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        s0 = _mm512_fmadd_pd(lo, lo, s0);
+        s1 = _mm512_fmadd_pd(hi, hi, s1);
+        i += 16;
+    }
+    let mut ss = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+    for &v in &x[i..] {
+        ss += v as f64 * v as f64;
+    }
+    let inv = (1.0 / ((ss / n as f64) + eps as f64).sqrt()) as f32;
+    let invv = _mm512_set1_ps(inv);
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 floats of each slice in bounds; unaligned loads and store.
+        unsafe {
+            let v = _mm512_loadu_ps(x.as_ptr().add(i));
+            let w = _mm512_loadu_ps(weight.as_ptr().add(i));
+            _mm512_storeu_ps(x.as_mut_ptr().add(i), _mm512_mul_ps(v, _mm512_mul_ps(invv, w)));
+        }
+        i += 16;
+    }
+    for (v, &w) in x[i..].iter_mut().zip(&weight[i..]) {
+        *v *= inv * w;
+    }
+}
+
+/// `exp` of 16 lanes: `x = k ln2 + r` with |r| <= ln2/2, a degree-6 polynomial for `e^r`
+/// (relative error ~1e-7), and `scalef` for `2^k` (which also gives 0 for very negative `x`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_ps(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+    let k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)), 0x08);
+    // r = x - k ln2, with ln2 split in two for precision.
+    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693_145_75), x);
+    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    _mm512_scalef_ps(p, k)
+}
+
+/// Softmax with a vector `exp`; the sum is accumulated in lanes.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn softmax_inplace_avx512(x: &mut [f32]) {
+    let n = x.len();
+    let full = n / 16 * 16;
+    let tail: __mmask16 = ((1u32 << (n - full)) - 1) as __mmask16;
+    let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
+    for i in (0..full).step_by(16) {
+        // SAFETY: 16 floats in bounds.
+        mv = _mm512_max_ps(mv, unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) });
+    }
+    // SAFETY: the masked load touches only the tail's elements.
+    let t = unsafe { _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail, x.as_ptr().add(full)) };
+    let m = _mm512_reduce_max_ps(_mm512_max_ps(mv, t));
+    let mvec = _mm512_set1_ps(m);
+    let mut sum = _mm512_setzero_ps();
+    for i in (0..full).step_by(16) {
+        // SAFETY: 16 floats in bounds.
+        unsafe {
+            let e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x.as_ptr().add(i)), mvec));
+            _mm512_storeu_ps(x.as_mut_ptr().add(i), e);
+            sum = _mm512_add_ps(sum, e);
+        }
+    }
+    if tail != 0 {
+        // SAFETY: masked load and store touch only the tail's elements.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(tail, x.as_ptr().add(full));
+            let e = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(v, mvec)));
+            _mm512_mask_storeu_ps(x.as_mut_ptr().add(full), tail, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+    }
+    let s = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    for i in (0..full).step_by(16) {
+        // SAFETY: 16 floats in bounds.
+        unsafe { _mm512_storeu_ps(x.as_mut_ptr().add(i), _mm512_div_ps(_mm512_loadu_ps(x.as_ptr().add(i)), s)) };
+    }
+    if tail != 0 {
+        // SAFETY: masked load and store touch only the tail's elements.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(tail, x.as_ptr().add(full));
+            _mm512_mask_storeu_ps(x.as_mut_ptr().add(full), tail, _mm512_div_ps(v, s));
+        }
+    }
+}
