@@ -544,3 +544,38 @@ def test_metrics_count_a_request(openai_client, default_server):
     assert 0.0 <= after["deltafin_expert_cache_hit_rate"] <= 1.0
     assert after["deltafin_expert_bytes_read_total"] >= before["deltafin_expert_bytes_read_total"] >= 0
     assert after["deltafin_queue_length"] == 0
+
+
+def test_next_chat_turn_reuses_the_previous_prompt_state(openai_client, default_server):
+    """A chat's next turn resends the history: the server resumes from the previous prompt's
+    state (only the new tokens run) and answers exactly as without the snapshot."""
+
+    def ask(messages, **kw):
+        return openai_client.chat.completions.create(
+            model=SERVED_MODEL, messages=messages, temperature=0, timeout=CLIENT_TIMEOUT, **kw
+        )
+
+    def cached_total():
+        return scrape_metrics(default_server)["deltafin_prompt_tokens_cached_total"]
+
+    turn1 = user("Tell me about lighthouses.")
+    first = ask(turn1, max_tokens=6)
+    reasoning, content = full_output(first.choices[0].message)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": content, "reasoning_content": reasoning},
+        {"role": "user", "content": "And about boats?"},
+    ]
+    # A miss: an unrelated prompt replaces the snapshot first.
+    ask(user("Something unrelated."), max_tokens=1)
+    before = cached_total()
+    miss = ask(turn2, max_tokens=8, logprobs=True, top_logprobs=2)
+    assert cached_total() == before
+    # A hit: turn 1's prompt is in the snapshot again.
+    again = ask(turn1, max_tokens=1)
+    before = cached_total()
+    hit = ask(turn2, max_tokens=8, logprobs=True, top_logprobs=2)
+    assert cached_total() - before == again.usage.prompt_tokens
+    assert hit.usage.prompt_tokens == miss.usage.prompt_tokens > again.usage.prompt_tokens
+    assert full_output(hit.choices[0].message) == full_output(miss.choices[0].message)
+    lp = lambda r: [(t.token, t.logprob) for t in r.choices[0].logprobs.content]  # noqa: E731
+    assert lp(hit) == lp(miss)

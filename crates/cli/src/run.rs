@@ -77,6 +77,7 @@ impl ModelArgs {
             experts_per_token: self.experts_per_token,
             resident_spine_layers: self.resident_spine_layers,
             approx: self.approx,
+            state_copies: 1,
         })
     }
 

@@ -39,6 +39,10 @@ pub struct ServeArgs {
     /// Seconds between SSE keep-alive comments on streams.
     #[arg(long, default_value_t = 10.0)]
     pub keep_alive_s: f64,
+    /// Do not keep the last prompt's state for reuse (saves one sequence state of memory; every
+    /// chat turn then reprocesses the whole history).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// Test throttle: sleep this many milliseconds after every model step.
     #[arg(long, default_value_t = 0, hide = true)]
     pub token_delay_ms: u64,
@@ -59,7 +63,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("the store {} has no tokenizer (tiktoken.model); the server needs one", path.display());
     }
     let tokenizer = Tokenizer::load(&store.dir)?;
-    let run_opts = a.model.run_options()?;
+    let mut run_opts = a.model.run_options()?;
+    run_opts.state_copies = if a.no_prefix_cache { 1 } else { 2 };
     let cfg = &store.manifest.config;
     let id = a.served_model_name.clone().unwrap_or_else(|| {
         std::fs::canonicalize(&path)
@@ -85,6 +90,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
         step_delay: Duration::from_millis(a.token_delay_ms),
         script: a.script,
+        prefix_cache: !a.no_prefix_cache,
     };
     serve(opts, model, tokenizer, move || {
         let session = Session::open(&store, &run_opts)?;

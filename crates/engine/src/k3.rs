@@ -101,6 +101,35 @@ pub struct K3State {
     pub blocks: ResidualBlocks,
 }
 
+impl K3State {
+    /// Make this state continue `other`'s sequence: recurrent and latent caches, position and
+    /// last routing are copied into this state's own buffers (no reallocation within the
+    /// reserved context). Per-token scratch is not sequence state and is left alone.
+    pub fn copy_sequence_from(&mut self, other: &K3State) {
+        assert_eq!(self.layers.len(), other.layers.len(), "states of different models");
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            match (a, b) {
+                (LayerState::Kda(a), LayerState::Kda(b)) => {
+                    for (x, y) in a.conv.iter_mut().zip(&b.conv) {
+                        x.copy_from_slice(y);
+                    }
+                    a.s.copy_from_slice(&b.s);
+                }
+                (LayerState::Mla(a), LayerState::Mla(b)) => {
+                    a.latents.clear();
+                    a.latents.extend_from_slice(&b.latents);
+                    a.k_pe.clear();
+                    a.k_pe.extend_from_slice(&b.k_pe);
+                    a.len = b.len;
+                }
+                (a, b) => assert!(matches!((a, b), (LayerState::None, LayerState::None)), "layer kinds differ"),
+            }
+        }
+        self.position = other.position;
+        self.routing.clone_from(&other.routing);
+    }
+}
+
 /// One decoder layer's spine weights, from the store file or a streamed image of it.
 pub fn load_layer(src: &dyn SpineSource, c: &K3Config, l: usize, layout: &RecordLayout) -> Result<Layer> {
     let h = c.hidden_size;

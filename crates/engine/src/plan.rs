@@ -106,8 +106,10 @@ pub fn make_plan(
     experts_per_token: usize,
     io_buffers: usize,
     resident_layers: Option<usize>,
+    state_copies: usize,
 ) -> Result<Plan> {
-    let state = state_bytes(m, context);
+    // The live sequence state, plus any snapshot kept for prefix reuse.
+    let state = state_bytes(m, context) * state_copies.max(1) as u64;
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
     let (per_layer_spine, other_spine) = spine_layer_bytes(m);

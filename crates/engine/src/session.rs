@@ -29,6 +29,8 @@ pub struct RunOptions {
     pub resident_spine_layers: Option<usize>,
     /// Approximate mode (int8 activations for routed experts).
     pub approx: bool,
+    /// Sequence states the plan reserves: 1, or 2 when a server keeps a prefix snapshot.
+    pub state_copies: usize,
 }
 
 impl Default for RunOptions {
@@ -44,6 +46,7 @@ impl Default for RunOptions {
             experts_per_token: None,
             resident_spine_layers: None,
             approx: false,
+            state_copies: 1,
         }
     }
 }
@@ -83,7 +86,15 @@ impl Session {
         let prefetch_buffers = if opts.prefetch { k } else { 0 };
         let io_buffers = k + prefetch_buffers;
         let budget = opts.memory_budget.unwrap_or_else(default_budget);
-        let plan = make_plan(&store.manifest, budget, opts.context_tokens, k, io_buffers, opts.resident_spine_layers)?;
+        let plan = make_plan(
+            &store.manifest,
+            budget,
+            opts.context_tokens,
+            k,
+            io_buffers,
+            opts.resident_spine_layers,
+            opts.state_copies,
+        )?;
         let mut model = K3Model::load_with(store, Some(plan.spine_resident_layers))?;
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;

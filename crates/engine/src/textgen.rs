@@ -12,7 +12,7 @@ use anyhow::Result;
 use crate::chat::parse::{Markers, OutputEvent, OutputParser};
 use crate::experts::ExpertSource;
 use crate::generate::PROMPT_CHUNK;
-use crate::k3::K3Model;
+use crate::k3::{K3Model, K3State};
 use crate::sample::{Sampler, SamplingParams, logprobs};
 use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
@@ -61,6 +61,8 @@ pub struct TokenLogprob {
 pub struct Summary {
     pub finish: Finish,
     pub prompt_tokens: usize,
+    /// Leading prompt tokens whose state came from the prefix snapshot instead of the model.
+    pub cached_prompt_tokens: usize,
     pub completion_tokens: usize,
     /// Seconds from start to the first generated token.
     pub ttft_s: f64,
@@ -121,6 +123,27 @@ impl StopMatcher {
     }
 }
 
+/// The state after the last prompt, kept so that a next prompt extending it (a chat's next
+/// turn resends the whole history) only runs its new tokens. Reuse is exact: a prompt processed
+/// in pieces gives bit-identical logits and state to processing it whole.
+pub struct PrefixCache {
+    tokens: Vec<u32>,
+    state: K3State,
+    /// Logits after the last cached token `[vocab]`.
+    logits: Vec<f32>,
+}
+
+impl PrefixCache {
+    pub fn new(model: &K3Model) -> Self {
+        PrefixCache { tokens: Vec::new(), state: model.new_state(), logits: vec![0f32; model.config.vocab_size] }
+    }
+
+    /// Forget the snapshot (after a failure that may have left it half written).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+    }
+}
+
 /// Runs [`TextRequest`]s on one model. `step_delay` is a test throttle slept after every model
 /// step (prompt chunk or token), to hold the engine busy deterministically.
 pub struct TextGenerator<'a> {
@@ -131,6 +154,18 @@ pub struct TextGenerator<'a> {
 
 impl TextGenerator<'_> {
     pub fn run(&self, experts: &mut dyn ExpertSource, req: &TextRequest, sink: &mut dyn Sink) -> Result<Summary> {
+        self.run_cached(experts, req, sink, None)
+    }
+
+    /// [`Self::run`], resuming from `cache` when the prompt extends the cached one, and leaving
+    /// this prompt's state in it.
+    pub fn run_cached(
+        &self,
+        experts: &mut dyn ExpertSource,
+        req: &TextRequest,
+        sink: &mut dyn Sink,
+        mut cache: Option<&mut PrefixCache>,
+    ) -> Result<Summary> {
         anyhow::ensure!(!req.prompt.is_empty(), "the prompt is empty");
         let start = Instant::now();
         let model = self.model;
@@ -138,6 +173,7 @@ impl TextGenerator<'_> {
         let mut summary = Summary {
             finish: Finish::Length,
             prompt_tokens: req.prompt.len(),
+            cached_prompt_tokens: 0,
             completion_tokens: 0,
             ttft_s: 0.0,
             decode_s: 0.0,
@@ -145,13 +181,30 @@ impl TextGenerator<'_> {
         };
         let mut st = model.new_state();
         let mut logits = vec![0f32; vocab]; // [vocab]
-        for chunk in req.prompt.chunks(PROMPT_CHUNK) {
+        let mut resume = 0;
+        if let Some(c) = cache.as_deref_mut()
+            && !c.tokens.is_empty()
+            && req.prompt.starts_with(&c.tokens)
+        {
+            st.copy_sequence_from(&c.state);
+            logits.copy_from_slice(&c.logits);
+            resume = c.tokens.len();
+        }
+        summary.cached_prompt_tokens = resume;
+        for chunk in req.prompt[resume..].chunks(PROMPT_CHUNK) {
             if !sink.keep_going() {
                 summary.finish = Finish::Cancelled;
                 return Ok(summary);
             }
             model.forward_chunk(&mut st, experts, chunk, &mut logits)?;
             self.throttle();
+        }
+        if let Some(c) = cache {
+            // Tokens last: a cache whose copy did not finish never claims this prompt.
+            c.tokens.clear();
+            c.state.copy_sequence_from(&st);
+            c.logits.copy_from_slice(&logits);
+            c.tokens.extend_from_slice(&req.prompt);
         }
         let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
         let mut parser = markers.map(|m| OutputParser::new(m, req.reasoning_open));

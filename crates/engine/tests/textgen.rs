@@ -9,7 +9,7 @@ use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::k3::K3Model;
 use deltafin_engine::sample::SamplingParams;
-use deltafin_engine::textgen::{Finish, Sink, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_engine::textgen::{Finish, PrefixCache, Sink, TextGenerator, TextRequest, TokenLogprob};
 use deltafin_engine::tokenizer::Tokenizer;
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
@@ -112,6 +112,40 @@ fn generation_loop_matches_the_reference_and_its_own_rules() {
         let s = run(&req, &mut rec);
         assert_eq!((s.finish, rec.text().as_str()), (Finish::Stop, "forced words"));
         assert_eq!(s.completion_tokens, forced.len());
+        // Prefix reuse is exact: a prompt extending the cached one resumes from its state and
+        // gives the same tokens and log-probabilities, bit for bit, as a fresh run.
+        // The longest reference prompt (40 tokens) and it extended by 17 more: the two runs cut
+        // their 32-token chunks at different places.
+        let base = reference(name).prompts.iter().map(|p| p.tokens.clone()).max_by_key(|t| t.len()).unwrap();
+        let long: Vec<u32> = base.iter().chain(&base[..17]).copied().collect();
+        let tokens_and_lps =
+            |rec: &Recorder| -> Vec<(u32, u32)> { rec.logprobs.iter().map(|l| (l.id, l.logprob.to_bits())).collect() };
+        let mut fresh = Recorder::default();
+        run(&request(long.clone(), 12, 0.0, 1), &mut fresh);
+        let mut cache = PrefixCache::new(&model);
+        let mut src = StoreExperts::new(&store);
+        let first = generator
+            .run_cached(&mut src, &request(base.clone(), 3, 0.0, 1), &mut Recorder::default(), Some(&mut cache))
+            .unwrap();
+        assert_eq!(first.cached_prompt_tokens, 0);
+        let mut resumed = Recorder::default();
+        let s =
+            generator.run_cached(&mut src, &request(long.clone(), 12, 0.0, 1), &mut resumed, Some(&mut cache)).unwrap();
+        assert_eq!(s.cached_prompt_tokens, base.len());
+        assert!(base.len() >= 33, "the base prompt should span a chunk boundary");
+        assert_eq!(tokens_and_lps(&resumed), tokens_and_lps(&fresh), "{name}: resumed prompt differs");
+        // The same prompt again is all cached; an unrelated one is not.
+        let mut again = Recorder::default();
+        let s =
+            generator.run_cached(&mut src, &request(long.clone(), 12, 0.0, 1), &mut again, Some(&mut cache)).unwrap();
+        assert_eq!(s.cached_prompt_tokens, long.len());
+        assert_eq!(tokens_and_lps(&again), tokens_and_lps(&fresh));
+        let mut other = long.clone();
+        other[0] ^= 1;
+        let s = generator
+            .run_cached(&mut src, &request(other, 2, 0.0, 1), &mut Recorder::default(), Some(&mut cache))
+            .unwrap();
+        assert_eq!(s.cached_prompt_tokens, 0);
         // Cancellation: the sink's refusal stops generation at once.
         let mut rec = Recorder { cancel_after: Some(3), ..Default::default() };
         let s = run(&request(prompt.clone(), 50, 0.0, 1), &mut rec);

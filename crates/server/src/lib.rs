@@ -40,6 +40,8 @@ pub struct ServeOptions {
     pub step_delay: Duration,
     /// Test instrument: scripted replies (see [`state::ScriptedReply`]).
     pub script: Option<PathBuf>,
+    /// Keep the last prompt's state for a next prompt that extends it.
+    pub prefix_cache: bool,
 }
 
 /// How long a shutdown waits for responses in flight.
@@ -75,7 +77,13 @@ pub fn serve(
     };
     let metrics = Arc::new(Metrics::default());
     let admission = Admission::new(opts.queue);
-    let engine = worker::spawn(open, tokenizer.clone(), admission.clone(), metrics.clone(), opts.step_delay)?;
+    let engine = worker::spawn(
+        open,
+        tokenizer.clone(),
+        admission.clone(),
+        metrics.clone(),
+        worker::EngineOptions { step_delay: opts.step_delay, prefix_cache: opts.prefix_cache },
+    )?;
     let state = Arc::new(AppState {
         model,
         tokenizer,

@@ -23,6 +23,7 @@ pub struct Metrics {
     pub cancelled: AtomicU64,
     pub failed: AtomicU64,
     prompt_tokens: AtomicU64,
+    cached_prompt_tokens: AtomicU64,
     generated_tokens: AtomicU64,
     ttft: Mutex<SumCount>,
     per_token: Mutex<SumCount>,
@@ -47,6 +48,7 @@ impl Metrics {
 
     pub fn record_generation(&self, s: &Summary) {
         self.prompt_tokens.fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+        self.cached_prompt_tokens.fetch_add(s.cached_prompt_tokens as u64, Ordering::Relaxed);
         self.generated_tokens.fetch_add(s.completion_tokens as u64, Ordering::Relaxed);
         if s.finish == Finish::Cancelled {
             self.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -108,6 +110,12 @@ impl Metrics {
         );
         counter(&mut out, "deltafin_failed_total", "Generations that failed in the engine.", ld(&self.failed));
         counter(&mut out, "deltafin_prompt_tokens_total", "Prompt tokens processed.", ld(&self.prompt_tokens));
+        counter(
+            &mut out,
+            "deltafin_prompt_tokens_cached_total",
+            "Prompt tokens resumed from the previous prompt's state instead of recomputed.",
+            ld(&self.cached_prompt_tokens),
+        );
         counter(&mut out, "deltafin_generated_tokens_total", "Tokens generated.", ld(&self.generated_tokens));
         summary(
             &mut out,
@@ -155,6 +163,7 @@ mod tests {
         m.record_generation(&Summary {
             finish: Finish::Stop,
             prompt_tokens: 7,
+            cached_prompt_tokens: 3,
             completion_tokens: 5,
             ttft_s: 0.5,
             decode_s: 2.0,
@@ -165,6 +174,7 @@ mod tests {
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/completions\",status=\"429\"} 1"));
         assert!(text.contains("deltafin_prompt_tokens_total 7\n"));
         assert!(text.contains("deltafin_generated_tokens_total 5\n"));
+        assert!(text.contains("deltafin_prompt_tokens_cached_total 3\n"));
         assert!(text.contains("deltafin_seconds_per_token_sum 2\ndeltafin_seconds_per_token_count 4\n"));
         assert!(text.contains("deltafin_queue_length 2\n"));
         // Every sample line belongs to a declared metric.

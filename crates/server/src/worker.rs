@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::session::Session;
-use deltafin_engine::textgen::{Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_engine::textgen::{PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
 use deltafin_engine::tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
@@ -128,13 +128,20 @@ impl EngineHandle {
     }
 }
 
+pub struct EngineOptions {
+    /// Test throttle: sleep after every model step.
+    pub step_delay: Duration,
+    /// Keep the last prompt's state for reuse by a prompt that extends it.
+    pub prefix_cache: bool,
+}
+
 /// Start the engine thread. `open` loads the model on that thread; its error is returned here.
 pub fn spawn(
     open: impl FnOnce() -> anyhow::Result<Session> + Send + 'static,
     tokenizer: Arc<Tokenizer>,
     admission: Arc<Admission>,
     metrics: Arc<Metrics>,
-    step_delay: Duration,
+    opts: EngineOptions,
 ) -> anyhow::Result<EngineHandle> {
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
@@ -150,8 +157,9 @@ pub fn spawn(
             }
         };
         metrics.set_expert_stats(&session);
+        let mut cache = opts.prefix_cache.then(|| PrefixCache::new(&session.model));
         while let Ok(job) = jobs_rx.recv() {
-            run_job(&mut session, &tokenizer, &admission, &metrics, step_delay, job);
+            run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, opts.step_delay, job);
         }
     })?;
     ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;
@@ -160,6 +168,7 @@ pub fn spawn(
 
 fn run_job(
     session: &mut Session,
+    cache: Option<&mut PrefixCache>,
     tokenizer: &Tokenizer,
     admission: &Admission,
     metrics: &Metrics,
@@ -176,8 +185,10 @@ fn run_job(
     let _ = updates.send(Update::Started);
     let generator = TextGenerator { model: &session.model, tokenizer, step_delay };
     let mut sink = ChannelSink { updates: &updates };
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| generator.run(&mut session.experts, &req, &mut sink)));
+    let mut cache = cache;
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        generator.run_cached(&mut session.experts, &req, &mut sink, cache.as_deref_mut())
+    }));
     let last = match result {
         Ok(Ok(summary)) => {
             metrics.record_generation(&summary);
@@ -188,8 +199,12 @@ fn run_job(
             Update::Failed(format!("{e:#}"))
         }
         Err(_) => {
-            // A bug, not an input error: this request's state is discarded and the server
-            // keeps serving (the expert cache only holds checksummed records).
+            // A bug, not an input error: this request's state and the prefix snapshot are
+            // discarded and the server keeps serving (the expert cache only holds checksummed
+            // records).
+            if let Some(c) = cache.as_deref_mut() {
+                c.clear();
+            }
             metrics.failed.fetch_add(1, Ordering::Relaxed);
             Update::Failed("internal error in the engine".into())
         }
