@@ -202,7 +202,7 @@ fn run_job(
             // A bug, not an input error: this request's state and the prefix snapshot are
             // discarded and the server keeps serving (the expert cache only holds checksummed
             // records).
-            if let Some(c) = cache.as_deref_mut() {
+            if let Some(c) = cache {
                 c.clear();
             }
             metrics.failed.fetch_add(1, Ordering::Relaxed);
