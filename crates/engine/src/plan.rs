@@ -110,6 +110,8 @@ pub fn make_plan(
 ) -> Result<Plan> {
     // The live sequence state, plus any snapshot kept for prefix reuse.
     let state = state_bytes(m, context) * state_copies.max(1) as u64;
+    let snapshot_note =
+        if state_copies > 1 { " (live state and prefix snapshot; serve --no-prefix-cache halves it)" } else { "" };
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
     let (per_layer_spine, other_spine) = spine_layer_bytes(m);
@@ -123,7 +125,7 @@ pub fn make_plan(
     let experts = m.config.num_experts;
     if budget < fixed {
         bail!(
-            "memory budget {} is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens, I/O buffers {}, overhead {})",
+            "memory budget {} is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens{snapshot_note}, I/O buffers {}, overhead {})",
             human(budget),
             human(other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0) + rest),
             human(other_spine),

@@ -199,7 +199,7 @@ impl TextGenerator<'_> {
             model.forward_chunk(&mut st, experts, chunk, &mut logits)?;
             self.throttle();
         }
-        if let Some(c) = cache {
+        if let Some(c) = cache.filter(|_| resume < req.prompt.len()) {
             // Tokens last: a cache whose copy did not finish never claims this prompt.
             c.tokens.clear();
             c.state.copy_sequence_from(&st);

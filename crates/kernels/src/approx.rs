@@ -353,7 +353,8 @@ mod tests {
     fn approximate_paths_agree_on_odd_block_counts_and_extremes() {
         // Odd block counts exercise the single-block tail; every nibble and the largest
         // activations (+-127 after quantisation) appear.
-        for (rows, cols) in [(3, 32), (5, 96), (9, 224)] {
+        // 17 and 33 blocks per row: more than one 16-block scale group, with a lone last block.
+        for (rows, cols) in [(3, 32), (5, 96), (9, 224), (4, 32 * 17), (3, 32 * 33)] {
             let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect();
             let mut scales: Vec<u8> = (0..rows * cols / 32).map(|i| 100 + (i % 40) as u8).collect();
             // E8M0 0 (2^-127) takes the safe path in the SIMD kernels.

@@ -439,7 +439,8 @@ pub unsafe fn rms_norm_inplace_avx512(x: &mut [f32], weight: &[f32], eps: f32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn exp_ps(x: __m512) -> __m512 {
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+    // Clamp (NaN-preserving: `max` returns its second operand when either is NaN).
+    let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
     let k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)), 0x08);
     // r = x - k ln2, with ln2 split in two for precision.
     let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693_145_75), x);
