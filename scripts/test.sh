@@ -9,6 +9,8 @@ cargo clippy --locked --all-targets -q -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --locked --workspace 2>&1 | tee "$log"
+# The NEON kernels, cross-built for aarch64 and run under qemu.
+. scripts/test-neon.sh
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
 # using the binary cargo test just built.
 . scripts/ensure-client-venv.sh

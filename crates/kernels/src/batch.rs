@@ -10,6 +10,7 @@
 
 use std::cell::RefCell;
 
+#[cfg(any(target_arch = "x86_64", test))]
 use crate::cpu::Path;
 use crate::expert::{Mxfp4, expert_mxfp4};
 use crate::mxfp4::{BLOCK, mxfp4_matvec_par};

@@ -53,28 +53,36 @@ pub enum Path {
     Scalar,
     Avx2,
     Avx512,
+    Neon,
 }
 
 impl Path {
-    pub const ALL: [Path; 3] = [Path::Scalar, Path::Avx2, Path::Avx512];
+    pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx2, Path::Avx512, Path::Neon];
 
     pub fn available(self) -> bool {
         match self {
             Path::Scalar => true,
             Path::Avx2 => has_avx2_fma(),
             Path::Avx512 => has_avx512() && has_avx2_fma(),
+            Path::Neon => has_neon(),
         }
     }
 
     /// The best path this CPU has.
     pub fn best() -> Path {
-        if Path::Avx512.available() {
-            Path::Avx512
-        } else if Path::Avx2.available() {
-            Path::Avx2
-        } else {
-            Path::Scalar
-        }
+        [Path::Avx512, Path::Avx2, Path::Neon].into_iter().find(|p| p.available()).unwrap_or(Path::Scalar)
+    }
+}
+
+/// Whether the NEON kernels may run (aarch64 always has NEON; checked all the same).
+pub fn has_neon() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("neon")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
     }
 }
 
@@ -83,6 +91,7 @@ pub fn kernel_path() -> &'static str {
     match Path::best() {
         Path::Avx512 => "avx512",
         Path::Avx2 => "avx2+fma",
+        Path::Neon => "neon",
         Path::Scalar => "scalar",
     }
 }

@@ -5,6 +5,7 @@
 //! Shapes: w1, w3 packed `[I, L/2]` + scales `[I, L/32]`; w2 packed `[L, I/2]` + scales
 //! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`.
 
+#[cfg(any(target_arch = "x86_64", test))]
 use crate::cpu::Path;
 use crate::mxfp4::{BLOCK, mxfp4_matvec_par, row_dot_scalar};
 use crate::ops::situ;
@@ -81,6 +82,7 @@ pub fn expert_mxfp4_unfused(
     mxfp4_matvec_par(w2.packed, w2.scales, latent, inter, act, out);
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 /// Scalar gate/up/SiTU rows `r0..r0+a.len()` (for rows whose scales need the safe path).
 pub(crate) fn gate_up_situ_row_scalar(
     w1: Mxfp4,

@@ -6,6 +6,7 @@
 
 pub mod approx;
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod batch;
 pub mod cpu;
@@ -15,6 +16,8 @@ pub mod matvec;
 pub mod mxfp4;
 #[cfg(target_arch = "x86_64")]
 mod mxfp4_avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 pub mod ops;
 pub mod par;
 pub mod roofline;

@@ -105,7 +105,9 @@ dispatch!(int8_matvec_avx2_or_scalar, int8_matvec_scalar, int8_avx2, int8_body, 
 /// int8 mat-vec, run-time dispatched: AVX-512 when the CPU has it and the scale group is a
 /// multiple of 16, else the AVX2 instantiation, else scalar.
 pub fn int8_matvec(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
-    if !int8_matvec_on(Path::Avx512, q, scales, group, rows, cols, x, out) {
+    if !int8_matvec_on(Path::Avx512, q, scales, group, rows, cols, x, out)
+        && !int8_matvec_on(Path::Neon, q, scales, group, rows, cols, x, out)
+    {
         int8_matvec_avx2_or_scalar(q, scales, group, rows, cols, x, out)
     }
 }
@@ -139,7 +141,16 @@ pub fn int8_matvec_on(
             // SAFETY: AVX-512F/BW present (checked above); shapes and group checked.
             unsafe { crate::avx512::int8_matvec_avx512(q, scales, group, rows, cols, x, out) }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        Path::Neon => {
+            if group == 0 || !group.is_multiple_of(16) {
+                return false;
+            }
+            check_int8(q, scales, group, rows, cols, x, out);
+            // SAFETY: NEON present (checked above); shapes and group checked.
+            unsafe { crate::neon::int8_matvec_neon(q, scales, group, rows, cols, x, out) }
+        }
+        // Paths of another architecture are never available (returned above).
         _ => return false,
     }
     true
@@ -187,14 +198,20 @@ mod tests {
         }
     }
 
-    /// The AVX-512 int8 kernel against the scalar oracle (different summation order: bounded by
-    /// a few ulps of the sum of |w x|), per-row and grouped scales, extreme values.
+    /// The AVX-512 and NEON int8 kernels against the scalar oracle (different summation order:
+    /// bounded by a few ulps of the sum of |w x|), per-row and grouped scales, extreme values.
     #[test]
-    fn int8_avx512_matches_oracle() {
-        if !Path::Avx512.available() {
-            println!("SKIPPED Avx512: this CPU lacks it");
-            return;
+    fn int8_simd_matches_oracle() {
+        for path in [Path::Avx512, Path::Neon] {
+            if path.available() {
+                int8_path_matches_oracle(path);
+            } else {
+                println!("SKIPPED {path:?}: this CPU lacks it");
+            }
         }
+    }
+
+    fn int8_path_matches_oracle(path: Path) {
         for &(rows, cols, group) in &[(3, 16, 16), (7, 64, 32), (5, 7168, 7168), (9, 1024, 64)] {
             let q: Vec<i8> = (0..rows * cols)
                 .map(|i| match i % 11 {
@@ -206,7 +223,7 @@ mod tests {
             let s: Vec<f32> = (0..rows * cols / group).map(|i| 1e-3 * (1 + i % 5) as f32).collect();
             let x: Vec<f32> = (0..cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
             let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
-            assert!(int8_matvec_on(Path::Avx512, &q, &s, group, rows, cols, &x, &mut a));
+            assert!(int8_matvec_on(path, &q, &s, group, rows, cols, &x, &mut a));
             int8_matvec_scalar(&q, &s, group, rows, cols, &x, &mut b);
             for r in 0..rows {
                 let mag: f64 = (0..cols)
@@ -222,7 +239,7 @@ mod tests {
         }
         // A group that is not a multiple of 16 is refused, not mis-computed.
         let (q, s, x) = (vec![1i8; 24], vec![1.0f32; 2], vec![1.0f32; 24]);
-        assert!(!int8_matvec_on(Path::Avx512, &q, &s, 12, 1, 24, &x, &mut [0.0]));
+        assert!(!int8_matvec_on(path, &q, &s, 12, 1, 24, &x, &mut [0.0]));
     }
 
     #[test]

@@ -56,7 +56,10 @@ pub fn mxfp4_matvec_on(
             // SAFETY: the CPU supports AVX-512F/BW (checked above), and the shapes were checked.
             unsafe { crate::avx512::mxfp4_matvec_avx512(packed, scales, rows, cols, xd, out) }
         }),
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON present (checked above), and the shapes were checked.
+        Path::Neon => unsafe { crate::neon::mxfp4_matvec_neon(packed, scales, rows, cols, x, out) },
+        // Paths of another architecture are never available (returned above).
         _ => mxfp4_matvec_scalar(packed, scales, rows, cols, x, out),
     }
     true
@@ -161,7 +164,7 @@ mod tests {
     /// Every path the CPU has against the scalar oracle: random shapes, all nibbles, scale edges.
     #[test]
     fn simd_matches_scalar_oracle() {
-        for path in [Path::Avx2, Path::Avx512] {
+        for path in [Path::Avx2, Path::Avx512, Path::Neon] {
             if path.available() {
                 simd_path_matches_oracle(path);
                 println!("{path:?}: checked against the scalar oracle");
