@@ -13,7 +13,8 @@ if [ ! -x "$venv/bin/python" ] || ! cmp -s "$req" "$venv/requirements.txt"; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3 python3-venv
-    python3 -m venv "$venv"
+    # The first python3 on PATH may not be Debian's (whose venv module the package provides).
+    python3 -m venv "$venv" >/dev/null 2>&1 || { rm -rf "$venv"; /usr/bin/python3 -m venv "$venv"; }
   fi
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
   cp "$req" "$venv/requirements.txt"

@@ -33,17 +33,7 @@ fn run_timed(secs: f64, mut f: impl FnMut()) -> (u64, f64) {
     (n, t0.elapsed().as_secs_f64())
 }
 
-fn fill(len: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect()
-}
+use deltafin_kernels::testdata::bytes as fill;
 
 pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

@@ -44,10 +44,6 @@ impl Sampler {
         Sampler { params, rng, cand: Vec::new() }
     }
 
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
     /// Pick the next token from `logits` (`[vocab]`).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;

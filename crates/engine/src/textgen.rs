@@ -209,9 +209,6 @@ impl TextGenerator<'_> {
         let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
         let mut parser = markers.map(|m| OutputParser::new(m, req.reasoning_open));
         let mut raw_text = Utf8Decoder::default();
-        // Special tokens that are not markup (`[EOS]`, `[EOT]`, media tokens, the end of
-        // message when ignored) are never answer text in a chat.
-        let is_special = |t: u32| self.tokenizer.specials.values().any(|&s| s == t);
         let mut stop = StopMatcher::new(&req.stop);
         let mut sampler = Sampler::new(req.sampling.clone());
         let eos = self.tokenizer.eos_id;
@@ -247,15 +244,17 @@ impl TextGenerator<'_> {
             });
             // Parse, then pass answer text through the stop-string check.
             parsed.clear();
-            let bytes = self.tokenizer.decode_bytes(&[token]);
+            let bytes = self.tokenizer.token_bytes(token);
             match parser.as_mut() {
                 Some(p) => {
                     let markup = markers.is_some_and(|m| [m.open, m.close, m.sep].contains(&token));
-                    let bytes: &[u8] = if !markup && is_special(token) { &[] } else { &bytes };
+                    // Special tokens that are not markup (`[EOS]`, `[EOT]`, media tokens, the end
+                    // of message when ignored) are never answer text in a chat.
+                    let bytes = if !markup && self.tokenizer.is_special(token) { &[] } else { bytes };
                     p.push(token, bytes, &mut parsed)
                 }
                 None => {
-                    let text = raw_text.push(&bytes);
+                    let text = raw_text.push(bytes);
                     if !text.is_empty() {
                         parsed.push(OutputEvent::Content(text));
                     }

@@ -29,6 +29,8 @@ pub struct Tokenizer {
     /// id -> bytes for ordinary ranks and special tokens alike.
     decoder: HashMap<u32, Vec<u8>>,
     pub specials: HashMap<String, u32>,
+    /// The special tokens' ids, sorted.
+    special_ids: Vec<u32>,
     pub eos_id: Option<u32>,
 }
 
@@ -95,7 +97,9 @@ impl Tokenizer {
         let special_enc: FxHashMap<String, u32> = specials.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let bpe = CoreBPE::new(encoder, special_enc, K3_PATTERN)
             .map_err(|e| anyhow::anyhow!("building the tokenizer: {e}"))?;
-        Ok(Tokenizer { bpe, decoder, specials, eos_id })
+        let mut special_ids: Vec<u32> = specials.values().copied().collect();
+        special_ids.sort_unstable();
+        Ok(Tokenizer { bpe, decoder, specials, special_ids, eos_id })
     }
 
     /// Encode text; special-token strings in it become their ids.
@@ -106,6 +110,16 @@ impl Tokenizer {
     /// Encode text treating special-token strings as plain text.
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
         split_long_runs(text).flat_map(|piece| self.bpe.encode_ordinary(piece)).collect()
+    }
+
+    /// One token's bytes (empty for an id the tokenizer does not know); no allocation.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.decoder.get(&id).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// Whether `id` is one of the special tokens of `tokenizer_config.json`.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special_ids.binary_search(&id).is_ok()
     }
 
     pub fn decode_bytes(&self, ids: &[u32]) -> Vec<u8> {

@@ -8,20 +8,10 @@ use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
 use deltafin_kernels::ops::{rms_norm, softmax_inplace};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par};
 
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect()
-}
+use deltafin_kernels::testdata::bytes;
 
 fn scales(n: usize, seed: u64) -> Vec<u8> {
-    bytes(n, seed).into_iter().map(|b| 118 + b % 8).collect()
+    deltafin_kernels::testdata::scales(n, seed, 118, 8)
 }
 
 fn kernels(c: &mut Criterion) {

@@ -21,8 +21,7 @@ mod neon;
 pub mod ops;
 pub mod par;
 pub mod roofline;
-#[cfg(test)]
-mod testdata;
+pub mod testdata;
 
 pub use matvec::{bf16_matvec, f32_matvec, int8_matvec};
 pub use mxfp4::{E2M1_LUT, e8m0_to_f32, mxfp4_matvec, mxfp4_matvec_par};

@@ -1,4 +1,4 @@
-//! Deterministic test inputs shared by the kernels' tests.
+//! Deterministic inputs shared by the kernels' tests and benchmarks.
 
 /// `n` pseudo-random bytes (an LCG: reproducible, every value reachable).
 pub fn bytes(n: usize, seed: u64) -> Vec<u8> {

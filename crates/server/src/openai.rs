@@ -405,12 +405,12 @@ fn usage(s: &Summary) -> Value {
 
 /// A token as text: its bytes decoded, a split character replaced.
 fn token_text(state: &Shared, id: u32) -> String {
-    String::from_utf8_lossy(&state.tokenizer.decode_bytes(&[id])).into_owned()
+    String::from_utf8_lossy(state.tokenizer.token_bytes(id)).into_owned()
 }
 
 fn token_entry(state: &Shared, id: u32, logprob: f32) -> Value {
-    let bytes = state.tokenizer.decode_bytes(&[id]);
-    json!({"token": String::from_utf8_lossy(&bytes), "logprob": logprob, "bytes": bytes})
+    let bytes = state.tokenizer.token_bytes(id);
+    json!({"token": String::from_utf8_lossy(bytes), "logprob": logprob, "bytes": bytes})
 }
 
 fn chat_logprobs(state: &Shared, lps: &[TokenLogprob]) -> Value {

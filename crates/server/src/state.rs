@@ -107,9 +107,7 @@ pub fn unix_now() -> u64 {
 
 /// A random id with a prefix, e.g. `chatcmpl-3f9a...`.
 pub fn new_id(prefix: &str) -> String {
-    use rand::Rng;
+    use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::SmallRng::from_os_rng();
     format!("{prefix}{:016x}{:08x}", rng.random::<u64>(), rng.random::<u32>())
 }
-
-use rand::SeedableRng as _;

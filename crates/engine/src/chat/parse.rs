@@ -129,11 +129,6 @@ impl OutputParser {
         }
     }
 
-    /// Whether the output is still inside the reasoning.
-    pub fn in_reasoning(&self) -> bool {
-        self.stack.last() == Some(&Element::Think)
-    }
-
     /// Feed one generated token (its id and its bytes); parsed events are appended to `out`.
     pub fn push(&mut self, id: u32, bytes: &[u8], out: &mut Vec<OutputEvent>) {
         let m = self.markers;
@@ -372,33 +367,34 @@ fn typed_value(raw: &str, ty: &str) -> String {
     serde_json::Value::String(raw.to_string()).to_string()
 }
 
-/// Collects a whole turn's events into its parts (non-streaming responses).
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct ParsedTurn {
-    pub reasoning: String,
-    pub content: String,
-    /// (name, arguments JSON) per call.
-    pub tool_calls: Vec<(String, String)>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl ParsedTurn {
-    pub fn apply(&mut self, ev: &OutputEvent) {
-        match ev {
-            OutputEvent::Reasoning(s) => self.reasoning.push_str(s),
-            OutputEvent::Content(s) => self.content.push_str(s),
-            OutputEvent::ToolCallBegin { name, .. } => self.tool_calls.push((name.clone(), String::new())),
-            OutputEvent::ToolCallArguments { index, json } => {
-                if let Some(c) = self.tool_calls.get_mut(*index) {
-                    c.1.push_str(json)
+    /// A whole turn's events collected into its parts (the server's own accumulator is
+    /// `deltafin_server::generation::Turn`; this one serves the parser's tests).
+    #[derive(Debug, Default, Clone, PartialEq)]
+    pub struct ParsedTurn {
+        pub reasoning: String,
+        pub content: String,
+        /// (name, arguments JSON) per call.
+        pub tool_calls: Vec<(String, String)>,
+    }
+
+    impl ParsedTurn {
+        pub fn apply(&mut self, ev: &OutputEvent) {
+            match ev {
+                OutputEvent::Reasoning(s) => self.reasoning.push_str(s),
+                OutputEvent::Content(s) => self.content.push_str(s),
+                OutputEvent::ToolCallBegin { name, .. } => self.tool_calls.push((name.clone(), String::new())),
+                OutputEvent::ToolCallArguments { index, json } => {
+                    if let Some(c) = self.tool_calls.get_mut(*index) {
+                        c.1.push_str(json)
+                    }
                 }
             }
         }
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
 
     const M: Markers = Markers { open: 1001, close: 1002, sep: 1003 };
 

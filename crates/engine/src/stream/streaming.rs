@@ -162,11 +162,6 @@ impl StreamingExperts {
         })
     }
 
-    /// Total bytes of the aligned buffers this source allocated.
-    pub fn buffer_bytes(&self) -> usize {
-        self.bufs.len() * self.slot_bytes
-    }
-
     fn location(&self, layer: usize, expert: usize) -> Result<&ExpertLocation> {
         self.locs
             .get(&layer)
