@@ -5,13 +5,14 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use deltafin_engine::generate::{GenerateHooks, RoutingOverride, generate_with};
+use deltafin_engine::generate::{GenerateHooks, generate_with};
 use deltafin_engine::plan::{parse_size, peak_rss_bytes};
 use deltafin_engine::session::{RunOptions, Session};
 use deltafin_engine::stream::cache::Policy;
-use deltafin_engine::tokenizer::Tokenizer;
-use deltafin_engine::trace::{TraceHeader, TraceWriter, read_trace};
+use deltafin_engine::study::routing::RoutingOverride;
+use deltafin_engine::study::trace::{TraceHeader, TraceWriter, read_trace};
 use deltafin_store::Store;
+use deltafin_text::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
@@ -77,20 +78,26 @@ impl ModelArgs {
             experts_per_token: self.experts_per_token,
             resident_spine_layers: self.resident_spine_layers,
             approx: self.approx,
+            predict: false,
             state_copies: 1,
         })
     }
 
     pub fn open(&self) -> Result<(Store, Session)> {
+        self.open_with(&self.run_options()?)
+    }
+
+    /// [`Self::open`] with run options the caller adjusted.
+    pub fn open_with(&self, opts: &RunOptions) -> Result<(Store, Session)> {
         let path = self.store_path()?;
         let store =
             Store::open(path, self.source.as_deref()).with_context(|| format!("opening store {}", path.display()))?;
-        let session = Session::open(&store, &self.run_options()?)?;
+        let session = Session::open(&store, opts)?;
         eprintln!("{}", session.plan.describe());
         if session.modified_top_k() {
             eprintln!("note: {}", session.variant());
         }
-        if session.model.approx {
+        if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }
         Ok((store, session))
@@ -151,7 +158,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     {
         bail!("--routing-locality must be between 0 and 1");
     }
-    let (store, mut s) = a.model.open()?;
+    // A trace records each layer's prediction of the next layer's picks.
+    let opts = RunOptions { predict: a.trace.is_some(), ..a.model.run_options()? };
+    let (store, mut s) = a.model.open_with(&opts)?;
     let tok = load_tokenizer(&store)?;
     let prompt_ids = match (&a.prompt, &a.prompt_tokens) {
         (Some(text), None) => match &tok {
@@ -166,18 +175,15 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     }
     let eos = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos_id) };
     let mut trace = match &a.trace {
-        Some(p) => {
-            s.model.predict = true;
-            Some(TraceWriter::create(
-                p,
-                TraceHeader {
-                    deltafin_trace: 1,
-                    experts_per_layer: s.model.config.num_experts,
-                    experts_per_token: s.model.config.num_experts_per_token,
-                    moe_layers: s.model.config.moe_layers(),
-                },
-            )?)
-        }
+        Some(p) => Some(TraceWriter::create(
+            p,
+            TraceHeader {
+                deltafin_trace: 1,
+                experts_per_layer: s.model.config.num_experts,
+                experts_per_token: s.model.config.num_experts_per_token,
+                moe_layers: s.model.config.moe_layers(),
+            },
+        )?),
         None => None,
     };
     let mut routing = match (&a.routing_locality, &a.routing_trace) {
@@ -209,7 +215,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "modified_top_k": s.modified_top_k(),
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": s.numerics(),
-            "approximate": s.model.approx,
+            "approximate": s.model.run().approx,
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
             "timing": {
@@ -262,7 +268,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     let g = generate_with(&s.model, &mut s.experts, &a.prompt_tokens, 0, None, GenerateHooks::default())?;
     println!(
         "{}",
-        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.approx })
+        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx })
     );
     Ok(())
 }

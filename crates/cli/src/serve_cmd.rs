@@ -6,10 +6,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use deltafin_engine::plan::parse_size;
 use deltafin_engine::session::Session;
-use deltafin_engine::tokenizer::Tokenizer;
 use deltafin_server::state::{ModelInfo, unix_now};
 use deltafin_server::{ServeOptions, serve};
 use deltafin_store::Store;
+use deltafin_text::tokenizer::Tokenizer;
 
 use crate::run::ModelArgs;
 
@@ -95,7 +95,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     serve(opts, model, tokenizer, move || {
         let session = Session::open(&store, &run_opts)?;
         eprintln!("{}", session.plan.describe());
-        if session.model.approx {
+        if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }
         Ok(session)

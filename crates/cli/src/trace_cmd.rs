@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use deltafin_engine::stream::cache::Policy;
-use deltafin_engine::trace::{Trace, predictor_recall, read_trace, replay, reuse_distances};
+use deltafin_engine::study::trace::{Trace, predictor_recall, read_trace, replay, reuse_distances};
 
 #[derive(clap::Subcommand)]
 pub enum TraceCmd {

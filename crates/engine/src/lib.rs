@@ -1,20 +1,25 @@
-//! The Deltafin engine: model families over shared blocks, the expert interface, tokenizer and
-//! generation.
+//! The Deltafin engine: the model and the runtime that feeds it, knowing only token ids.
+//!
+//! - Model math: [`k3`] (the Kimi K3 model and its one token path) over shared [`blocks`]
+//!   (attention, router, MoE block, MLP), [`weights`] and per-token [`scratch`].
+//! - The expert interface: [`experts`], the one narrow path by which routed-expert weights reach
+//!   the model.
+//! - The I/O runtime: [`stream`] (read back-ends, record geometry, the expert cache and the
+//!   streaming expert source, spine streaming), [`plan`] (the memory budget) and [`session`]
+//!   (options to a loaded model with its expert source).
+//! - [`generate`]: the one generation loop; [`study`]: router traces and routing overrides.
+//!
+//! Text (tokenizer, chat format, sampling) lives in the `deltafin-text` crate above this one.
 
 pub mod blocks;
-pub mod chat;
 pub mod experts;
 pub mod generate;
 pub mod k3;
 pub mod plan;
-pub mod sample;
 pub mod scratch;
 pub mod session;
-pub mod spine_stream;
 pub mod stream;
-pub mod textgen;
-pub mod tokenizer;
-pub mod trace;
+pub mod study;
 pub mod weights;
 pub use deltafin_kernels::cpu::kernel_path;
 pub use deltafin_kernels::par::{init_threads, threads};

@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 use deltafin_store::{AttnKind, Manifest};
 use serde::Serialize;
 
-use crate::stream::aligned::{align_down, align_up};
+use crate::stream::geometry;
 
 /// Process overhead we do not plan in detail (binary, allocator, per-token scratch, tokenizer).
 pub const FIXED_OVERHEAD: u64 = 96 << 20;
@@ -45,13 +45,7 @@ pub struct Plan {
 
 /// Bytes of one expert buffer: the aligned windows of a record's ranges, back to back.
 pub fn slot_bytes(m: &Manifest) -> u64 {
-    m.experts
-        .layers
-        .iter()
-        .flat_map(|l| &l.experts)
-        .map(|e| e.ranges.iter().map(|r| align_up(r[1] + r[2]) - align_down(r[1])).sum::<u64>())
-        .max()
-        .unwrap_or(4096)
+    geometry::slot_bytes(m.experts.layers.iter().flat_map(|l| &l.experts)) as u64
 }
 
 /// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens.

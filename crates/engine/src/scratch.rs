@@ -7,8 +7,9 @@ use deltafin_kernels::approx::QuantizedX;
 pub struct Scratch {
     f32s: Vec<Vec<f32>>,
     ids: Vec<Vec<usize>>,
-    /// Quantised activations for approximate mode (expert input, SiTU output).
-    pub xq: QuantizedX,
+    /// Quantised activations for approximate mode: each chunk token's expert input `[T]`, and
+    /// the SiTU output of the expert being computed.
+    pub xqs: Vec<QuantizedX>,
     pub aq: QuantizedX,
 }
 

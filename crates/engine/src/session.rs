@@ -6,7 +6,7 @@ use anyhow::Result;
 use deltafin_store::Store;
 use serde::Serialize;
 
-use crate::k3::K3Model;
+use crate::k3::{K3Model, RunConfig};
 use crate::plan::{Plan, default_budget, make_plan};
 use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
@@ -29,6 +29,8 @@ pub struct RunOptions {
     pub resident_spine_layers: Option<usize>,
     /// Approximate mode (int8 activations for routed experts).
     pub approx: bool,
+    /// Predict each next MoE layer's experts even without prefetch (for router traces).
+    pub predict: bool,
     /// Sequence states the plan reserves: 1, or 2 when a server keeps a prefix snapshot.
     pub state_copies: usize,
 }
@@ -46,6 +48,7 @@ impl Default for RunOptions {
             experts_per_token: None,
             resident_spine_layers: None,
             approx: false,
+            predict: false,
             state_copies: 1,
         }
     }
@@ -95,13 +98,18 @@ impl Session {
             opts.resident_spine_layers,
             opts.state_copies,
         )?;
-        let mut model = K3Model::load_with(store, Some(plan.spine_resident_layers))?;
-        if let Some(k) = opts.experts_per_token {
-            model.set_experts_per_token(k)?;
-        }
-        model.prefetch = opts.prefetch;
-        model.context_reserve = opts.context_tokens;
-        model.approx = opts.approx;
+        let model = K3Model::load(
+            store,
+            &RunConfig {
+                resident_layers: Some(plan.spine_resident_layers),
+                experts_per_token: opts.experts_per_token,
+                prefetch: opts.prefetch,
+                predict: opts.predict,
+                context_reserve: opts.context_tokens,
+                approx: opts.approx,
+                io_backend: opts.backend,
+            },
+        )?;
         let experts = StreamingExperts::new(
             store,
             StreamOptions {
@@ -136,7 +144,7 @@ impl Session {
 
     /// How this run computes, for every output.
     pub fn numerics(&self) -> &'static str {
-        if self.model.approx { "approximate (int8 activations for routed experts)" } else { "exact" }
+        if self.model.run().approx { "approximate (int8 activations for routed experts)" } else { "exact" }
     }
 
     pub fn report(&self) -> StreamReport {
@@ -148,14 +156,14 @@ impl Session {
             io_backend: self.experts.backend_kind,
             o_direct: self.experts.o_direct,
             cache_policy: self.experts_policy(),
-            prefetch: self.model.prefetch,
+            prefetch: self.model.run().prefetch,
             accesses: t.accesses,
             hits: t.hits,
             hit_rate: if t.accesses == 0 { 0.0 } else { t.hits as f64 / t.accesses as f64 },
             demand_reads: t.demand_reads,
             prefetch_reads: t.prefetch_reads,
             prefetch_precision: (t.prefetch_reads > 0).then(|| t.prefetch_used as f64 / t.prefetch_reads as f64),
-            prefetch_recall: (demand_misses_or_covered > 0 && self.model.prefetch)
+            prefetch_recall: (demand_misses_or_covered > 0 && self.model.run().prefetch)
                 .then(|| t.prefetch_used as f64 / demand_misses_or_covered as f64),
             expert_bytes_read: t.bytes_read,
             io_wait_s: self.experts.io_wait.as_secs_f64(),

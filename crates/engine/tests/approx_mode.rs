@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::generate::{all_logits, argmax};
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 #[test]
@@ -15,14 +15,13 @@ fn approximate_mode_against_exact() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::InPlace);
         let store = Store::open(dir.path(), None).unwrap();
-        let mut model = K3Model::load(&store).unwrap();
+        let model = K3Model::load(&store, &RunConfig::default()).unwrap();
         let prompts = reference(name).prompts;
         let run = |model: &K3Model| -> Vec<Vec<f32>> {
             prompts.iter().flat_map(|p| all_logits(model, &mut StoreExperts::new(&store), &p.tokens).unwrap()).collect()
         };
         let exact = run(&model);
-        model.approx = true;
-        let approx = run(&model);
+        let approx = run(&K3Model::load(&store, &RunConfig { approx: true, ..Default::default() }).unwrap());
         let mut devs: Vec<f32> = exact.iter().zip(&approx).map(|(e, a)| rel_err(a, e)).collect();
         let agree = exact.iter().zip(&approx).filter(|(e, a)| argmax(e) == argmax(a)).count();
         let agreement = agree as f64 / exact.len() as f64;

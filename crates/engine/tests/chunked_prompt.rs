@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
 use deltafin_engine::generate::argmax;
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 #[test]
@@ -15,7 +15,7 @@ fn chunked_prompt_is_bit_identical_and_reads_less() {
         let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
         let store = Store::open(dir.path(), None).unwrap();
         for resident in [None, Some(1)] {
-            let model = K3Model::load_with(&store, resident).unwrap();
+            let model = K3Model::load(&store, &RunConfig { resident_layers: resident, ..Default::default() }).unwrap();
             for p in reference(name).prompts.iter().filter(|p| p.tokens.len() > 1) {
                 let v = model.config.vocab_size;
                 // One token at a time.

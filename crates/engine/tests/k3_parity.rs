@@ -7,13 +7,13 @@ mod common;
 use common::*;
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::generate::{all_logits, generate_greedy};
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 fn check_fixture(name: &str, layout: ExpertLayout) {
     let store_dir = convert_fixture(name, SpineDtype::F32, 0, layout);
     let store = Store::open(store_dir.path(), None).unwrap();
-    let model = K3Model::load(&store).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
     let reference = reference(name);
     assert!(reference.prompts.len() >= 3);
     for p in &reference.prompts {

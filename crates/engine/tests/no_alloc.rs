@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use common::*;
 use deltafin_engine::experts::ExpertSource;
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 struct Counting;
@@ -91,8 +91,6 @@ fn decode_steps_allocate_nothing_once_warm() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
         let store = Store::open(dir.path(), None).unwrap();
-        let mut model = K3Model::load(&store).unwrap();
-        model.predict = true; // exercise the look-ahead predictor too
         let mut records = HashMap::new();
         for l in store.manifest.config.moe_layers() {
             for e in 0..store.manifest.config.num_experts {
@@ -103,7 +101,8 @@ fn decode_steps_allocate_nothing_once_warm() {
         }
         let mut src = MemExperts { records, layer: 0, pending: Vec::with_capacity(64) };
         for approx in [false, true] {
-            model.approx = approx;
+            // `predict` exercises the look-ahead predictor too.
+            let model = K3Model::load(&store, &RunConfig { predict: true, approx, ..Default::default() }).unwrap();
             let mut st = model.new_state();
             let mut logits = vec![0f32; model.config.vocab_size];
             for t in [3u32, 9, 27] {
@@ -134,8 +133,7 @@ fn streaming_decode_steps_allocate_nothing_once_warm() {
     }
     let dir = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);
     let store = Store::open(dir.path(), None).unwrap();
-    let mut model = K3Model::load(&store).unwrap();
-    model.prefetch = true;
+    let model = K3Model::load(&store, &RunConfig { prefetch: true, ..Default::default() }).unwrap();
     let k = model.config.num_experts_per_token;
     let opts = StreamOptions {
         cache_slots_per_layer: 2,

@@ -9,7 +9,7 @@ use common::*;
 use deltafin_engine::blocks::moe::Routing;
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::generate::argmax;
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 fn log_softmax(v: &[f32]) -> Vec<f64> {
@@ -28,7 +28,7 @@ fn positions(
 ) -> (Vec<Vec<f32>>, Vec<Vec<Routing>>) {
     let dir = convert_fixture(name, spine, group, ExpertLayout::InPlace);
     let store = Store::open(dir.path(), None).unwrap();
-    let model = K3Model::load(&store).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
     let (mut logits_out, mut routes) = (Vec::new(), Vec::new());
     for p in &reference(name).prompts {
         let mut src = StoreExperts::new(&store);

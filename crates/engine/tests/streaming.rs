@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
-use deltafin_engine::k3::K3Model;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_engine::stream::cache::Policy;
 use deltafin_engine::stream::reader::BackendKind;
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
@@ -19,7 +19,7 @@ fn chunked_prompts_stream_bit_identically() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::InPlace);
         let store = Store::open(dir.path(), None).unwrap();
-        let model = K3Model::load(&store).unwrap();
+        let model = K3Model::load(&store, &RunConfig::default()).unwrap();
         let reference = run(&model, &mut StoreExperts::new(&store), name);
         let all = store.manifest.config.num_experts;
         for backend in backends() {
@@ -81,13 +81,14 @@ fn streaming_is_bit_identical_across_budgets_backends_and_layouts() {
         for layout in [ExpertLayout::InPlace, ExpertLayout::Pack] {
             let dir = convert_fixture(name, SpineDtype::Int8, 0, layout);
             let store = Store::open(dir.path(), None).unwrap();
-            let mut model = K3Model::load(&store).unwrap();
+            let model = K3Model::load(&store, &RunConfig::default()).unwrap();
             let reference = run(&model, &mut StoreExperts::new(&store), name);
             let all = store.manifest.config.num_experts;
             for backend in backends() {
                 for slots in [1, 3, all] {
                     for (prefetch, policy) in [(0, Policy::Lru), (8, Policy::Slru)] {
-                        model.prefetch = prefetch > 0;
+                        let run_config = RunConfig { prefetch: prefetch > 0, ..Default::default() };
+                        let model = K3Model::load(&store, &run_config).unwrap();
                         let mut src = StreamingExperts::new(&store, opts(slots, backend, prefetch, policy)).unwrap();
                         let got = run(&model, &mut src, name);
                         let what =
@@ -107,7 +108,6 @@ fn streaming_is_bit_identical_across_budgets_backends_and_layouts() {
                             assert!(t.prefetch_reads > 0, "{what}: prefetch issued no reads");
                             assert!(t.prefetch_used <= t.prefetch_reads + t.hits);
                         }
-                        model.prefetch = false;
                     }
                 }
             }
@@ -125,7 +125,7 @@ fn corrupt_record_is_caught_by_the_streaming_reader() {
     }
     std::fs::write(&f, bytes).unwrap();
     let store = Store::open(dir.path(), None).unwrap();
-    let model = K3Model::load(&store).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
     for backend in backends() {
         let mut src = StreamingExperts::new(&store, opts(2, backend, 0, Policy::Lru)).unwrap();
         let mut st = model.new_state();
@@ -142,10 +142,12 @@ fn streamed_spine_layers_are_bit_identical() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::InPlace);
         let store = Store::open(dir.path(), None).unwrap();
-        let reference = run(&K3Model::load(&store).unwrap(), &mut StoreExperts::new(&store), name);
+        let reference =
+            run(&K3Model::load(&store, &RunConfig::default()).unwrap(), &mut StoreExperts::new(&store), name);
         let n = store.manifest.config.num_hidden_layers;
         for resident in [0, 2, n - 1] {
-            let model = K3Model::load_with(&store, Some(resident)).unwrap();
+            let model =
+                K3Model::load(&store, &RunConfig { resident_layers: Some(resident), ..Default::default() }).unwrap();
             let got = run(&model, &mut StoreExperts::new(&store), name);
             for (a, b) in got.iter().zip(&reference) {
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: {resident} resident layers");
@@ -166,7 +168,7 @@ fn corrupt_streamed_spine_layer_is_caught() {
     let mut b = [0u8];
     f.read_exact_at(&mut b, t.offset + 5).unwrap();
     f.write_all_at(&[b[0] ^ 0x11], t.offset + 5).unwrap();
-    let model = K3Model::load_with(&store, Some(4)).unwrap();
+    let model = K3Model::load(&store, &RunConfig { resident_layers: Some(4), ..Default::default() }).unwrap();
     let mut st = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size];
     let err = model.forward(&mut st, &mut StoreExperts::new(&store), 3, &mut logits).unwrap_err();

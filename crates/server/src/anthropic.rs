@@ -6,9 +6,9 @@ use std::collections::VecDeque;
 
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use deltafin_engine::chat::parse::OutputEvent;
-use deltafin_engine::chat::{Conversation, Message, Role, ToolCall, ToolChoice};
-use deltafin_engine::textgen::{Finish, Summary, TextRequest};
+use deltafin_text::chat::parse::OutputEvent;
+use deltafin_text::chat::{Conversation, Message, Role, ToolCall, ToolChoice};
+use deltafin_text::textgen::{Finish, Summary, TextRequest};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;

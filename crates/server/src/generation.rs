@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use deltafin_engine::chat::parse::OutputEvent;
-use deltafin_engine::chat::{Conversation, Role};
-use deltafin_engine::sample::SamplingParams;
-use deltafin_engine::textgen::{Summary, TextRequest, TokenLogprob};
+use deltafin_text::chat::parse::OutputEvent;
+use deltafin_text::chat::{Conversation, Role};
+use deltafin_text::sample::SamplingParams;
+use deltafin_text::textgen::{Summary, TextRequest, TokenLogprob};
 
 use crate::error::ApiError;
 use crate::sse::keep_alive;

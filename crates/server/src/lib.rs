@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use deltafin_engine::session::Session;
-use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_text::tokenizer::Tokenizer;
 
 use crate::metrics::Metrics;
 use crate::state::{AppState, ModelInfo, ScriptedReply};

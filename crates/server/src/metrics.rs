@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_engine::experts::ExpertSource;
 use deltafin_engine::session::Session;
-use deltafin_engine::textgen::{Finish, Summary};
+use deltafin_text::textgen::{Finish, Summary};
 
 /// A Prometheus summary without quantiles: a sum and a count.
 #[derive(Default)]

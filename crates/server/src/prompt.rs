@@ -1,7 +1,7 @@
 //! A conversation into prompt tokens, with K3's chat encoding.
 
-use deltafin_engine::chat::encode::{RenderOptions, render, to_tokens};
-use deltafin_engine::chat::{Conversation, ToolChoice};
+use deltafin_text::chat::encode::{RenderOptions, render, to_tokens};
+use deltafin_text::chat::{Conversation, ToolChoice};
 
 use crate::error::ApiError;
 use crate::state::Shared;

@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use deltafin_engine::chat::Conversation;
+use deltafin_text::chat::Conversation;
 use serde_json::{Value, json};
 
 use crate::error::{AnthropicError, ApiError};

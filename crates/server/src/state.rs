@@ -3,8 +3,8 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use deltafin_engine::textgen::TextRequest;
-use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_text::textgen::TextRequest;
+use deltafin_text::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;

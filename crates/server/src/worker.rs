@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::session::Session;
-use deltafin_engine::textgen::{PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
-use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_text::chat::parse::OutputEvent;
+use deltafin_text::textgen::{PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_text::tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;

@@ -10,9 +10,9 @@
 
 use std::path::PathBuf;
 
-use deltafin_engine::chat::Conversation;
-use deltafin_engine::chat::encode::{RenderOptions, render, to_text};
 use deltafin_server::openai::{parse_messages, parse_tool_choice, parse_tools};
+use deltafin_text::chat::Conversation;
+use deltafin_text::chat::encode::{RenderOptions, render, to_text};
 use serde_json::Value;
 
 fn golden() -> Value {

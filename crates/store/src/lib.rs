@@ -20,4 +20,4 @@ pub mod synth;
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
 pub use manifest::{ExpertLayout, Manifest, SpineDtype};
-pub use store::{ExpertFiles, LoadedTensor, SpineData, SpineImage, SpineSource, Store};
+pub use store::{ExpertFiles, LoadedTensor, SpineData, SpineImage, SpineSource, SpineTable, Store};

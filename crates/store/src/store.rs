@@ -183,17 +183,14 @@ impl Store {
 
     /// The byte range of the spine file holding layer `layer`'s tensors (4096-aligned).
     pub fn spine_layer_range(&self, layer: usize) -> Option<(u64, u64)> {
-        let ts = self.manifest.spine.tensors.iter().filter(|t| t.layer == Some(layer));
-        let (mut lo, mut hi) = (u64::MAX, 0u64);
-        for t in ts {
-            lo = lo.min(t.offset);
-            hi = hi.max(t.offset + t.len);
-            if t.scales_len > 0 {
-                lo = lo.min(t.scales_offset);
-                hi = hi.max(t.scales_offset + t.scales_len);
-            }
-        }
-        (hi > 0).then(|| (lo / 4096 * 4096, hi.div_ceil(4096) * 4096))
+        layer_range(self.manifest.spine.tensors.iter(), layer)
+    }
+
+    /// The spine's tensor table for `layers`, detached from this open store: what a loader
+    /// thread needs to decode the layer images its own reader reads.
+    pub fn spine_table(&self, layers: &[usize]) -> SpineTable {
+        let tensors = self.manifest.spine.tensors.iter().filter(|t| t.layer.is_some_and(|l| layers.contains(&l)));
+        SpineTable { path: self.spine_path(), tensors: tensors.map(|t| (t.name.clone(), t.clone())).collect() }
     }
 
     pub fn spine_path(&self) -> PathBuf {
@@ -220,16 +217,54 @@ impl SpineSource for Store {
 
 /// Bytes `[base, base + bytes.len())` of a store's spine file, read in one go (a streamed spine
 /// layer), serving its tensors with the same checks as the file.
+/// The 4096-aligned byte range of the spine file holding `layer`'s tensors.
+fn layer_range<'a>(tensors: impl Iterator<Item = &'a SpineTensor>, layer: usize) -> Option<(u64, u64)> {
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
+    for t in tensors.filter(|t| t.layer == Some(layer)) {
+        lo = lo.min(t.offset);
+        hi = hi.max(t.offset + t.len);
+        if t.scales_len > 0 {
+            lo = lo.min(t.scales_offset);
+            hi = hi.max(t.scales_offset + t.scales_len);
+        }
+    }
+    (hi > 0).then(|| (lo / 4096 * 4096, hi.div_ceil(4096) * 4096))
+}
+
+/// Some layers' spine tensor table: where each tensor sits in the spine file.
+#[derive(Debug, Clone)]
+pub struct SpineTable {
+    path: PathBuf,
+    tensors: HashMap<String, SpineTensor>,
+}
+
+impl SpineTable {
+    /// The spine file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The byte range of the spine file holding layer `layer`'s tensors (4096-aligned).
+    pub fn layer_range(&self, layer: usize) -> Option<(u64, u64)> {
+        layer_range(self.tensors.values(), layer)
+    }
+}
+
+/// An in-memory image of part of the spine file (a layer's range), read by a loader.
 pub struct SpineImage<'a> {
-    pub store: &'a Store,
+    pub table: &'a SpineTable,
+    /// Offset in the spine file of `bytes[0]`.
     pub base: u64,
     pub bytes: &'a [u8],
 }
 
 impl SpineSource for SpineImage<'_> {
     fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
-        let path = self.store.spine_path();
-        let t = self.store.spine_info_or_err(name)?;
+        let path = &self.table.path;
+        let t = self.table.tensors.get(name).ok_or_else(|| StoreError::Store {
+            path: path.clone(),
+            msg: format!("spine tensor '{name}' is not in the loaded layer image's table"),
+        })?;
         let slice = |off: u64, len: u64| -> Result<&[u8], StoreError> {
             let start = off.checked_sub(self.base).map(|s| s as usize);
             start.and_then(|s| self.bytes.get(s..s + len as usize)).ok_or_else(|| StoreError::Store {
@@ -239,7 +274,7 @@ impl SpineSource for SpineImage<'_> {
         };
         let data = slice(t.offset, t.len)?;
         let scales = if t.scales_len > 0 { slice(t.scales_offset, t.scales_len)? } else { &[] };
-        decode_spine_tensor(t, data.to_vec(), scales, &path)
+        decode_spine_tensor(t, data.to_vec(), scales, path)
     }
 }
 

@@ -67,6 +67,17 @@ pub struct Routing {
     pub predicted_next: Vec<usize>,
 }
 
+impl Routing {
+    /// Become a copy of `other` in this routing's own buffers (no allocation once they have
+    /// reached top-k: the per-token loop copies routings between the state and a chunk).
+    pub fn copy_from(&mut self, other: &Routing) {
+        self.experts.clone_from(&other.experts);
+        self.weights.clone_from(&other.weights);
+        self.pinned = other.pinned;
+        self.predicted_next.clone_from(&other.predicted_next);
+    }
+}
+
 impl LatentMoe {
     pub fn load(store: &dyn SpineSource, layer: usize, c: &K3Config, layout: &RecordLayout) -> Result<Self> {
         let p = format!("layers.{layer}.block_sparse_moe.");
@@ -201,16 +212,22 @@ impl LatentMoe {
         }
     }
 
-    /// Several tokens of a prompt through this layer at once: each token is routed as alone, but
-    /// the union of their experts is requested together, so each distinct expert is read once
-    /// per chunk and applied to every token that chose it. Per token the arithmetic is the same
-    /// as [`forward`](Self::forward), so the results are identical.
-    /// Shapes: xs and outs `[T, hidden]`; routings `[T]`.
-    pub fn forward_chunk(
+    /// A chunk of one or more tokens through this layer. Shapes: xs and outs `[T, hidden]`
+    /// (xs already normed); routings `[T]`.
+    ///
+    /// Each token is routed as if alone, and the union of the chunk's experts is requested at
+    /// once as soon as the router has picked them, so each distinct expert is read once per
+    /// chunk and applied to every token that chose it (as one small batch when several did).
+    /// The shared experts (and, with `run.next`, the next MoE layer's router on the last token:
+    /// its prediction is recorded, and hinted to the source for prefetch when `run.hint` is set)
+    /// run while the reads are in flight. Each expert is computed when its record arrives, into
+    /// its own slot, and the slots are summed in routing order, so per token the result depends
+    /// neither on arrival order nor on the chunk.
+    pub fn forward(
         &self,
         xs: &[f32],
         experts: &mut dyn ExpertSource,
-        approx: bool,
+        run: MoeRun<'_>,
         routings: &mut [Routing],
         outs: &mut [f32],
         sc: &mut Scratch,
@@ -219,7 +236,7 @@ impl LatentMoe {
         let t_n = routings.len();
         let (i, lat) = (self.inter, self.latent);
         let mut logits = sc.take(self.gate.rows); // [E]
-        let mut union: Vec<usize> = Vec::new(); // distinct experts of the chunk, first-use order
+        let mut union = sc.take_ids(); // distinct experts of the chunk, first-use order
         for (t, r) in routings.iter_mut().enumerate() {
             self.route(&xs[t * h..(t + 1) * h], r, &mut logits, sc)?;
             r.predicted_next.clear();
@@ -231,76 +248,89 @@ impl LatentMoe {
             }
         }
         experts.begin(self.layer, &union)?;
-        let mut shared = vec![0f32; t_n * h]; // [T, hidden]
+
+        let mut shared = sc.take(t_n * h); // [T, hidden]
         if let Some(sh) = &self.shared {
             for t in 0..t_n {
                 sh.forward(&xs[t * h..(t + 1) * h], &mut shared[t * h..(t + 1) * h], sc);
             }
         }
-        let mut xl = vec![0f32; t_n * lat]; // [T, LAT]
-        let mut xqs: Vec<QuantizedX> = (0..t_n).map(|_| QuantizedX::default()).collect();
+        if let (Some(n), Some(r)) = (run.next, routings.last_mut()) {
+            n.predict(&xs[(t_n - 1) * h..], &mut r.predicted_next, sc);
+            if run.hint {
+                experts.prefetch(n.layer, &r.predicted_next)?;
+            }
+        }
+
+        let mut xl = sc.take(t_n * lat); // [T, LAT] each token's latent expert input
+        let mut xqs = std::mem::take(&mut sc.xqs); // [T] xl quantised (approximate mode)
+        xqs.resize_with(t_n.max(xqs.len()), QuantizedX::default);
         for t in 0..t_n {
             let dst = &mut xl[t * lat..(t + 1) * lat];
             match &self.down {
                 Some(d) => d.forward(&xs[t * h..(t + 1) * h], dst),
                 None => dst.copy_from_slice(&xs[t * h..(t + 1) * h]),
             }
-            if approx {
+            if run.approx {
                 xqs[t].quantize(dst);
             }
         }
         let k = self.top_k.max(routings.iter().map(|r| r.experts.len()).max().unwrap_or(0));
-        let mut eo = vec![0f32; t_n * k * lat]; // [T, k, LAT]
-        let mut a = sc.take(i); // [I]
-        let mut gu = sc.take(i); // [I]
-        let mut aq = QuantizedX::default();
-        let mut delivered = 0usize;
+        let mut eo = sc.take(t_n * k * lat); // [T, k, LAT] each expert's output, in routing order
+        let mut a = sc.take(i); // [I] SiTU activations of the expert being computed
+        let mut gu = sc.take(if run.approx { i } else { 0 }); // [I] gate products (approximate mode)
+        let mut aq = std::mem::take(&mut sc.aq);
+        let mut done = sc.take_ids(); // [union] 1 once an expert's record has been computed
+        done.resize(union.len(), 0);
         // An expert used by several tokens of the chunk runs them as one small batch.
-        let mut users: Vec<(usize, usize)> = Vec::with_capacity(t_n); // (token, slot)
-        let mut xb = vec![0f32; t_n * lat]; // [n, LAT] inputs of one expert's tokens
-        let mut ab = vec![0f32; t_n * i]; // [n, I]
-        let mut ob = vec![0f32; t_n * lat]; // [n, LAT]
+        let mut users = sc.take_ids(); // token * k + slot of each token that chose the expert
+        let batch = if t_n > 1 { t_n } else { 0 }; // rows of a batch (a pinned routing may repeat an expert)
+        let mut xb = sc.take(batch * lat); // [n, LAT] inputs of one expert's tokens
+        let mut ab = sc.take(batch * i); // [n, I]
+        let mut ob = sc.take(batch * lat); // [n, LAT]
         experts.drain(&mut |u, record| {
             let e = union[u];
             users.clear();
-            users.extend(
-                routings.iter().enumerate().filter_map(|(t, r)| r.experts.iter().position(|&x| x == e).map(|s| (t, s))),
-            );
-            if approx || users.len() == 1 {
-                for &(t, slot) in &users {
-                    let out = &mut eo[(t * k + slot) * lat..(t * k + slot + 1) * lat];
-                    self.expert_into(
-                        record,
-                        &xl[t * lat..(t + 1) * lat],
-                        &xqs[t],
-                        approx,
-                        &mut a,
-                        &mut gu,
-                        &mut aq,
-                        out,
-                    )?;
+            users.extend(routings.iter().enumerate().flat_map(|(t, r)| {
+                r.experts.iter().enumerate().filter(|(_, x)| **x == e).map(move |(s, _)| t * k + s)
+            }));
+            if run.approx || users.len() == 1 || users.len() > batch {
+                for &ts in users.iter() {
+                    let t = ts / k;
+                    let out = &mut eo[ts * lat..(ts + 1) * lat];
+                    let x = &xl[t * lat..(t + 1) * lat];
+                    self.expert_into(record, x, &xqs[t], run.approx, &mut a, &mut gu, &mut aq, out)?;
                 }
             } else {
                 let n = users.len();
-                for (j, &(t, _)) in users.iter().enumerate() {
+                for (j, &ts) in users.iter().enumerate() {
+                    let t = ts / k;
                     xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
                 }
                 self.expert_batch_into(record, &xb[..n * lat], n, &mut ab[..n * i], &mut ob[..n * lat])?;
-                for (j, &(t, slot)) in users.iter().enumerate() {
-                    eo[(t * k + slot) * lat..(t * k + slot + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
+                for (j, &ts) in users.iter().enumerate() {
+                    eo[ts * lat..(ts + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
                 }
             }
-            delivered += 1;
+            done[u] = 1;
             Ok(())
         })?;
-        anyhow::ensure!(delivered == union.len(), "expert source did not deliver every expert of layer {}", self.layer);
-        let mut acc = sc.take(lat); // [LAT]
+        anyhow::ensure!(
+            done.iter().all(|&d| d == 1),
+            "expert source did not deliver every expert of layer {}",
+            self.layer
+        );
+        let mut acc = sc.take(lat); // [LAT] weighted sum of one token's expert outputs
         for (t, r) in routings.iter().enumerate() {
             let eo_t = &eo[t * k * lat..(t * k + r.experts.len()) * lat];
             self.combine(&r.weights, eo_t, &shared[t * h..(t + 1) * h], &mut acc, &mut outs[t * h..(t + 1) * h]);
         }
-        for buf in [logits, a, gu, acc] {
+        for buf in [logits, shared, xl, eo, a, gu, acc, xb, ab, ob] {
             sc.give(buf);
+        }
+        (sc.xqs, sc.aq) = (xqs, aq);
+        for ids in [union, done, users] {
+            sc.give_ids(ids);
         }
         Ok(())
     }
@@ -314,74 +344,5 @@ impl LatentMoe {
         select_experts(&logits, &self.bias, self.top_k, self.renormalize, self.scaling, ids, &mut w, sc);
         sc.give(w);
         sc.give(logits);
-    }
-
-    /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
-    ///
-    /// Reads for the chosen experts start as soon as the router has picked them; the shared
-    /// experts (and, with `next`, the next MoE layer's router: its prediction is recorded, and
-    /// hinted to the source for prefetch when the flag is set) run while they are in flight;
-    /// each expert is computed when its record arrives, into its own slot, and the slots are
-    /// summed in routing order so the result does not depend on arrival order.
-    pub fn forward(
-        &self,
-        x: &[f32],
-        experts: &mut dyn ExpertSource,
-        run: MoeRun<'_>,
-        routing: &mut Routing,
-        out: &mut [f32],
-        sc: &mut Scratch,
-    ) -> Result<()> {
-        let mut logits = sc.take(self.gate.rows); // [E]
-        self.route(x, routing, &mut logits, sc)?;
-        experts.begin(self.layer, &routing.experts)?;
-
-        let mut shared = sc.take(out.len()); // [hidden]
-        if let Some(sh) = &self.shared {
-            sh.forward(x, &mut shared, sc);
-        }
-        routing.predicted_next.clear();
-        if let Some(n) = run.next {
-            n.predict(x, &mut routing.predicted_next, sc);
-            if run.hint {
-                experts.prefetch(n.layer, &routing.predicted_next)?;
-            }
-        }
-
-        let mut xl = sc.take(self.latent); // [LAT]
-        match &self.down {
-            Some(d) => d.forward(x, &mut xl),
-            None => xl.copy_from_slice(x),
-        }
-        let (i, lat) = (self.inter, self.latent);
-        let k = routing.experts.len();
-        let mut eo = sc.take(k * lat); // [k, LAT] each expert's output, in routing order
-        let mut a = sc.take(i); // [I] SiTU activations of the expert being computed
-        let mut gu = sc.take(if run.approx { i } else { 0 }); // [I] gate products (approximate mode)
-        let (mut xq, mut aq) = (std::mem::take(&mut sc.xq), std::mem::take(&mut sc.aq));
-        if run.approx {
-            xq.quantize(&xl);
-        }
-        let mut done = sc.take_ids(); // [k] 1 once an expert's record has been computed
-        done.resize(k, 0);
-        experts.drain(&mut |slot, record| {
-            let out = &mut eo[slot * lat..(slot + 1) * lat];
-            self.expert_into(record, &xl, &xq, run.approx, &mut a, &mut gu, &mut aq, out)?;
-            done[slot] = 1;
-            Ok(())
-        })?;
-        anyhow::ensure!(
-            done.iter().all(|&d| d == 1),
-            "expert source did not deliver every expert of layer {}",
-            self.layer
-        );
-        let mut acc = sc.take(lat); // [LAT] weighted sum of expert outputs
-        self.combine(&routing.weights, &eo, &shared, &mut acc, out);
-        for buf in [logits, shared, xl, eo, a, gu, acc] {
-            sc.give(buf);
-        }
-        (sc.xq, sc.aq) = (xq, aq);
-        sc.give_ids(done);
-        Ok(())
     }
 }

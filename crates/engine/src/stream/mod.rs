@@ -3,6 +3,8 @@
 
 pub mod aligned;
 pub mod cache;
+pub mod geometry;
 pub mod probe;
 pub mod reader;
+pub mod spine;
 pub mod streaming;

@@ -10,7 +10,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use super::aligned::{AlignedBuf, align_down, align_up};
+use super::aligned::{AlignedBuf, DIRECT_ALIGN};
+use super::geometry::Window;
 use super::reader::{BackendKind, ReadReq, make_backend, open_files};
 
 #[derive(Debug, Clone, Serialize)]
@@ -45,8 +46,7 @@ pub fn raw_read_bandwidth(
     }
     let (files, o_direct) = open_files(store.experts.paths(), true)?;
     let mut be = make_backend(Arc::new(files), backend, queue_depth)?;
-    let window = |r: &[u64; 3]| (align_down(r[1]), align_up(r[1] + r[2]));
-    let max_w = targets.iter().map(|r| window(r).1 - window(r).0).max().unwrap_or(4096) as usize;
+    let max_w = targets.iter().map(|r| Window::of(r).len).max().unwrap_or(DIRECT_ALIGN);
     let qd = queue_depth.max(1);
     let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(max_w)).collect();
     let mut free: Vec<usize> = (0..qd).collect();
@@ -61,17 +61,17 @@ pub fn raw_read_bandwidth(
             && let Some(b) = free.pop()
         {
             let r = targets[rng.random_range(0..targets.len())];
-            let (s, e) = window(&r);
+            let w = Window::of(&r);
             let req = ReadReq {
-                file: r[0] as usize,
-                offset: s,
-                len: (e - s) as usize,
-                need: (r[1] + r[2] - s) as usize,
+                file: w.file,
+                offset: w.offset,
+                len: w.len,
+                need: w.need,
                 buf: bufs[b].as_mut_ptr(),
                 tag: b as u64,
             };
             be.submit(&[req])?;
-            bytes += e - s;
+            bytes += w.len as u64;
             issued += 1;
         }
         done.clear();

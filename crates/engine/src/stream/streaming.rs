@@ -14,8 +14,9 @@ use deltafin_store::{Store, StoreError};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::aligned::{AlignedBuf, DIRECT_ALIGN, align_down, align_up};
+use super::aligned::AlignedBuf;
 use super::cache::{LayerCache, Policy};
+use super::geometry;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
 use crate::experts::ExpertSource;
 
@@ -120,12 +121,7 @@ impl StreamingExperts {
         let locs: HashMap<usize, Vec<ExpertLocation>> =
             ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
         // A buffer holds the aligned windows of all of a record's ranges back to back.
-        let slot_bytes = locs
-            .values()
-            .flatten()
-            .map(|l| l.ranges.iter().map(|r| (align_up(r[1] + r[2]) - align_down(r[1])) as usize).sum::<usize>())
-            .max()
-            .unwrap_or(DIRECT_ALIGN);
+        let slot_bytes = geometry::slot_bytes(locs.values().flatten());
         let layers = locs.len();
         let n_bufs = opts.cache_slots_per_layer * layers + opts.io_buffers.max(1);
         let bufs: Vec<AlignedBuf> = (0..n_bufs).map(|_| AlignedBuf::new(slot_bytes)).collect();
@@ -183,22 +179,19 @@ impl StreamingExperts {
         reqs.clear();
         let mut pos = 0usize;
         let base = self.bufs[buf].as_mut_ptr();
-        for (i, r) in loc.ranges.iter().enumerate() {
-            let (file, off, len) = (r[0] as usize, r[1], r[2]);
-            let start = align_down(off);
-            let end = align_up(off + len);
+        for (i, w) in geometry::windows(loc).enumerate() {
             let tag = (id << 8) | i as u64;
             reqs.push(ReadReq {
-                file,
-                offset: start,
-                len: (end - start) as usize,
-                need: (off + len - start) as usize,
+                file: w.file,
+                offset: w.offset,
+                len: w.len,
+                need: w.need,
                 // SAFETY: `pos + window` fits in the buffer by construction of `slot_bytes`.
                 buf: unsafe { base.add(pos) },
                 tag,
             });
             self.tags.insert(tag, id);
-            pos += (end - start) as usize;
+            pos += w.len;
         }
         let bytes: u64 = reqs.iter().map(|r| r.len as u64).sum();
         self.flights
@@ -227,22 +220,7 @@ impl StreamingExperts {
             .and_then(|v| v.get(key.1))
             .ok_or_else(|| anyhow!("no routed expert {} in layer {}", key.1, key.0))?;
         let b = self.bufs[buf].as_mut_slice();
-        let start = if loc.ranges.len() == 1 {
-            let r = loc.ranges[0];
-            (r[1] - align_down(r[1])) as usize
-        } else {
-            // Ranges were read as consecutive aligned windows; compact them leftwards into
-            // record order (each destination precedes its source, so copies never clobber).
-            let (mut src, mut dst) = (0usize, 0usize);
-            for r in &loc.ranges {
-                let (off, len) = (r[1], r[2] as usize);
-                let skip = (off - align_down(off)) as usize;
-                b.copy_within(src + skip..src + skip + len, dst);
-                src += (align_up(off + len as u64) - align_down(off)) as usize;
-                dst += len;
-            }
-            0
-        };
+        let start = geometry::assemble(loc, b);
         let rec = &b[start..start + self.record_bytes];
         let actual = xxh3_64(rec);
         if actual != loc.xxh3 {

@@ -2,16 +2,17 @@
 //! seeded sampling is reproducible, forced tokens, stop strings and cancellation behave, and
 //! log-probabilities are those of the model's distribution.
 
+#[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
 use common::*;
-use deltafin_engine::chat::parse::OutputEvent;
 use deltafin_engine::experts::StoreExperts;
-use deltafin_engine::k3::K3Model;
-use deltafin_engine::sample::SamplingParams;
-use deltafin_engine::textgen::{Finish, PrefixCache, Sink, TextGenerator, TextRequest, TokenLogprob};
-use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
+use deltafin_text::chat::parse::OutputEvent;
+use deltafin_text::sample::SamplingParams;
+use deltafin_text::textgen::{Finish, PrefixCache, Sink, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_text::tokenizer::Tokenizer;
 
 /// Records everything; cancels after `cancel_after` tokens when set.
 #[derive(Default)]
@@ -60,7 +61,7 @@ fn generation_loop_matches_the_reference_and_its_own_rules() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::InPlace);
         let store = Store::open(dir.path(), None).unwrap();
-        let model = K3Model::load(&store).unwrap();
+        let model = K3Model::load(&store, &RunConfig::default()).unwrap();
         let tok = Tokenizer::load(&store.dir).unwrap();
         let generator = TextGenerator { model: &model, tokenizer: &tok, step_delay: Default::default() };
         let run = |req: &TextRequest, rec: &mut Recorder| {

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use crate::chat::parse::{Markers, OutputEvent, OutputParser};
-use crate::experts::ExpertSource;
-use crate::generate::PROMPT_CHUNK;
-use crate::k3::{K3Model, K3State};
 use crate::sample::{Sampler, SamplingParams, logprobs};
 use crate::tokenizer::{Tokenizer, Utf8Decoder};
+use deltafin_engine::experts::ExpertSource;
+use deltafin_engine::generate::{self, Driver, Ended, GenerateHooks};
+use deltafin_engine::k3::{K3Model, K3State};
 
 #[derive(Debug, Clone)]
 pub struct TextRequest {
@@ -167,20 +167,9 @@ impl TextGenerator<'_> {
         mut cache: Option<&mut PrefixCache>,
     ) -> Result<Summary> {
         anyhow::ensure!(!req.prompt.is_empty(), "the prompt is empty");
-        let start = Instant::now();
         let model = self.model;
-        let vocab = model.config.vocab_size;
-        let mut summary = Summary {
-            finish: Finish::Length,
-            prompt_tokens: req.prompt.len(),
-            cached_prompt_tokens: 0,
-            completion_tokens: 0,
-            ttft_s: 0.0,
-            decode_s: 0.0,
-            stop_string: None,
-        };
         let mut st = model.new_state();
-        let mut logits = vec![0f32; vocab]; // [vocab]
+        let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
         let mut resume = 0;
         if let Some(c) = cache.as_deref_mut()
             && !c.tokens.is_empty()
@@ -190,165 +179,233 @@ impl TextGenerator<'_> {
             logits.copy_from_slice(&c.logits);
             resume = c.tokens.len();
         }
-        summary.cached_prompt_tokens = resume;
-        for chunk in req.prompt[resume..].chunks(PROMPT_CHUNK) {
-            if !sink.keep_going() {
-                summary.finish = Finish::Cancelled;
-                return Ok(summary);
-            }
-            model.forward_chunk(&mut st, experts, chunk, &mut logits)?;
-            self.throttle();
+        let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
+        let mut turn = TextTurn {
+            tokenizer: self.tokenizer,
+            req,
+            sink,
+            cache: cache.filter(|_| resume < req.prompt.len()),
+            step_delay: self.step_delay,
+            start: Instant::now(),
+            summary: Summary {
+                finish: Finish::Length,
+                prompt_tokens: req.prompt.len(),
+                cached_prompt_tokens: resume,
+                completion_tokens: 0,
+                ttft_s: 0.0,
+                decode_s: 0.0,
+                stop_string: None,
+            },
+            markers,
+            parser: markers.map(|m| OutputParser::new(m, req.reasoning_open)),
+            raw_text: Utf8Decoder::default(),
+            stop: StopMatcher::new(&req.stop),
+            sampler: Sampler::new(req.sampling.clone()),
+            parsed: Vec::new(),
+            events: Vec::new(),
+            saw_tool_call: false,
+            decode_start: None,
+        };
+        let ended = generate::run(
+            model,
+            experts,
+            &mut st,
+            &mut logits,
+            &req.prompt[resume..],
+            &mut GenerateHooks::default(),
+            &mut turn,
+        )?;
+        if ended == Ended::Cancelled {
+            turn.summary.finish = Finish::Cancelled;
+            return Ok(turn.summary);
         }
-        if let Some(c) = cache.filter(|_| resume < req.prompt.len()) {
+        Ok(turn.finish())
+    }
+}
+
+/// One request's generation as the loop's [`Driver`]: samples (or takes the forced tokens),
+/// parses, holds text back for stop strings, and reports each token to the sink.
+struct TextTurn<'a> {
+    tokenizer: &'a Tokenizer,
+    req: &'a TextRequest,
+    sink: &'a mut dyn Sink,
+    /// Where this prompt's state is left for the next request (when it ran new tokens).
+    cache: Option<&'a mut PrefixCache>,
+    step_delay: Duration,
+    start: Instant,
+    summary: Summary,
+    markers: Option<Markers>,
+    parser: Option<OutputParser>,
+    raw_text: Utf8Decoder,
+    stop: StopMatcher,
+    sampler: Sampler,
+    parsed: Vec<OutputEvent>,
+    events: Vec<OutputEvent>,
+    saw_tool_call: bool,
+    decode_start: Option<Instant>,
+}
+
+impl Driver for TextTurn<'_> {
+    fn keep_going(&mut self) -> bool {
+        self.sink.keep_going()
+    }
+
+    fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
+        if let Some(c) = self.cache.take() {
             // Tokens last: a cache whose copy did not finish never claims this prompt.
             c.tokens.clear();
-            c.state.copy_sequence_from(&st);
-            c.logits.copy_from_slice(&logits);
-            c.tokens.extend_from_slice(&req.prompt);
+            c.state.copy_sequence_from(state);
+            c.logits.copy_from_slice(logits);
+            c.tokens.extend_from_slice(&self.req.prompt);
         }
-        let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
-        let mut parser = markers.map(|m| OutputParser::new(m, req.reasoning_open));
-        let mut raw_text = Utf8Decoder::default();
-        let mut stop = StopMatcher::new(&req.stop);
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let eos = self.tokenizer.eos_id;
-        let mut parsed: Vec<OutputEvent> = Vec::new();
-        let mut events: Vec<OutputEvent> = Vec::new();
-        let mut saw_tool_call = false;
-        let mut decode_start = None;
-        summary.finish = loop {
-            if summary.completion_tokens >= req.max_tokens {
-                break Finish::Length;
-            }
-            if !sink.keep_going() {
-                break Finish::Cancelled;
-            }
-            let token = match &req.forced {
-                Some(f) => match f.get(summary.completion_tokens) {
-                    Some(&t) => t,
-                    None => break Finish::Stop,
-                },
-                None => sampler.sample(&logits),
-            };
-            if summary.completion_tokens == 0 {
-                summary.ttft_s = start.elapsed().as_secs_f64();
-                decode_start = Some(Instant::now());
-            }
-            summary.completion_tokens += 1;
-            if Some(token) == eos && !req.ignore_eos {
-                break Finish::Stop;
-            }
-            let lp = req.logprobs.filter(|_| (token as usize) < vocab).map(|n| {
-                let l = logprobs(&logits, token, n);
-                TokenLogprob { id: token, logprob: l.logprob, top: l.top }
-            });
-            // Parse, then pass answer text through the stop-string check.
-            parsed.clear();
-            let bytes = self.tokenizer.token_bytes(token);
-            match parser.as_mut() {
-                Some(p) => {
-                    let markup = markers.is_some_and(|m| [m.open, m.close, m.sep].contains(&token));
-                    // Special tokens that are not markup (`[EOS]`, `[EOT]`, media tokens, the end
-                    // of message when ignored) are never answer text in a chat.
-                    let bytes = if !markup && self.tokenizer.is_special(token) { &[] } else { bytes };
-                    p.push(token, bytes, &mut parsed)
-                }
-                None => {
-                    let text = raw_text.push(bytes);
-                    if !text.is_empty() {
-                        parsed.push(OutputEvent::Content(text));
-                    }
-                }
-            }
-            let stopped = self.filter_stops(&mut stop, &parsed, &mut events, &mut summary);
-            saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
-            if !sink.token(&events, lp.as_ref()) {
-                break Finish::Cancelled;
-            }
-            if stopped {
-                break Finish::Stop;
-            }
-            if summary.completion_tokens >= req.max_tokens {
-                break Finish::Length;
-            }
-            model.forward(&mut st, experts, token, &mut logits)?;
-            self.throttle();
+    }
+
+    fn next(&mut self, logits: &[f32]) -> Result<Option<u32>> {
+        let req = self.req;
+        let vocab = logits.len();
+        let summary = &mut self.summary;
+        if summary.completion_tokens >= req.max_tokens {
+            return Ok(self.end(Finish::Length));
+        }
+        if !self.sink.keep_going() {
+            return Ok(self.end(Finish::Cancelled));
+        }
+        let token = match &req.forced {
+            Some(f) => match f.get(summary.completion_tokens) {
+                Some(&t) => t,
+                None => return Ok(self.end(Finish::Stop)),
+            },
+            None => self.sampler.sample(logits),
         };
+        if summary.completion_tokens == 0 {
+            summary.ttft_s = self.start.elapsed().as_secs_f64();
+            self.decode_start = Some(Instant::now());
+        }
+        summary.completion_tokens += 1;
+        if Some(token) == self.tokenizer.eos_id && !req.ignore_eos {
+            return Ok(self.end(Finish::Stop));
+        }
+        let lp = req.logprobs.filter(|_| (token as usize) < vocab).map(|n| {
+            let l = logprobs(logits, token, n);
+            TokenLogprob { id: token, logprob: l.logprob, top: l.top }
+        });
+        // Parse, then pass answer text through the stop-string check.
+        self.parsed.clear();
+        let bytes = self.tokenizer.token_bytes(token);
+        match self.parser.as_mut() {
+            Some(p) => {
+                let markup = self.markers.is_some_and(|m| [m.open, m.close, m.sep].contains(&token));
+                // Special tokens that are not markup (`[EOS]`, `[EOT]`, media tokens, the end of
+                // message when ignored) are never answer text in a chat.
+                let bytes = if !markup && self.tokenizer.is_special(token) { &[] } else { bytes };
+                p.push(token, bytes, &mut self.parsed)
+            }
+            None => {
+                let text = self.raw_text.push(bytes);
+                if !text.is_empty() {
+                    self.parsed.push(OutputEvent::Content(text));
+                }
+            }
+        }
+        let stopped = filter_stops(&mut self.stop, &self.parsed, &mut self.events, &mut self.summary);
+        self.saw_tool_call |= self.events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
+        if !self.sink.token(&self.events, lp.as_ref()) {
+            return Ok(self.end(Finish::Cancelled));
+        }
+        if stopped {
+            return Ok(self.end(Finish::Stop));
+        }
+        if self.summary.completion_tokens >= req.max_tokens {
+            return Ok(self.end(Finish::Length));
+        }
+        Ok(Some(token))
+    }
+
+    fn after_step(&mut self, _expert_bytes_read: u64) {
+        // A test throttle that holds the engine busy deterministically.
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+    }
+}
+
+impl TextTurn<'_> {
+    fn end(&mut self, finish: Finish) -> Option<u32> {
+        self.summary.finish = finish;
+        None
+    }
+
+    /// Release what the parser and the stop check still hold, and settle the finish reason.
+    fn finish(mut self) -> Summary {
+        let summary = &mut self.summary;
         if summary.finish != Finish::Cancelled {
-            // Release what the parser and the stop check still hold.
+            let (events, parsed) = (&mut self.events, &mut self.parsed);
             events.clear();
             parsed.clear();
-            match parser.as_mut() {
-                Some(p) => p.finish(&mut parsed),
+            match self.parser.as_mut() {
+                Some(p) => p.finish(parsed),
                 None => {
-                    let rest = raw_text.flush();
+                    let rest = self.raw_text.flush();
                     if !rest.is_empty() {
                         parsed.push(OutputEvent::Content(rest));
                     }
                 }
             }
-            if summary.stop_string.is_none() && self.filter_stops(&mut stop, &parsed, &mut events, &mut summary) {
+            if summary.stop_string.is_none() && filter_stops(&mut self.stop, parsed, events, summary) {
                 summary.finish = Finish::Stop;
             }
             if summary.stop_string.is_none() {
-                let rest = stop.flush();
+                let rest = self.stop.flush();
                 if !rest.is_empty() {
                     events.push(OutputEvent::Content(rest));
                 }
             }
-            saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
+            self.saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
             if !events.is_empty() {
-                sink.token(&events, None);
+                self.sink.token(events, None);
             }
-            if summary.finish == Finish::Stop && saw_tool_call && summary.stop_string.is_none() {
+            if summary.finish == Finish::Stop && self.saw_tool_call && summary.stop_string.is_none() {
                 summary.finish = Finish::ToolCalls;
             }
         }
-        summary.decode_s = decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
-        Ok(summary)
+        summary.decode_s = self.decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        self.summary
     }
+}
 
-    /// Moves `parsed` into `events`, holding back answer text for the stop check. Returns true
-    /// when a stop string matched (later events are dropped).
-    fn filter_stops(
-        &self,
-        stop: &mut StopMatcher,
-        parsed: &[OutputEvent],
-        events: &mut Vec<OutputEvent>,
-        summary: &mut Summary,
-    ) -> bool {
-        events.clear();
-        for ev in parsed {
-            match ev {
-                OutputEvent::Content(text) => {
-                    let (out, hit) = stop.push(text);
-                    if !out.is_empty() {
-                        events.push(OutputEvent::Content(out));
-                    }
-                    if let Some(s) = hit {
-                        summary.stop_string = Some(s);
-                        return true;
-                    }
+/// Moves `parsed` into `events`, holding back answer text for the stop check. Returns true
+/// when a stop string matched (later events are dropped).
+fn filter_stops(
+    stop: &mut StopMatcher,
+    parsed: &[OutputEvent],
+    events: &mut Vec<OutputEvent>,
+    summary: &mut Summary,
+) -> bool {
+    events.clear();
+    for ev in parsed {
+        match ev {
+            OutputEvent::Content(text) => {
+                let (out, hit) = stop.push(text);
+                if !out.is_empty() {
+                    events.push(OutputEvent::Content(out));
                 }
-                other => {
-                    // Answer text held back before a call or more reasoning is released first:
-                    // a stop string cannot span other output.
-                    let held = stop.flush();
-                    if !held.is_empty() {
-                        events.push(OutputEvent::Content(held));
-                    }
-                    events.push(other.clone());
+                if let Some(s) = hit {
+                    summary.stop_string = Some(s);
+                    return true;
                 }
             }
+            other => {
+                // Answer text held back before a call or more reasoning is released first:
+                // a stop string cannot span other output.
+                let held = stop.flush();
+                if !held.is_empty() {
+                    events.push(OutputEvent::Content(held));
+                }
+                events.push(other.clone());
+            }
         }
-        false
     }
-
-    fn throttle(&self) {
-        if !self.step_delay.is_zero() {
-            std::thread::sleep(self.step_delay);
-        }
-    }
+    false
 }
 
 #[cfg(test)]

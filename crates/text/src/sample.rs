@@ -1,7 +1,7 @@
 //! Token sampling: temperature, top-k and top-p (nucleus) over the logits, reproducible from a
 //! seed, and the log-probabilities an API reports beside each token.
 //!
-//! Temperature 0 is greedy (the arg-max, ties to the lowest id, like [`crate::generate::argmax`]).
+//! Temperature 0 is greedy (the arg-max, ties to the lowest id, like [`deltafin_engine::generate::argmax`]).
 //! Log-probabilities are those of the model's own distribution (before temperature and
 //! truncation), as OpenAI reports them.
 
@@ -48,12 +48,12 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 {
-            return crate::generate::argmax(logits);
+            return deltafin_engine::generate::argmax(logits);
         }
         self.cand.clear();
         self.cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l)));
         if self.cand.is_empty() {
-            return crate::generate::argmax(logits);
+            return deltafin_engine::generate::argmax(logits);
         }
         // Descending logit, ties to the lower id: a total order, so results do not depend on
         // the sort algorithm.

@@ -2,10 +2,11 @@
 //! each fixture's `tokenizer_check.json` with K3's pre-tokenisation regex), on English, digits,
 //! whitespace runs, contractions, mixed scripts (Han, accents, emoji) and special tokens.
 
+#[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
 use common::*;
-use deltafin_engine::tokenizer::{K3_PATTERN, Tokenizer};
+use deltafin_text::tokenizer::{K3_PATTERN, Tokenizer};
 use serde::Deserialize;
 
 #[derive(Deserialize)]

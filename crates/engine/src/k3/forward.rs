@@ -1,0 +1,155 @@
+//! The one token path: a chunk of one or more tokens goes through the model layer by layer, so
+//! each layer's spine is fetched once and each distinct expert is read once for the whole chunk.
+//! Decode is a chunk of one. Per token the arithmetic does not depend on the chunk it rides in:
+//! logits and state are bit-identical however a prompt is cut.
+
+use anyhow::Result;
+use deltafin_kernels::ops::rms_norm;
+
+use super::state::{K3State, LayerState};
+use super::{Attention, Ffn, K3Model, Layer};
+use crate::blocks::attn_res::ResidualBlocks;
+use crate::blocks::moe::MoeRun;
+use crate::experts::ExpertSource;
+use crate::scratch::Scratch;
+
+impl K3Model {
+    /// Run one token through the model, advancing `st`; writes the next-token logits.
+    /// Shapes: logits `[vocab]`.
+    pub fn forward(
+        &self,
+        st: &mut K3State,
+        experts: &mut dyn ExpertSource,
+        token: u32,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        self.forward_chunk(st, experts, &[token], logits)
+    }
+
+    /// Run `tokens` (one or more) through the model layer by layer, advancing `st`; writes the
+    /// last token's next-token logits. Shapes: logits `[vocab]`.
+    pub fn forward_chunk(
+        &self,
+        st: &mut K3State,
+        experts: &mut dyn ExpertSource,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let t_n = tokens.len();
+        anyhow::ensure!(t_n > 0, "empty chunk");
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            anyhow::bail!("token id {t} is outside the vocabulary (size {})", c.vocab_size);
+        }
+        let K3State { layers: states, routing, scratch: sc, blocks, chunk_routing, .. } = st;
+        while blocks.len() < t_n {
+            blocks.push(ResidualBlocks::new(c.rms_norm_eps));
+        }
+        let blocks = &mut blocks[..t_n];
+        blocks.iter_mut().for_each(ResidualBlocks::clear);
+        chunk_routing.resize_with(t_n.max(chunk_routing.len()), Default::default);
+        let chunk_routing = &mut chunk_routing[..t_n];
+        let mut xs = sc.take(t_n * h); // [T, H] the running partial sums entering each layer
+        for (t, &tok) in tokens.iter().enumerate() {
+            self.embed.row(tok as usize, &mut xs[t * h..(t + 1) * h]);
+        }
+        let mut normed = sc.take(t_n * h); // [T, H] each sub-layer's normed input
+        let mut ys = sc.take(t_n * h); // [T, H] FFN outputs
+        let mut hmix = sc.take(h); // [H] input of a sub-layer after residual mixing
+        let mut y = sc.take(h); // [H] attention output
+        for l in 0..self.layers.len() {
+            let layer = self.layer(l)?;
+            for t in 0..t_n {
+                let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
+                self.attention_part(&layer, l, &mut states[l], &mut blocks[t], x, &mut hmix, nm, &mut y, sc)?;
+            }
+            match &layer.ffn {
+                Ffn::Dense(m) => {
+                    for t in 0..t_n {
+                        m.forward(&normed[t * h..(t + 1) * h], &mut ys[t * h..(t + 1) * h], sc);
+                    }
+                }
+                Ffn::Moe(m) => {
+                    // A pinned routing (a study's override, set before a token) applies to the
+                    // chunk's first token; the state keeps the last token's routing.
+                    chunk_routing[0].copy_from(&routing[l]);
+                    chunk_routing[1..].iter_mut().for_each(|r| r.pinned = false);
+                    // Look-ahead predicts one token's next picks; a chunk's union is requested
+                    // whole at its layer.
+                    let next = if t_n == 1 { self.next_moe(l) } else { None };
+                    let run = MoeRun { next, hint: self.run.prefetch, approx: self.run.approx };
+                    m.forward(&normed, experts, run, chunk_routing, &mut ys, sc)?;
+                    routing[l].copy_from(&chunk_routing[t_n - 1]);
+                }
+            }
+            xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
+        }
+        let last = &xs[(t_n - 1) * h..];
+        if let Some(w) = &self.output_res_w {
+            blocks[t_n - 1].mix(last, w, &mut hmix);
+        } else {
+            hmix.copy_from_slice(last);
+        }
+        rms_norm(&hmix, &self.norm, c.rms_norm_eps, &mut y);
+        match &self.lm_head {
+            Some(head) => head.forward(&y, logits),
+            None => self.embed.forward(&y, logits),
+        }
+        for buf in [xs, normed, ys, hmix, y] {
+            sc.give(buf);
+        }
+        st.position += t_n;
+        Ok(())
+    }
+
+    /// Everything of layer `l` for one token up to the FFN: residual mixing, attention, the
+    /// running sum, and the FFN's normed input (left in `normed`).
+    /// Shapes: x, hmix, normed, y `[hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_part(
+        &self,
+        layer: &Layer,
+        l: usize,
+        state: &mut LayerState,
+        blocks: &mut ResidualBlocks,
+        x: &mut [f32],
+        hmix: &mut [f32],
+        normed: &mut [f32],
+        y: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let c = &self.config;
+        // The attention sub-layer reads either the plain residual or the block mix. At a block
+        // start the running sum is stored as a block and restarts from the attention output.
+        let block_start = c.attn_res_block_size.is_some_and(|b| l.is_multiple_of(b));
+        let mut restart = false;
+        match &layer.res_w {
+            Some((w_attn, _)) => {
+                blocks.mix(x, w_attn, hmix);
+                if block_start {
+                    blocks.push(x);
+                    restart = true;
+                }
+            }
+            None => hmix.copy_from_slice(x),
+        }
+        rms_norm(hmix, &layer.input_norm, c.rms_norm_eps, normed);
+        match (&layer.attn, state) {
+            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, normed, y, sc),
+            (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, normed, y, sc),
+            _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
+        }
+        if restart {
+            x.copy_from_slice(y);
+        } else {
+            x.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
+        }
+        match &layer.res_w {
+            Some((_, w_mlp)) => blocks.mix(x, w_mlp, hmix),
+            None => hmix.copy_from_slice(x),
+        }
+        rms_norm(hmix, &layer.post_norm, c.rms_norm_eps, normed);
+        Ok(())
+    }
+}

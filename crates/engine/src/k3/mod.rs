@@ -1,0 +1,278 @@
+//! The Kimi K3 text model: embeddings, 93 hybrid layers (KDA or NoPE MLA attention; dense or
+//! latent-MoE MLP) joined by block attention residuals, final norm, head.
+//!
+//! `mod.rs` holds the weights and how they load; [`forward`] the one token path (a chunk of one
+//! or more tokens, layer by layer); [`state`] what a sequence carries between chunks.
+
+pub mod forward;
+pub mod state;
+
+use std::sync::Mutex;
+
+use anyhow::{Context, Result};
+use deltafin_store::{AttnKind, K3Config, SpineSource, Store};
+
+use crate::blocks::attn_res::effective_weight;
+use crate::blocks::kda::{Kda, KdaState};
+use crate::blocks::mla::{Mla, MlaState};
+use crate::blocks::mlp::GatedMlp;
+use crate::blocks::moe::{LatentMoe, Routing};
+use crate::experts::RecordLayout;
+use crate::scratch::Scratch;
+use crate::stream::reader::BackendKind;
+use crate::stream::spine::SpineStreamer;
+use crate::weights::{Linear, load_vec};
+
+pub use state::{K3State, LayerState};
+
+/// How a loaded model runs: fixed at load, read everywhere, patched nowhere.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Keep only this many leading decoder layers' spine in memory and stream the rest from the
+    /// spine file for every token; `None` keeps every layer resident.
+    pub resident_layers: Option<usize>,
+    /// Override of the routed experts per token (a different model: callers must say so).
+    pub experts_per_token: Option<usize>,
+    /// Predict the next MoE layer's experts and hint them to the expert source (prefetch).
+    pub prefetch: bool,
+    /// Predict the next MoE layer's experts without hinting (recorded in traces).
+    pub predict: bool,
+    /// Positions of MLA cache reserved when a sequence starts (it still grows past them).
+    pub context_reserve: usize,
+    /// Approximate mode: routed experts take int8-quantised activations (labelled in outputs).
+    pub approx: bool,
+    /// Reader back-end for streamed spine layers; `None` picks io_uring when available.
+    pub io_backend: Option<BackendKind>,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            resident_layers: None,
+            experts_per_token: None,
+            prefetch: false,
+            predict: false,
+            context_reserve: 256,
+            approx: false,
+            io_backend: None,
+        }
+    }
+}
+
+pub enum Attention {
+    Kda(Box<Kda>),
+    Mla(Box<Mla>),
+}
+
+pub enum Ffn {
+    Dense(Box<GatedMlp>),
+    Moe(Box<LatentMoe>),
+}
+
+pub struct Layer {
+    /// `[H]`.
+    pub input_norm: Vec<f32>,
+    /// `[H]`.
+    pub post_norm: Vec<f32>,
+    /// Attention-residual effective weights `[H]` before attention and before the MLP.
+    pub res_w: Option<(Vec<f32>, Vec<f32>)>,
+    pub attn: Attention,
+    pub ffn: Ffn,
+}
+
+/// A layer's weights for one step: borrowed from the resident model or owned after streaming.
+pub enum LayerRef<'a> {
+    Resident(&'a Layer),
+    Streamed(Layer),
+}
+
+impl std::ops::Deref for LayerRef<'_> {
+    type Target = Layer;
+    fn deref(&self) -> &Layer {
+        match self {
+            LayerRef::Resident(l) => l,
+            LayerRef::Streamed(l) => l,
+        }
+    }
+}
+
+/// A decoder layer's spine: in memory, or read from the spine file for every token.
+pub enum LayerSlot {
+    Resident(Layer),
+    Streamed,
+}
+
+pub struct K3Model {
+    /// The checkpoint's config, with `num_experts_per_token` as this run uses it.
+    pub config: K3Config,
+    run: RunConfig,
+    /// `[vocab, H]`.
+    pub embed: Linear,
+    pub layers: Vec<LayerSlot>,
+    /// Loader of the streamed layers, when the spine does not fit the budget.
+    pub spine_stream: Option<Mutex<SpineStreamer<Layer>>>,
+    /// `[H]`.
+    pub norm: Vec<f32>,
+    /// `[H]`.
+    pub output_res_w: Option<Vec<f32>>,
+    /// `[vocab, H]`; `None` when tied to the embedding.
+    pub lm_head: Option<Linear>,
+}
+
+/// One decoder layer's spine weights, from the store file or a streamed image of it.
+pub fn load_layer(src: &dyn SpineSource, c: &K3Config, l: usize, layout: &RecordLayout) -> Result<Layer> {
+    let h = c.hidden_size;
+    let p = format!("layers.{l}.");
+    let attn = match c.attn_kind(l) {
+        AttnKind::Kda => Attention::Kda(Box::new(Kda::load(
+            src,
+            &format!("{p}self_attn."),
+            &c.linear_attn_config,
+            h,
+            c.rms_norm_eps,
+        )?)),
+        AttnKind::Mla => Attention::Mla(Box::new(Mla::load(src, &format!("{p}self_attn."), c)?)),
+    };
+    let ffn = if c.is_moe_layer(l) {
+        Ffn::Moe(Box::new(LatentMoe::load(src, l, c, layout)?))
+    } else {
+        Ffn::Dense(Box::new(GatedMlp::load(
+            src,
+            &format!("{p}mlp."),
+            h,
+            c.intermediate_size,
+            c.situ_beta(),
+            c.activation_situ_linear_beta,
+        )?))
+    };
+    let res = if c.attn_res_block_size.is_some() {
+        Some((res_weight(src, h, &format!("{p}self_attention_res"))?, res_weight(src, h, &format!("{p}mlp_res"))?))
+    } else {
+        None
+    };
+    Ok(Layer {
+        input_norm: load_vec(src, &format!("{p}input_layernorm.weight"), h)?,
+        post_norm: load_vec(src, &format!("{p}post_attention_layernorm.weight"), h)?,
+        res_w: res,
+        attn,
+        ffn,
+    })
+}
+
+/// A block attention residual's effective weight `[H]` from its norm and projection.
+fn res_weight(src: &dyn SpineSource, h: usize, p: &str) -> Result<Vec<f32>> {
+    Ok(effective_weight(
+        &load_vec(src, &format!("{p}_norm.weight"), h)?,
+        &load_vec(src, &format!("{p}_proj.weight"), h)?,
+    ))
+}
+
+impl K3Model {
+    /// Load the model for a run: the resident spine layers in memory, a loader for the others.
+    pub fn load(store: &Store, run: &RunConfig) -> Result<Self> {
+        let mut c = store.manifest.config.clone();
+        if let Some(k) = run.experts_per_token {
+            anyhow::ensure!(k >= 1 && k <= c.num_experts, "--experts-per-token must be in 1..={}", c.num_experts);
+            c.num_experts_per_token = k;
+        }
+        let h = c.hidden_size;
+        let ex = &store.manifest.experts;
+        let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes).context("expert record layout")?;
+        let resident = run.resident_layers.unwrap_or(c.num_hidden_layers).min(c.num_hidden_layers);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            layers.push(if l < resident {
+                LayerSlot::Resident(load_layer(store, &c, l, &layout)?)
+            } else {
+                LayerSlot::Streamed
+            });
+        }
+        let spine_stream = if resident < c.num_hidden_layers {
+            let (cfg, layout) = (c.clone(), layout.clone());
+            Some(Mutex::new(SpineStreamer::start(
+                store,
+                (resident..c.num_hidden_layers).collect(),
+                run.io_backend,
+                Box::new(move |image, l| load_layer(image, &cfg, l, &layout)),
+            )?))
+        } else {
+            None
+        };
+        Ok(K3Model {
+            embed: Linear::load_shaped(store, "embed_tokens.weight", c.vocab_size, h)?,
+            norm: load_vec(store, "norm.weight", h)?,
+            output_res_w: if c.attn_res_block_size.is_some() {
+                Some(res_weight(store, h, "output_attn_res")?)
+            } else {
+                None
+            },
+            lm_head: if c.tie_word_embeddings {
+                None
+            } else {
+                Some(Linear::load_shaped(store, "lm_head.weight", c.vocab_size, h)?)
+            },
+            run: run.clone(),
+            spine_stream,
+            layers,
+            config: c,
+        })
+    }
+
+    /// How this model runs.
+    pub fn run(&self) -> &RunConfig {
+        &self.run
+    }
+
+    /// The next MoE layer after `l`, when predictions are wanted (prefetch or traces).
+    fn next_moe(&self, l: usize) -> Option<&LatentMoe> {
+        if !self.run.prefetch && !self.run.predict {
+            return None;
+        }
+        // Only resident layers are looked into: a streamed layer's router is not in memory yet.
+        self.layers[l + 1..].iter().find_map(|ly| match ly {
+            LayerSlot::Resident(Layer { ffn: Ffn::Moe(m), .. }) => Some(&**m),
+            _ => None,
+        })
+    }
+
+    pub fn new_state(&self) -> K3State {
+        let c = &self.config;
+        let routing = || Routing {
+            experts: Vec::with_capacity(c.num_experts_per_token),
+            weights: Vec::with_capacity(c.num_experts_per_token),
+            pinned: false,
+            predicted_next: Vec::with_capacity(c.num_experts_per_token),
+        };
+        K3State {
+            layers: (0..c.num_hidden_layers)
+                .map(|l| match c.attn_kind(l) {
+                    AttnKind::Kda => LayerState::Kda(KdaState::new(&c.linear_attn_config)),
+                    AttnKind::Mla => LayerState::Mla(MlaState::with_capacity(
+                        self.run.context_reserve,
+                        c.kv_lora_rank,
+                        c.qk_rope_head_dim,
+                    )),
+                })
+                .collect(),
+            position: 0,
+            routing: (0..self.layers.len()).map(|_| routing()).collect(),
+            scratch: Scratch::default(),
+            blocks: Vec::new(),
+            chunk_routing: vec![routing()],
+        }
+    }
+
+    /// Layer `l`'s weights: borrowed when resident, loaded when streamed.
+    fn layer(&self, l: usize) -> Result<LayerRef<'_>> {
+        Ok(match &self.layers[l] {
+            LayerSlot::Resident(layer) => LayerRef::Resident(layer),
+            LayerSlot::Streamed => {
+                let s = self
+                    .spine_stream
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("layer {l} is streamed but no loader runs"))?;
+                LayerRef::Streamed(s.lock().map_err(|_| anyhow::anyhow!("spine loader poisoned"))?.get(l)?)
+            }
+        })
+    }
+}

@@ -1,0 +1,58 @@
+//! What one sequence carries from token to token: per-layer attention state (KDA recurrent
+//! state or the MLA latent cache), the position, the last routing, and reusable buffers.
+
+use crate::blocks::attn_res::ResidualBlocks;
+use crate::blocks::kda::KdaState;
+use crate::blocks::mla::MlaState;
+use crate::blocks::moe::Routing;
+use crate::scratch::Scratch;
+
+pub enum LayerState {
+    Kda(KdaState),
+    Mla(MlaState),
+    None,
+}
+
+/// Everything one sequence carries between tokens.
+pub struct K3State {
+    pub layers: Vec<LayerState>,
+    pub position: usize,
+    /// Router choices of the last token, per layer (empty for dense layers).
+    pub routing: Vec<Routing>,
+    /// Per-token buffers, reused from token to token.
+    pub scratch: Scratch,
+    /// The block attention residuals of each token of the current chunk `[T]` (memory reused;
+    /// only the first T are live).
+    pub blocks: Vec<ResidualBlocks>,
+    /// Routing of each token of the current chunk `[T]`, reused from layer to layer.
+    pub chunk_routing: Vec<Routing>,
+}
+
+impl K3State {
+    /// Make this state continue `other`'s sequence: recurrent and latent caches, position and
+    /// last routing are copied into this state's own buffers (no reallocation within the
+    /// reserved context). Per-token scratch is not sequence state and is left alone.
+    pub fn copy_sequence_from(&mut self, other: &K3State) {
+        assert_eq!(self.layers.len(), other.layers.len(), "states of different models");
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            match (a, b) {
+                (LayerState::Kda(a), LayerState::Kda(b)) => {
+                    for (x, y) in a.conv.iter_mut().zip(&b.conv) {
+                        x.copy_from_slice(y);
+                    }
+                    a.s.copy_from_slice(&b.s);
+                }
+                (LayerState::Mla(a), LayerState::Mla(b)) => {
+                    a.latents.clear();
+                    a.latents.extend_from_slice(&b.latents);
+                    a.k_pe.clear();
+                    a.k_pe.extend_from_slice(&b.k_pe);
+                    a.len = b.len;
+                }
+                (a, b) => assert!(matches!((a, b), (LayerState::None, LayerState::None)), "layer kinds differ"),
+            }
+        }
+        self.position = other.position;
+        self.routing.clone_from(&other.routing);
+    }
+}
