@@ -1,6 +1,7 @@
 //! The one narrow path by which routed-expert weights reach the model: (layer, expert) -> the
-//! expert's canonical record bytes. What stands behind it (plain reads today, a streaming cache
-//! next) can change without touching model code.
+//! expert's canonical record bytes. What stands behind it (plain checked reads here, the
+//! streaming cache of `stream::streaming`, an in-memory map in tests) changes without touching
+//! model code.
 
 use anyhow::Result;
 use deltafin_store::Store;
