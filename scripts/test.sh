@@ -5,14 +5,21 @@ cd "$(dirname "$0")/.."
 . scripts/ensure-toolchain.sh
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
+# Lints for both builds, so that neither rots: as released, and with the test instruments of
+# `deltafin serve` (`--script`, `--token-delay-ms`; cargo feature `test-instruments`).
 cargo clippy --locked --all-targets -q -- -D warnings
+cargo clippy --locked --all-targets -q --features deltafin/test-instruments -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --locked --workspace 2>&1 | tee "$log"
+# As released: `serve` has no test-instrument flags. Run before the build below, which must be
+# the one that leaves target/debug/deltafin behind.
+cargo test --locked -p deltafin --bin deltafin 2>&1 | tee "$log"
+# Everything, with the test instruments (the client tests below drive `serve --script`).
+cargo test --locked --workspace --features deltafin/test-instruments 2>&1 | tee -a "$log"
 # The NEON kernels, cross-built for aarch64 and run under qemu.
 . scripts/test-neon.sh
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
-# using the binary cargo test just built.
+# using the binary cargo test just built (with the test instruments).
 . scripts/ensure-client-venv.sh
 DELTAFIN_BIN=target/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
 # One closing line over all test binaries (cargo prints one per binary, the last often a doc-test

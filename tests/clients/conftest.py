@@ -10,6 +10,11 @@ Everything here drives the real binary on loopback:
 * ``scripted_server``  - one server with ``--script`` (the scripted replies below).
 * ``api_key_server``   - one server with ``--api-key`` (:data:`API_KEY`).
 
+``--script`` and ``--token-delay-ms`` are test instruments: only a binary built with the cargo
+feature ``test-instruments`` has them (``cargo build --features deltafin/test-instruments``;
+``scripts/test.sh`` runs the tests against the one its ``cargo test`` run builds that way).
+Release builds do not.
+
 The scripted reply texts (Kimi K3's output markup) live in ONE place: the
 "SCRIPTED REPLIES" section below.
 """
@@ -169,11 +174,23 @@ def _find_binary() -> Path:
         if not p.is_absolute() and not p.exists():
             p = REPO_ROOT / p
         return p
-    for rel in ("target/release/deltafin", "target/debug/deltafin"):
+    # The debug binary first: the test suite builds it with the test instruments; a release
+    # build normally lacks them.
+    for rel in ("target/debug/deltafin", "target/release/deltafin"):
         p = REPO_ROOT / rel
         if p.exists():
             return p
-    return REPO_ROOT / "target/release/deltafin"
+    return REPO_ROOT / "target/debug/deltafin"
+
+
+def _instruments_hint(stderr: str) -> str:
+    """A pointer to the cargo feature when the binary refused a test-instrument flag."""
+    if any(f"unexpected argument '{flag}'" in stderr for flag in ("--script", "--token-delay-ms")):
+        return (
+            "\nthis binary was built without the test instruments; build it with "
+            "`cargo build --features deltafin/test-instruments` (or set DELTAFIN_BIN)"
+        )
+    return ""
 
 
 @pytest.fixture(scope="session")
@@ -181,8 +198,8 @@ def deltafin_bin() -> Path:
     path = _find_binary()
     if not path.exists():
         pytest.fail(
-            f"deltafin binary not found at {path}; build it (cargo build --release) "
-            "or set DELTAFIN_BIN",
+            f"deltafin binary not found at {path}; build it "
+            "(cargo build --features deltafin/test-instruments) or set DELTAFIN_BIN",
             pytrace=False,
         )
     return path
@@ -328,7 +345,8 @@ class ServerLauncher:
                 proc.wait(timeout=10)
                 pytest.fail(
                     f"`{' '.join(args)}` exited with {proc.returncode} before listening\n"
-                    f"stdout:\n" + "\n".join(stdout_lines) + f"\nstderr:\n{server.stderr_text()}",
+                    f"stdout:\n" + "\n".join(stdout_lines) + f"\nstderr:\n{server.stderr_text()}"
+                    + _instruments_hint(server.stderr_text()),
                     pytrace=False,
                 )
             m = LISTENING_RE.search(line)

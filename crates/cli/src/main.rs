@@ -150,3 +150,48 @@ fn dispatch(cli: Cli) -> Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// The test instruments' flags (`serve --script`, `serve --token-delay-ms`).
+    const INSTRUMENT_FLAGS: [&str; 2] = ["script", "token-delay-ms"];
+
+    /// `serve`'s arguments that are test instruments, by id or long flag.
+    fn instrument_args() -> Vec<clap::Arg> {
+        let cli = super::Cli::command();
+        let Some(serve) = cli.find_subcommand("serve") else { panic!("no serve subcommand") };
+        serve
+            .get_arguments()
+            .filter(|a| {
+                let id = a.get_id().as_str().replace('_', "-");
+                INSTRUMENT_FLAGS.contains(&id.as_str()) || a.get_long().is_some_and(|l| INSTRUMENT_FLAGS.contains(&l))
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// A build without the `test-instruments` feature (a release build) has no test flags.
+    #[cfg(not(feature = "test-instruments"))]
+    #[test]
+    fn serve_has_no_test_instruments() {
+        let found: Vec<String> = instrument_args().iter().map(|a| a.get_id().to_string()).collect();
+        assert!(found.is_empty(), "serve has test-instrument arguments: {found:?}");
+        let err =
+            <super::Cli as clap::Parser>::try_parse_from(["deltafin", "serve", "--model", "m", "--script", "x"]).err();
+        assert_eq!(err.map(|e| e.kind()), Some(clap::error::ErrorKind::UnknownArgument));
+    }
+
+    /// The test suite's build has both flags, hidden from `--help` (and the lookup above finds
+    /// them, so its emptiness without the feature means something).
+    #[cfg(feature = "test-instruments")]
+    #[test]
+    fn serve_has_hidden_test_instruments() {
+        let found = instrument_args();
+        let longs: Vec<&str> = found.iter().filter_map(|a| a.get_long()).collect();
+        assert_eq!(longs.len(), INSTRUMENT_FLAGS.len(), "{longs:?}");
+        assert!(INSTRUMENT_FLAGS.iter().all(|f| longs.contains(f)), "{longs:?}");
+        assert!(found.iter().all(|a| a.is_hide_set()), "a test instrument shows in --help");
+    }
+}

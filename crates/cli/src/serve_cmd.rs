@@ -1,6 +1,5 @@
 //! `deltafin serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -43,13 +42,23 @@ pub struct ServeArgs {
     /// chat turn then reprocesses the whole history).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    #[cfg(feature = "test-instruments")]
+    #[command(flatten)]
+    pub instruments: InstrumentArgs,
+}
+
+/// Test instruments, hidden from `--help` and present only in builds with the
+/// `test-instruments` feature (the test suite's).
+#[cfg(feature = "test-instruments")]
+#[derive(clap::Args)]
+pub struct InstrumentArgs {
     /// Test throttle: sleep this many milliseconds after every model step.
     #[arg(long, default_value_t = 0, hide = true)]
     pub token_delay_ms: u64,
     /// Test instrument: scripted replies (JSON `{"replies": [{"when", "text"}]}`) replace the
     /// sampled tokens when the last user text contains `when`.
     #[arg(long, hide = true)]
-    pub script: Option<PathBuf>,
+    pub script: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -88,9 +97,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         queue: a.queue,
         max_body_bytes: usize::try_from(a.max_body_bytes).unwrap_or(usize::MAX),
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
-        step_delay: Duration::from_millis(a.token_delay_ms),
-        script: a.script,
         prefix_cache: !a.no_prefix_cache,
+        #[cfg(feature = "test-instruments")]
+        instruments: deltafin_server::instruments::Options {
+            step_delay: Duration::from_millis(a.instruments.token_delay_ms),
+            script: a.instruments.script,
+        },
     };
     serve(opts, model, tokenizer, move || {
         let session = Session::open(&store, &run_opts)?;

@@ -49,9 +49,8 @@ pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Res
         }
         None => state.budget(prompt.len(), None, "max_tokens")?,
     };
-    let last_user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
     Ok(TextRequest {
-        forced: last_user.and_then(|t| state.scripted(&t)),
+        forced: state.forced(|| conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text())),
         prompt,
         max_tokens: max,
         sampling: s.sampling,

@@ -7,6 +7,8 @@
 pub mod anthropic;
 pub mod error;
 pub mod generation;
+#[cfg(feature = "test-instruments")]
+pub mod instruments;
 pub mod metrics;
 pub mod openai;
 pub mod params;
@@ -16,7 +18,6 @@ pub mod sse;
 pub mod state;
 pub mod worker;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use deltafin_engine::session::Session;
 use deltafin_text::tokenizer::Tokenizer;
 
 use crate::metrics::Metrics;
-use crate::state::{AppState, ModelInfo, ScriptedReply};
+use crate::state::{AppState, ModelInfo};
 use crate::worker::Admission;
 
 pub struct ServeOptions {
@@ -36,32 +37,15 @@ pub struct ServeOptions {
     pub queue: usize,
     pub max_body_bytes: usize,
     pub keep_alive: Duration,
-    /// Test throttle: sleep after every model step.
-    pub step_delay: Duration,
-    /// Test instrument: scripted replies (see [`state::ScriptedReply`]).
-    pub script: Option<PathBuf>,
+    /// Test instruments (scripted replies, a step delay).
+    #[cfg(feature = "test-instruments")]
+    pub instruments: instruments::Options,
     /// Keep the last prompt's state for a next prompt that extends it.
     pub prefix_cache: bool,
 }
 
 /// How long a shutdown waits for responses in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-/// Load the scripted replies file: `{"replies": [{"when": "...", "text": "..."}]}`.
-fn load_script(path: &std::path::Path, tok: &Tokenizer) -> Result<Vec<ScriptedReply>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
-    let replies = v.get("replies").and_then(|r| r.as_array()).context("the script needs a 'replies' array")?;
-    replies
-        .iter()
-        .map(|r| {
-            let when = r.get("when").and_then(|w| w.as_str()).context("each reply needs a string 'when'")?;
-            let text = r.get("text").and_then(|w| w.as_str()).context("each reply needs a string 'text'")?;
-            Ok(ScriptedReply { when: when.to_string(), tokens: tok.encode(text) })
-        })
-        .collect()
-}
 
 /// Bind, print `deltafin serve: listening on http://ADDR`, and serve until interrupted.
 pub fn serve(
@@ -71,8 +55,9 @@ pub fn serve(
     open: impl FnOnce() -> Result<Session> + Send + 'static,
 ) -> Result<()> {
     let tokenizer = Arc::new(tokenizer);
-    let script = match &opts.script {
-        Some(p) => load_script(p, &tokenizer)?,
+    #[cfg(feature = "test-instruments")]
+    let script = match &opts.instruments.script {
+        Some(p) => instruments::load_script(p, &tokenizer)?,
         None => Vec::new(),
     };
     let metrics = Arc::new(Metrics::default());
@@ -82,7 +67,11 @@ pub fn serve(
         tokenizer.clone(),
         admission.clone(),
         metrics.clone(),
-        worker::EngineOptions { step_delay: opts.step_delay, prefix_cache: opts.prefix_cache },
+        worker::EngineOptions {
+            prefix_cache: opts.prefix_cache,
+            #[cfg(feature = "test-instruments")]
+            step_delay: opts.instruments.step_delay,
+        },
     )?;
     let state = Arc::new(AppState {
         model,
@@ -93,6 +82,7 @@ pub fn serve(
         api_key: opts.api_key.clone(),
         queue: opts.queue,
         max_body_bytes: opts.max_body_bytes,
+        #[cfg(feature = "test-instruments")]
         script,
         keep_alive: opts.keep_alive,
     });

@@ -313,8 +313,8 @@ pub fn prepare_chat(state: &Shared, body: &Value) -> Result<Prepared, ApiError> 
     })
 }
 
-/// The `prompt` of a completion request as token ids, and as text (for scripted replies).
-fn completion_prompt(state: &Shared, v: Option<&Value>) -> Result<(Vec<u32>, String), ApiError> {
+/// The `prompt` of a completion request as token ids, and as text when it was sent as text.
+fn completion_prompt<'b>(state: &Shared, v: Option<&'b Value>) -> Result<(Vec<u32>, Option<&'b str>), ApiError> {
     let bad = || ApiError::invalid("prompt", "'prompt' must be a string or an array of token ids");
     let ids_of = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
@@ -327,19 +327,14 @@ fn completion_prompt(state: &Shared, v: Option<&Value>) -> Result<(Vec<u32>, Str
             })
             .collect()
     };
-    let from_ids = |a: &[Value]| -> Result<(Vec<u32>, String), ApiError> {
-        let ids = ids_of(a)?;
-        let text = state.tokenizer.decode(&ids);
-        Ok((ids, text))
-    };
     match v {
         None | Some(Value::Null) => Err(ApiError::missing("prompt")),
-        Some(Value::String(s)) => Ok((state.tokenizer.encode(s), s.clone())),
-        Some(Value::Array(a)) if a.iter().all(|x| x.is_number()) => from_ids(a),
+        Some(Value::String(s)) => Ok((state.tokenizer.encode(s), Some(s.as_str()))),
+        Some(Value::Array(a)) if a.iter().all(|x| x.is_number()) => Ok((ids_of(a)?, None)),
         // A batch of one.
         Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
-            Value::String(s) => Ok((state.tokenizer.encode(s), s.clone())),
-            Value::Array(inner) => from_ids(inner),
+            Value::String(s) => Ok((state.tokenizer.encode(s), Some(s.as_str()))),
+            Value::Array(inner) => Ok((ids_of(inner)?, None)),
             _ => Err(bad()),
         },
         Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
@@ -368,9 +363,11 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
         Some(n) => LogprobStyle::Legacy(n as usize),
         None => LogprobStyle::None,
     };
+    // A prompt sent as token ids is matched against scripts as its decoded text.
+    let forced = state.forced(|| Some(text.map_or_else(|| state.tokenizer.decode(&prompt), str::to_owned)));
     Ok(Prepared {
         req: TextRequest {
-            forced: state.scripted(&text),
+            forced,
             prompt,
             max_tokens: max,
             sampling: sampling(o, 2.0)?,

@@ -21,13 +21,6 @@ pub struct ModelInfo {
     pub approx: bool,
 }
 
-/// A scripted reply (test instrument, `--script`): when the last user text contains `when`, the
-/// model's sampled tokens are replaced by `tokens`.
-pub struct ScriptedReply {
-    pub when: String,
-    pub tokens: Vec<u32>,
-}
-
 pub struct AppState {
     pub model: ModelInfo,
     pub tokenizer: Arc<Tokenizer>,
@@ -37,7 +30,9 @@ pub struct AppState {
     pub api_key: Option<String>,
     pub queue: usize,
     pub max_body_bytes: usize,
-    pub script: Vec<ScriptedReply>,
+    /// Scripted replies (test instrument).
+    #[cfg(feature = "test-instruments")]
+    pub script: Vec<crate::instruments::ScriptedReply>,
     /// Interval of SSE keep-alive comments.
     pub keep_alive: std::time::Duration,
 }
@@ -61,9 +56,16 @@ impl AppState {
             .ok_or_else(|| ApiError::unavailable("the engine thread has stopped; restart the server"))
     }
 
-    /// Scripted tokens for a request whose user text is `text`.
-    pub fn scripted(&self, text: &str) -> Option<Vec<u32>> {
-        self.script.iter().find(|s| text.contains(&s.when)).map(|s| s.tokens.clone())
+    /// Tokens that replace sampling for a request whose user text `text` yields: a scripted
+    /// reply's (test instrument). Always `None` without the `test-instruments` feature, where
+    /// `text` is never called.
+    #[cfg(feature = "test-instruments")]
+    pub fn forced(&self, text: impl FnOnce() -> Option<String>) -> Option<Vec<u32>> {
+        crate::instruments::scripted(&self.script, &text()?)
+    }
+    #[cfg(not(feature = "test-instruments"))]
+    pub fn forced(&self, _text: impl FnOnce() -> Option<String>) -> Option<Vec<u32>> {
+        None
     }
 
     /// The model id a request names must be ours.

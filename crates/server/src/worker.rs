@@ -129,10 +129,23 @@ impl EngineHandle {
 }
 
 pub struct EngineOptions {
-    /// Test throttle: sleep after every model step.
-    pub step_delay: Duration,
     /// Keep the last prompt's state for reuse by a prompt that extends it.
     pub prefix_cache: bool,
+    /// Test instrument: sleep after every model step.
+    #[cfg(feature = "test-instruments")]
+    pub step_delay: Duration,
+}
+
+impl EngineOptions {
+    /// The engine's sleep after every model step: zero unless a test asked for one.
+    #[cfg(feature = "test-instruments")]
+    fn step_delay(&self) -> Duration {
+        self.step_delay
+    }
+    #[cfg(not(feature = "test-instruments"))]
+    fn step_delay(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// Start the engine thread. `open` loads the model on that thread; its error is returned here.
@@ -159,7 +172,7 @@ pub fn spawn(
         metrics.set_expert_stats(&session);
         let mut cache = opts.prefix_cache.then(|| PrefixCache::new(&session.model));
         while let Ok(job) = jobs_rx.recv() {
-            run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, opts.step_delay, job);
+            run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, opts.step_delay(), job);
         }
     })?;
     ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;

@@ -15,10 +15,12 @@ use safetensors::Dtype;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::checkpoint::{Checkpoint, K3_TEXT_PREFIX, bytes_to_f32};
+use crate::config::K3Config;
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;
 use crate::quant::{effective_group, quantize_int8};
-use crate::schema::{Role, checkpoint_name, expert_parts, expert_tensor_name, spine_specs};
+use crate::schema::{Role, SpineSpec, checkpoint_name, expert_parts, expert_tensor_name, spine_specs};
+use crate::shard::{Shard, TensorEntry};
 
 /// Upper bound on source bytes converted at once.
 pub const CHUNK_BYTES: usize = 32 << 20;
@@ -26,6 +28,8 @@ pub const CHUNK_BYTES: usize = 32 << 20;
 const TENSOR_ALIGN: u64 = 64;
 /// Alignment of each spine layer and each packed expert record, for O_DIRECT reads.
 pub const IO_ALIGN: u64 = 4096;
+/// Name of the spine file inside the store.
+const SPINE_FILE: &str = "spine.bin";
 /// Tokenizer files copied into the store when the checkpoint has them.
 pub const TOKENIZER_FILES: [&str; 3] = ["tiktoken.model", "tokenizer_config.json", "generation_config.json"];
 
@@ -86,6 +90,18 @@ impl SpineWriter {
         let pad = vec![0u8; (target - self.pos) as usize];
         self.write(&pad, None)
     }
+
+    /// Zero-pad up to the planned offset `target`, which must not be behind the writer.
+    fn pad_until(&mut self, target: u64) -> Result<(), StoreError> {
+        let Some(n) = target.checked_sub(self.pos) else {
+            return Err(StoreError::Store {
+                path: self.path.clone(),
+                msg: format!("the layout placed data at byte {target}, behind the writer at {}", self.pos),
+            });
+        };
+        self.write(&vec![0u8; n as usize], None)
+    }
+
     pub(crate) fn write(&mut self, bytes: &[u8], h: Option<&mut Xxh3>) -> Result<(), StoreError> {
         self.w.write_all(bytes).map_err(io_err(&self.path))?;
         if let Some(h) = h {
@@ -121,248 +137,481 @@ pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertP
     (meta, off)
 }
 
+/// Convert the checkpoint in `from` into a store in `to`, step by step: open the checkpoint,
+/// resolve, check and lay out the spine, write it, locate (or pack) the experts, copy the
+/// tokenizer, and write the manifest last, atomically, from what the steps produced.
 pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertReport, StoreError> {
-    let ck = Checkpoint::open(from)?;
-    let cfg = ck.config.clone();
-    let prefix = detect_prefix(&ck);
+    let src = Source::open(from)?;
     std::fs::create_dir_all(to).map_err(io_err(to))?;
-    let specs = spine_specs(&cfg);
-    let parts = expert_parts(&cfg);
-    let moe_layers = cfg.moe_layers();
+    let spine_plan = plan_spine(&src, opts)?;
+    let expert_plan = ExpertPlan::new(&src.ck.config);
+    let bar = byte_progress(spine_plan.src_bytes + expert_plan.src_bytes(), opts.progress);
+    let spine = write_spine(&spine_plan, opts, &to.join(SPINE_FILE), &bar)?;
+    let (experts, expert_ranges) = locate_experts(&src, &expert_plan, opts.experts, to, &bar)?;
+    bar.finish_and_clear();
+    let tokenizer = copy_tokenizer(from, to)?;
+    let report = ConvertReport {
+        spine_bytes: spine.bytes,
+        expert_records: expert_plan.records(),
+        record_bytes: expert_plan.record_bytes,
+        expert_ranges,
+    };
+    write_manifest(from, to, &src, spine, experts, tokenizer)?;
+    Ok(report)
+}
 
-    // Resolve and check every tensor before writing anything: a bad checkpoint fails fast, by name.
-    let mut resolved = Vec::with_capacity(specs.len());
-    for s in &specs {
-        let full = checkpoint_name(prefix, &s.name);
-        let (shard, t) = ck.find(&full)?;
-        if !s.shape.accepts(&t.shape) {
-            return Err(StoreError::Tensor {
-                path: shard.path.clone(),
-                tensor: full,
-                msg: format!("shape {:?} does not match the config, which implies {:?}", t.shape, s.shape),
-            });
-        }
-        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-            return Err(StoreError::Tensor {
-                path: shard.path.clone(),
-                tensor: full,
-                msg: format!("dtype {:?} is not a float type", t.dtype),
-            });
-        }
-        resolved.push((s, full));
+/// The opened checkpoint, its text model's tensor prefix and its shard file names.
+struct Source {
+    ck: Checkpoint,
+    prefix: &'static str,
+    /// File names of `ck.shards`, in the same order.
+    shard_files: Vec<String>,
+}
+
+impl Source {
+    /// Open and validate the checkpoint (config, index, shard headers) and detect its prefix.
+    fn open(from: &Path) -> Result<Self, StoreError> {
+        let ck = Checkpoint::open(from)?;
+        let prefix = detect_prefix(&ck);
+        let shard_files = ck
+            .shards
+            .iter()
+            .map(|s| s.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+            .collect();
+        Ok(Source { ck, prefix, shard_files })
     }
-    let (part_meta, record_bytes) = record_parts(&parts);
-    let expert_total = moe_layers.len() as u64 * cfg.num_experts as u64 * record_bytes;
-    let spine_src: u64 = resolved.iter().map(|(_, n)| ck.find(n).map(|(_, t)| t.len).unwrap_or(0)).sum();
+}
 
-    let bar = byte_progress(spine_src + expert_total, opts.progress);
+/// One spine tensor: its checkpoint source and its place in `spine.bin`.
+struct PlannedTensor<'a> {
+    /// Name inside the store.
+    name: String,
+    layer: Option<usize>,
+    /// Full checkpoint name, for errors.
+    full: String,
+    shard: &'a Shard,
+    t: &'a TensorEntry,
+    dtype: SpineDtype,
+    /// Matrices as `[rows, cols]`; vectors as one row.
+    rows: usize,
+    cols: usize,
+    /// Stored shape (the checkpoint's for vectors).
+    shape: Vec<usize>,
+    /// int8 scale group; 0 for other dtypes.
+    group: usize,
+    offset: u64,
+    len: u64,
+    scales_offset: u64,
+    scales_len: u64,
+}
 
-    // --- spine ---
-    bar.set_message("spine");
-    let spine_path = to.join("spine.bin");
-    let mut sw = SpineWriter::create(&spine_path)?;
-    let mut tensors = Vec::with_capacity(resolved.len());
+impl PlannedTensor<'_> {
+    /// An error naming this tensor and its shard.
+    fn error(&self, msg: String) -> StoreError {
+        StoreError::Tensor { path: self.shard.path.clone(), tensor: self.full.clone(), msg }
+    }
+}
+
+/// The whole spine file's layout, decided before a byte of it is written.
+struct SpinePlan<'a> {
+    tensors: Vec<PlannedTensor<'a>>,
+    /// Size of `spine.bin`, padded to [`IO_ALIGN`].
+    bytes: u64,
+    /// Source bytes read to write it (for progress).
+    src_bytes: u64,
+}
+
+/// Resolve and check every spine tensor, then lay the spine out. A bad checkpoint fails here, by
+/// tensor name, before anything is written.
+fn plan_spine<'a>(src: &'a Source, opts: &ConvertOptions) -> Result<SpinePlan<'a>, StoreError> {
+    let mut tensors = spine_specs(&src.ck.config)
+        .iter()
+        .map(|s| resolve_spine_tensor(src, s, opts))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes = lay_out_spine(&mut tensors);
+    let src_bytes = tensors.iter().map(|p| p.t.len).sum();
+    Ok(SpinePlan { tensors, bytes, src_bytes })
+}
+
+/// Find one spine tensor in the checkpoint and check its shape and float dtype; produces it with
+/// its stored dtype, geometry and int8 group, not yet placed.
+fn resolve_spine_tensor<'a>(
+    src: &'a Source,
+    s: &SpineSpec,
+    opts: &ConvertOptions,
+) -> Result<PlannedTensor<'a>, StoreError> {
+    let full = checkpoint_name(src.prefix, &s.name);
+    let (shard, t) = src.ck.find(&full)?;
+    if !s.shape.accepts(&t.shape) {
+        return Err(StoreError::Tensor {
+            path: shard.path.clone(),
+            tensor: full,
+            msg: format!("shape {:?} does not match the config, which implies {:?}", t.shape, s.shape),
+        });
+    }
+    if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+        return Err(StoreError::Tensor {
+            path: shard.path.clone(),
+            tensor: full,
+            msg: format!("dtype {:?} is not a float type", t.dtype),
+        });
+    }
+    let is_matrix = s.role == Role::Matrix;
+    let dtype = if is_matrix { opts.spine } else { SpineDtype::F32 };
+    let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
+    Ok(PlannedTensor {
+        name: s.name.clone(),
+        layer: s.layer,
+        full,
+        shard,
+        t,
+        dtype,
+        rows,
+        cols,
+        shape: if is_matrix { vec![rows, cols] } else { t.shape.clone() },
+        group: if dtype == SpineDtype::Int8 { effective_group(cols, opts.int8_group) } else { 0 },
+        offset: 0,
+        len: 0,
+        scales_offset: 0,
+        scales_len: 0,
+    })
+}
+
+/// Place each tensor (and its int8 scales) at a [`TENSOR_ALIGN`] boundary, each layer's first at
+/// an [`IO_ALIGN`] one; produces the spine file's size, padded to [`IO_ALIGN`].
+fn lay_out_spine(tensors: &mut [PlannedTensor]) -> u64 {
+    let mut pos = 0u64;
     let mut last_layer: Option<Option<usize>> = None;
+    for p in tensors {
+        if last_layer != Some(p.layer) {
+            pos = align_up(pos, IO_ALIGN);
+            last_layer = Some(p.layer);
+        }
+        let numel = (p.rows * p.cols) as u64;
+        p.offset = align_up(pos, TENSOR_ALIGN);
+        p.len = match p.dtype {
+            // bf16 from a bf16 source is a plain copy of the source bytes.
+            SpineDtype::Bf16 if p.t.dtype == Dtype::BF16 => p.t.len,
+            SpineDtype::Bf16 => numel * 2,
+            SpineDtype::F32 => numel * 4,
+            SpineDtype::Int8 => numel,
+        };
+        pos = p.offset + p.len;
+        if p.dtype == SpineDtype::Int8 {
+            // One f32 scale per group of a row (the group divides the row, see effective_group).
+            p.scales_offset = align_up(pos, TENSOR_ALIGN);
+            p.scales_len = numel.checked_div(p.group as u64).unwrap_or(0) * 4;
+            pos = p.scales_offset + p.scales_len;
+        }
+    }
+    align_up(pos, IO_ALIGN)
+}
+
+/// Write `spine.bin` as planned, converting each tensor in row chunks of at most [`CHUNK_BYTES`]
+/// of source; produces the manifest's spine section (with each tensor's checksum).
+fn write_spine(
+    plan: &SpinePlan,
+    opts: &ConvertOptions,
+    path: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<SpineInfo, StoreError> {
+    bar.set_message("spine");
+    let mut sw = SpineWriter::create(path)?;
+    let mut tensors = Vec::with_capacity(plan.tensors.len());
     let mut fbuf: Vec<f32> = Vec::new();
-    for (spec, full) in &resolved {
-        if last_layer != Some(spec.layer) {
-            sw.pad_to(IO_ALIGN)?;
-            last_layer = Some(spec.layer);
-        }
-        sw.pad_to(TENSOR_ALIGN)?;
-        let (shard, t) = ck.find(full)?;
-        let tensor_err = |msg: String| StoreError::Tensor { path: shard.path.clone(), tensor: full.clone(), msg };
+    for p in &plan.tensors {
+        sw.pad_until(p.offset)?;
         let mut h = Xxh3::new();
-        let offset = sw.pos;
-        let is_matrix = spec.role == Role::Matrix;
-        let dtype = if is_matrix { opts.spine } else { SpineDtype::F32 };
-        let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
-        let esize = t.len as usize / t.numel().max(1);
-        let rows_per_chunk = (CHUNK_BYTES / (cols * esize).max(1)).max(1);
-        let group = effective_group(cols, opts.int8_group);
-        let mut all_scales: Vec<f32> = Vec::new();
-        let mut r0 = 0;
-        while r0 < rows {
-            let nr = rows_per_chunk.min(rows - r0);
-            let mut raw = vec![0u8; nr * cols * esize];
-            shard.read_at(t.offset + (r0 * cols * esize) as u64, &mut raw)?;
-            match dtype {
-                SpineDtype::Bf16 if t.dtype == Dtype::BF16 => sw.write(&raw, Some(&mut h))?,
-                _ => {
-                    bytes_to_f32(t.dtype, &raw, &mut fbuf).map_err(tensor_err)?;
-                    if let Some(i) = fbuf.iter().position(|v| !v.is_finite()) {
-                        return Err(tensor_err(format!("element {} is not finite", r0 * cols + i)));
-                    }
-                    match dtype {
-                        SpineDtype::F32 => {
-                            let b: Vec<u8> = fbuf.iter().flat_map(|v| v.to_le_bytes()).collect();
-                            sw.write(&b, Some(&mut h))?;
-                        }
-                        SpineDtype::Bf16 => {
-                            let b: Vec<u8> = fbuf.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
-                            sw.write(&b, Some(&mut h))?;
-                        }
-                        SpineDtype::Int8 => {
-                            let (q, s) = quantize_int8(&fbuf, cols, group);
-                            let b: Vec<u8> = q.iter().map(|&v| v as u8).collect();
-                            sw.write(&b, Some(&mut h))?;
-                            all_scales.extend_from_slice(&s);
-                        }
-                    }
-                }
-            }
-            bar.inc(raw.len() as u64);
-            r0 += nr;
-        }
-        let len = sw.pos - offset;
-        let (mut scales_offset, mut scales_len) = (0, 0);
-        if dtype == SpineDtype::Int8 {
-            sw.pad_to(TENSOR_ALIGN)?;
-            scales_offset = sw.pos;
-            let b: Vec<u8> = all_scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let scales = write_tensor_data(&mut sw, p, &mut h, &mut fbuf, bar)?;
+        check_at(&sw, p.offset + p.len, p)?;
+        if p.dtype == SpineDtype::Int8 {
+            sw.pad_until(p.scales_offset)?;
+            let b: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
             sw.write(&b, Some(&mut h))?;
-            scales_len = b.len() as u64;
+            check_at(&sw, p.scales_offset + p.scales_len, p)?;
         }
         tensors.push(SpineTensor {
-            name: spec.name.clone(),
-            layer: spec.layer,
-            dtype,
-            shape: if is_matrix { vec![rows, cols] } else { t.shape.clone() },
-            offset,
-            len,
-            scales_offset,
-            scales_len,
-            group: if dtype == SpineDtype::Int8 { group } else { 0 },
+            name: p.name.clone(),
+            layer: p.layer,
+            dtype: p.dtype,
+            shape: p.shape.clone(),
+            offset: p.offset,
+            len: p.len,
+            scales_offset: p.scales_offset,
+            scales_len: p.scales_len,
+            group: p.group,
             xxh3: h.digest(),
         });
     }
-    sw.pad_to(IO_ALIGN)?;
-    let spine_bytes = sw.pos;
+    sw.pad_until(plan.bytes)?;
     sw.finish()?;
+    Ok(SpineInfo {
+        file: SPINE_FILE.into(),
+        matrix_dtype: opts.spine,
+        int8_group: opts.int8_group,
+        bytes: plan.bytes,
+        tensors,
+    })
+}
 
-    // --- experts ---
-    bar.set_message("experts");
-    let shard_files: Vec<String> = ck
-        .shards
-        .iter()
-        .map(|s| s.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
-        .collect();
-    let mut files: Vec<String> = match opts.experts {
-        ExpertLayout::InPlace => shard_files.clone(),
-        ExpertLayout::Pack => Vec::new(),
-    };
-    if opts.experts == ExpertLayout::Pack {
-        std::fs::create_dir_all(to.join("experts")).map_err(io_err(to.join("experts")))?;
-    }
-    let stride = align_up(record_bytes, IO_ALIGN);
-    let mut layers = Vec::with_capacity(moe_layers.len());
-    let mut record = vec![0u8; record_bytes as usize];
-    let mut total_ranges = 0usize;
-    for &l in &moe_layers {
-        let mut pack_file = None;
-        if opts.experts == ExpertLayout::Pack {
-            let rel = format!("experts/layer-{l:03}.bin");
-            let p = to.join(&rel);
-            let f = File::create(&p).map_err(io_err(&p))?;
-            f.set_len(stride * cfg.num_experts as u64).map_err(io_err(&p))?;
-            files.push(rel);
-            pack_file = Some((files.len() - 1, f, p));
-        }
-        let mut experts = Vec::with_capacity(cfg.num_experts);
-        for e in 0..cfg.num_experts {
-            // Source ranges in canonical order, adjacent ones merged.
-            let mut ranges: Vec<[u64; 3]> = Vec::new();
-            let mut pos = 0usize;
-            for (name, shape) in &parts {
-                let full = expert_tensor_name(prefix, l, e, name);
-                let si = *ck
-                    .weight_map
-                    .get(&full)
-                    .ok_or_else(|| StoreError::MissingTensor { dir: ck.dir.clone(), tensor: full.clone() })?;
-                let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
-                shard.read_at(t.offset, &mut record[pos..pos + t.len as usize])?;
-                if name.ends_with("weight_scale")
-                    && let Some(i) = record[pos..pos + t.len as usize].iter().position(|&b| b == 0xFF)
-                {
-                    return Err(StoreError::Tensor {
-                        path: shard.path.clone(),
-                        tensor: full,
-                        msg: format!(
-                            "layer {l} expert {e}: E8M0 scale byte {i} is 0xFF (NaN); the checkpoint is corrupt"
-                        ),
-                    });
+/// Convert one tensor's data into the spine, row chunk by row chunk, checking every value is
+/// finite; produces its int8 scales (empty for other dtypes).
+fn write_tensor_data(
+    sw: &mut SpineWriter,
+    p: &PlannedTensor,
+    h: &mut Xxh3,
+    fbuf: &mut Vec<f32>,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<f32>, StoreError> {
+    let (rows, cols, t) = (p.rows, p.cols, p.t);
+    let esize = t.len as usize / t.numel().max(1);
+    let rows_per_chunk = (CHUNK_BYTES / (cols * esize).max(1)).max(1);
+    let mut scales: Vec<f32> = Vec::new();
+    let mut r0 = 0;
+    while r0 < rows {
+        let nr = rows_per_chunk.min(rows - r0);
+        let mut raw = vec![0u8; nr * cols * esize];
+        p.shard.read_at(t.offset + (r0 * cols * esize) as u64, &mut raw)?;
+        match p.dtype {
+            SpineDtype::Bf16 if t.dtype == Dtype::BF16 => sw.write(&raw, Some(h))?,
+            _ => {
+                bytes_to_f32(t.dtype, &raw, fbuf).map_err(|m| p.error(m))?;
+                if let Some(i) = fbuf.iter().position(|v| !v.is_finite()) {
+                    return Err(p.error(format!("element {} is not finite", r0 * cols + i)));
                 }
-                pos += t.len as usize;
-                match ranges.last_mut() {
-                    Some(r) if r[0] == si as u64 && r[1] + r[2] == t.offset => r[2] += t.len,
-                    _ => ranges.push([si as u64, t.offset, t.len]),
+                match p.dtype {
+                    SpineDtype::F32 => {
+                        let b: Vec<u8> = fbuf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        sw.write(&b, Some(h))?;
+                    }
+                    SpineDtype::Bf16 => {
+                        let b: Vec<u8> = fbuf.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+                        sw.write(&b, Some(h))?;
+                    }
+                    SpineDtype::Int8 => {
+                        let (q, s) = quantize_int8(fbuf, cols, p.group);
+                        let b: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+                        sw.write(&b, Some(h))?;
+                        scales.extend_from_slice(&s);
+                    }
                 }
             }
+        }
+        bar.inc(raw.len() as u64);
+        r0 += nr;
+    }
+    Ok(scales)
+}
+
+/// The writer must stand where the plan said: a mismatch would shift every later offset.
+fn check_at(sw: &SpineWriter, planned: u64, p: &PlannedTensor) -> Result<(), StoreError> {
+    if sw.pos == planned {
+        Ok(())
+    } else {
+        Err(p.error(format!("wrote up to spine byte {} where the layout planned {planned}", sw.pos)))
+    }
+}
+
+/// The canonical expert record (six tensors back to back) and the MoE layers that have one per
+/// expert.
+struct ExpertPlan {
+    /// Checkpoint tensor suffix and shape of each part, in record order.
+    parts: Vec<(&'static str, [usize; 2])>,
+    /// Where each part sits in the record.
+    part_meta: Vec<ExpertPart>,
+    record_bytes: u64,
+    moe_layers: Vec<usize>,
+    num_experts: usize,
+}
+
+impl ExpertPlan {
+    /// Lay out the canonical record for this config.
+    fn new(cfg: &K3Config) -> Self {
+        let parts = expert_parts(cfg);
+        let (part_meta, record_bytes) = record_parts(&parts);
+        ExpertPlan { parts, part_meta, record_bytes, moe_layers: cfg.moe_layers(), num_experts: cfg.num_experts }
+    }
+
+    /// Expert records in the model.
+    fn records(&self) -> usize {
+        self.moe_layers.len() * self.num_experts
+    }
+
+    /// Source bytes read to locate (or pack) every record (for progress).
+    fn src_bytes(&self) -> u64 {
+        self.records() as u64 * self.record_bytes
+    }
+}
+
+/// Read every expert's record once (checking its E8M0 scales and hashing it) and say where it
+/// lives: byte ranges in the checkpoint's shards (in place), or one record in a 4096-aligned
+/// per-layer file under `experts/` (pack). Produces the manifest's experts section and the
+/// number of byte ranges.
+fn locate_experts(
+    src: &Source,
+    plan: &ExpertPlan,
+    layout: ExpertLayout,
+    to: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<(ExpertsInfo, usize), StoreError> {
+    bar.set_message("experts");
+    let mut files: Vec<String> = match layout {
+        ExpertLayout::InPlace => src.shard_files.clone(),
+        ExpertLayout::Pack => Vec::new(),
+    };
+    if layout == ExpertLayout::Pack {
+        std::fs::create_dir_all(to.join("experts")).map_err(io_err(to.join("experts")))?;
+    }
+    let stride = align_up(plan.record_bytes, IO_ALIGN);
+    let mut layers = Vec::with_capacity(plan.moe_layers.len());
+    let mut record = vec![0u8; plan.record_bytes as usize];
+    let mut total_ranges = 0usize;
+    for &l in &plan.moe_layers {
+        let pack = match layout {
+            ExpertLayout::Pack => Some(PackFile::create(to, l, stride * plan.num_experts as u64, &mut files)?),
+            ExpertLayout::InPlace => None,
+        };
+        let mut experts = Vec::with_capacity(plan.num_experts);
+        for e in 0..plan.num_experts {
+            let mut ranges = read_record(src, plan, l, e, &mut record)?;
             let xxh3 = xxh3_64(&record);
-            if let Some((fi, f, p)) = &pack_file {
-                let at = e as u64 * stride;
-                f.write_all_at(&record, at).map_err(io_err(p))?;
-                ranges = vec![[*fi as u64, at, record_bytes]];
+            if let Some(pack) = &pack {
+                ranges = vec![pack.write(e as u64 * stride, &record)?];
             }
             total_ranges += ranges.len();
             experts.push(ExpertLocation { ranges, xxh3 });
-            bar.inc(record_bytes);
+            bar.inc(plan.record_bytes);
         }
-        if let Some((_, f, p)) = pack_file {
-            f.sync_all().map_err(io_err(&p))?;
+        if let Some(pack) = pack {
+            pack.sync()?;
         }
         layers.push(ExpertLayer { layer: l, experts });
     }
-    bar.finish_and_clear();
+    let info = ExpertsInfo {
+        layout,
+        format: "mxfp4".into(),
+        record_bytes: plan.record_bytes,
+        parts: plan.part_meta.clone(),
+        files,
+        layers,
+    };
+    Ok((info, total_ranges))
+}
 
-    // --- tokenizer ---
-    let mut tok_files = Vec::new();
+/// Read expert `e` of layer `l` into `record` in canonical order, refusing a NaN (0xFF) E8M0
+/// scale; produces its source ranges `[shard, offset, len]`, adjacent ones merged.
+fn read_record(
+    src: &Source,
+    plan: &ExpertPlan,
+    l: usize,
+    e: usize,
+    record: &mut [u8],
+) -> Result<Vec<[u64; 3]>, StoreError> {
+    let ck = &src.ck;
+    let mut ranges: Vec<[u64; 3]> = Vec::new();
+    let mut pos = 0usize;
+    for (name, shape) in &plan.parts {
+        let full = expert_tensor_name(src.prefix, l, e, name);
+        let si = *ck
+            .weight_map
+            .get(&full)
+            .ok_or_else(|| StoreError::MissingTensor { dir: ck.dir.clone(), tensor: full.clone() })?;
+        let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
+        let part = &mut record[pos..pos + t.len as usize];
+        shard.read_at(t.offset, part)?;
+        if name.ends_with("weight_scale")
+            && let Some(i) = part.iter().position(|&b| b == 0xFF)
+        {
+            return Err(StoreError::Tensor {
+                path: shard.path.clone(),
+                tensor: full,
+                msg: format!("layer {l} expert {e}: E8M0 scale byte {i} is 0xFF (NaN); the checkpoint is corrupt"),
+            });
+        }
+        pos += t.len as usize;
+        match ranges.last_mut() {
+            Some(r) if r[0] == si as u64 && r[1] + r[2] == t.offset => r[2] += t.len,
+            _ => ranges.push([si as u64, t.offset, t.len]),
+        }
+    }
+    Ok(ranges)
+}
+
+/// One layer's packed expert file, `experts/layer-LLL.bin`, written record by record.
+struct PackFile {
+    /// Its index in the manifest's `experts.files`.
+    index: usize,
+    f: File,
+    path: PathBuf,
+}
+
+impl PackFile {
+    /// Create the file at its full size and append its name to `files`.
+    fn create(to: &Path, layer: usize, size: u64, files: &mut Vec<String>) -> Result<Self, StoreError> {
+        let rel = format!("experts/layer-{layer:03}.bin");
+        let path = to.join(&rel);
+        let f = File::create(&path).map_err(io_err(&path))?;
+        f.set_len(size).map_err(io_err(&path))?;
+        files.push(rel);
+        Ok(PackFile { index: files.len() - 1, f, path })
+    }
+
+    /// Write a record at `at`; produces its one range.
+    fn write(&self, at: u64, record: &[u8]) -> Result<[u64; 3], StoreError> {
+        self.f.write_all_at(record, at).map_err(io_err(&self.path))?;
+        Ok([self.index as u64, at, record.len() as u64])
+    }
+
+    /// Flush the file to disk once its layer is complete.
+    fn sync(self) -> Result<(), StoreError> {
+        self.f.sync_all().map_err(io_err(&self.path))
+    }
+}
+
+/// Copy the tokenizer files the checkpoint has into the store; produces the manifest's
+/// tokenizer section (`None` when it has none).
+fn copy_tokenizer(from: &Path, to: &Path) -> Result<Option<TokenizerInfo>, StoreError> {
+    let mut files = Vec::new();
     for name in TOKENIZER_FILES {
         let src = from.join(name);
         if src.exists() {
             std::fs::copy(&src, to.join(name)).map_err(io_err(&src))?;
-            tok_files.push(name.to_string());
+            files.push(name.to_string());
         }
     }
+    Ok(if files.is_empty() { None } else { Some(TokenizerInfo { files }) })
+}
 
+/// Write `manifest.json` (atomically, by rename) describing the source and what the steps
+/// before produced.
+fn write_manifest(
+    from: &Path,
+    to: &Path,
+    src: &Source,
+    spine: SpineInfo,
+    experts: ExpertsInfo,
+    tokenizer: Option<TokenizerInfo>,
+) -> Result<(), StoreError> {
     let abs_dir = std::fs::canonicalize(from).map_err(io_err(from))?;
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         arch: "kimi_k3".into(),
-        config: cfg.clone(),
+        config: src.ck.config.clone(),
         source: SourceInfo {
             dir: abs_dir.to_string_lossy().into_owned(),
-            prefix: prefix.into(),
-            shards: ck
+            prefix: src.prefix.into(),
+            shards: src
+                .ck
                 .shards
                 .iter()
-                .zip(&shard_files)
+                .zip(&src.shard_files)
                 .map(|(s, f)| SourceShard { file: f.clone(), size: s.file_len, header_xxh3: s.header_hash })
                 .collect(),
         },
-        spine: SpineInfo {
-            file: "spine.bin".into(),
-            matrix_dtype: opts.spine,
-            int8_group: opts.int8_group,
-            bytes: spine_bytes,
-            tensors,
-        },
-        experts: ExpertsInfo {
-            layout: opts.experts,
-            format: "mxfp4".into(),
-            record_bytes,
-            parts: part_meta,
-            files,
-            layers,
-        },
-        tokenizer: if tok_files.is_empty() { None } else { Some(TokenizerInfo { files: tok_files }) },
+        spine,
+        experts,
+        tokenizer,
     };
-    manifest.save(to)?;
-    Ok(ConvertReport {
-        spine_bytes,
-        expert_records: moe_layers.len() * cfg.num_experts,
-        record_bytes,
-        expert_ranges: total_ranges,
-    })
+    manifest.save(to)
 }
