@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use deltafin_engine::tokenizer::Tokenizer;
+use deltafin_text::tokenizer::Tokenizer;
 
 /// What the test flags asked for.
 #[derive(Debug, Clone, Default)]
