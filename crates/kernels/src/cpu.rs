@@ -1,4 +1,10 @@
-//! Run-time CPU feature detection, cached.
+//! Layer 1: run-time CPU feature detection (cached) and the one kernel-path enum, [`Path`].
+//! Imports nothing from the crate.
+//!
+//! Every dispatched operation comes as `op_on(path, ..)`, which runs `path`'s kernel (falling back
+//! where `path` is unavailable here or has no kernel for the arguments), and `op(..)`, which is
+//! `op_on(Path::best(), ..)`. Finer capabilities inside a path are queries, not paths: AVX-512
+//! VNNI is [`has_avx512_vnni`] within [`Path::Avx512`].
 
 use std::sync::OnceLock;
 
@@ -47,7 +53,7 @@ pub fn has_avx512_vnni() -> bool {
     })
 }
 
-/// A kernel implementation, for tests and benchmarks that pin one.
+/// A kernel implementation: an instruction set, or the portable scalar code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     Scalar,
@@ -71,6 +77,12 @@ impl Path {
     /// The best path this CPU has.
     pub fn best() -> Path {
         [Path::Avx512, Path::Avx2, Path::Neon].into_iter().find(|p| p.available()).unwrap_or(Path::Scalar)
+    }
+
+    /// `self` where this CPU has it, else [`Path::Scalar`]: what every `op_on` matches on.
+    /// (An available [`Path::Avx512`] implies AVX2 and FMA, so its ops may use AVX2 kernels.)
+    pub fn or_scalar(self) -> Path {
+        if self.available() { self } else { Path::Scalar }
     }
 }
 
