@@ -107,3 +107,21 @@ pub fn kernel_path() -> &'static str {
         Path::Scalar => "scalar",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_fall_back_to_scalar_and_the_best_is_available() {
+        assert!(Path::best().available());
+        assert_eq!(Path::best().or_scalar(), Path::best());
+        for path in Path::ALL {
+            let want = if path.available() { path } else { Path::Scalar };
+            assert_eq!(path.or_scalar(), want);
+        }
+        // The AVX-512 path's kernels may use AVX2 + FMA, and VNNI is a capability within it.
+        assert!(!Path::Avx512.available() || Path::Avx2.available());
+        assert!(!has_avx512_vnni() || has_avx512());
+    }
+}

@@ -11,6 +11,8 @@
 //! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`. Batched: xs `[n, L]`, act
 //! `[n, I]`, out `[n, L]`.
 
+use std::cell::RefCell;
+
 use crate::cpu::Path;
 pub use crate::format::Mxfp4;
 use crate::format::{BLOCK, check_matmat_shapes};
@@ -114,7 +116,7 @@ pub fn expert_mxfp4_unfused_on(
     // Gate and up products in per-thread buffers reused across calls: this is the production
     // path on CPUs without AVX-512, and the decode loop must not allocate.
     thread_local! {
-        static GU: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        static GU: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
     }
     GU.with(|gu| {
         let (g, u) = &mut *gu.borrow_mut();

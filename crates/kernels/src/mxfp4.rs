@@ -254,4 +254,34 @@ mod tests {
             println!("SKIPPED batched AVX-512 path: this CPU lacks it (the per-input loop was tested)");
         }
     }
+
+    /// A path this CPU lacks runs the scalar kernel: `op_on` never executes an unsupported
+    /// instruction set.
+    #[test]
+    fn unavailable_paths_run_the_scalar_kernel() {
+        let (rows, cols, n) = (9, 96, 3);
+        let (p, s, xs) = (bytes(rows * cols / 2, 21), scales(rows * cols / 32, 22), inputs(n, cols));
+        let mut want = vec![0f32; n * rows];
+        for t in 0..n {
+            scalar::mxfp4_matvec(
+                &p,
+                &s,
+                rows,
+                cols,
+                &xs[t * cols..(t + 1) * cols],
+                &mut want[t * rows..(t + 1) * rows],
+            );
+        }
+        for path in Path::ALL.into_iter().filter(|p| !p.available()) {
+            let (mut a, mut b, mut c) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; n * rows]);
+            mxfp4_matvec_on(path, &p, &s, rows, cols, &xs[..cols], &mut a);
+            mxfp4_matvec_par_on(path, &p, &s, rows, cols, &xs[..cols], &mut b);
+            mxfp4_matmat_on(path, &p, &s, rows, cols, &xs, n, &mut c);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&want[..rows]), "{path:?}");
+            assert_eq!(bits(&b), bits(&want[..rows]), "{path:?}");
+            assert_eq!(bits(&c), bits(&want), "{path:?}");
+            println!("{path:?}: this CPU lacks it, the scalar kernel ran");
+        }
+    }
 }
