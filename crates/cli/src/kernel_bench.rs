@@ -6,8 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use deltafin_engine::kernel_path;
-use deltafin_kernels::batch::expert_mxfp4_batch;
-use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_unfused};
+use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch, expert_mxfp4_unfused};
 use deltafin_kernels::roofline::{fma_peak_gflops, read_bandwidth_gbps};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par, par::par_rows};
 use serde_json::{Value, json};

@@ -3,8 +3,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use deltafin_kernels::approx::{QuantizedX, mxfp4_matvec_q8_par};
-use deltafin_kernels::batch::expert_mxfp4_batch;
-use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
+use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch};
 use deltafin_kernels::ops::{rms_norm, softmax_inplace};
 use deltafin_kernels::{int8_matvec, mxfp4_matvec_par};
 

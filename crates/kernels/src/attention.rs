@@ -1,49 +1,60 @@
-//! The per-head attention steps of the two attention kinds, apart from model code.
+//! Layer 4, operation: the per-head attention steps of the two attention kinds, apart from model
+//! code. Imports `cpu`, `scalar` and `isa`.
 //!
 //! - KDA: one gated delta-rule update of a head's state `S [Dv, Dk]` and its read-out.
 //! - MLA (absorbed, NoPE): scores of a query against every cached position, softmax, and the
 //!   weighted sum of cached latents.
 //!
-//! Both keep the reference summation order; the AVX2 instantiation vectorises the element-wise
-//! work and is bit-identical to the portable one (tested).
+//! Both keep the reference summation order; the AVX2 instantiations of the scalar bodies
+//! vectorise the element-wise work and are bit-identical to them (tested). MLA's softmax is the
+//! path's own: AVX-512's on AVX-512, scalar otherwise.
 
-use crate::dispatch::dispatch;
-use crate::ops::{dot, softmax_inplace};
+use crate::cpu::Path;
+#[cfg(target_arch = "x86_64")]
+use crate::isa::{avx2, avx512};
+use crate::scalar;
 
 /// `S <- S * g` (per key channel), `delta = beta (v - S k)`, `S <- S + delta k^T`, `y = S q`.
 /// Shapes: s `[Dv, Dk]`, q, k, g `[Dk]`, v, delta, y `[Dv]`.
-#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn kda_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, delta: &mut [f32], y: &mut [f32]) {
-    let d = k.len();
-    for vi in 0..v.len() {
-        let row = &mut s[vi * d..(vi + 1) * d];
-        let mut mem = 0.0f32;
-        for j in 0..d {
-            row[j] *= g[j];
-            mem += row[j] * k[j];
-        }
-        delta[vi] = (v[vi] - mem) * beta;
-    }
-    for vi in 0..v.len() {
-        let row = &mut s[vi * d..(vi + 1) * d];
-        let mut acc = 0.0f32;
-        for j in 0..d {
-            row[j] += k[j] * delta[vi];
-            acc += row[j] * q[j];
-        }
-        y[vi] = acc;
-    }
+pub fn kda_head_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    delta: &mut [f32],
+    y: &mut [f32],
+) {
+    kda_head_step_on(Path::best(), s, q, k, v, g, beta, delta, y);
 }
 
-dispatch!(kda_head_step, kda_head_step_scalar, kda_avx2, kda_body, (s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, delta: &mut [f32], y: &mut [f32]));
+/// [`kda_head_step`] on `path` (the AVX2 instantiation on AVX2 and AVX-512, else scalar).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_head_step_on(
+    path: Path,
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    delta: &mut [f32],
+    y: &mut [f32],
+) {
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them).
+        Path::Avx512 | Path::Avx2 => unsafe { avx2::kda_head_step(s, q, k, v, g, beta, delta, y) },
+        _ => scalar::kda_head_step(s, q, k, v, g, beta, delta, y),
+    }
+}
 
 /// Absorbed NoPE MLA for one head: `score_t = scale (q_lat . c_t + q_pe . pe_t)`, softmax over
 /// the cached positions, `o_lat = sum_t p_t c_t`.
 /// Shapes: q_lat `[L]`, q_pe `[R]`, latents `[T, L]`, k_pe `[T, R]`, scores `[T]`, o_lat `[L]`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn mla_body(
+pub fn mla_head_attend(
     q_lat: &[f32],
     q_pe: &[f32],
     latents: &[f32],
@@ -52,22 +63,40 @@ fn mla_body(
     scores: &mut [f32],
     o_lat: &mut [f32],
 ) {
-    let (kvl, rope) = (q_lat.len(), q_pe.len());
-    for (t, s) in scores.iter_mut().enumerate() {
-        let c = &latents[t * kvl..(t + 1) * kvl];
-        let pe = &k_pe[t * rope..(t + 1) * rope];
-        *s = scale * (dot(q_lat, c) + dot(q_pe, pe));
-    }
-    softmax_inplace(scores);
-    o_lat.fill(0.0);
-    for (t, &p) in scores.iter().enumerate() {
-        for (o, &c) in o_lat.iter_mut().zip(&latents[t * kvl..(t + 1) * kvl]) {
-            *o += p * c;
-        }
-    }
+    mla_head_attend_on(Path::best(), q_lat, q_pe, latents, k_pe, scale, scores, o_lat);
 }
 
-dispatch!(mla_head_attend, mla_head_attend_scalar, mla_avx2, mla_body, (q_lat: &[f32], q_pe: &[f32], latents: &[f32], k_pe: &[f32], scale: f32, scores: &mut [f32], o_lat: &mut [f32]));
+/// [`mla_head_attend`] on `path`: the AVX2 instantiations of scores and read-out on AVX2 and
+/// AVX-512, with AVX-512's softmax on AVX-512; all scalar otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_head_attend_on(
+    path: Path,
+    q_lat: &[f32],
+    q_pe: &[f32],
+    latents: &[f32],
+    k_pe: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    o_lat: &mut [f32],
+) {
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F, AVX2 and FMA present (an available AVX-512 path implies AVX2 + FMA).
+        Path::Avx512 => unsafe {
+            avx2::mla_scores(q_lat, q_pe, latents, k_pe, scale, scores);
+            avx512::softmax_inplace(scores);
+            avx2::mla_mix(scores, latents, q_lat.len(), o_lat);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA present (an available path).
+        Path::Avx2 => unsafe {
+            avx2::mla_scores(q_lat, q_pe, latents, k_pe, scale, scores);
+            scalar::softmax_inplace(scores);
+            avx2::mla_mix(scores, latents, q_lat.len(), o_lat);
+        },
+        _ => scalar::mla_head_attend(q_lat, q_pe, latents, k_pe, scale, scores, o_lat),
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -91,16 +120,24 @@ mod tests {
         let mut s2 = s1.clone();
         let (mut dl1, mut dl2, mut y1, mut y2) = (vec![0f32; d], vec![0f32; d], vec![0f32; d], vec![0f32; d]);
         kda_head_step(&mut s1, &q, &k, &v, &g, 0.7, &mut dl1, &mut y1);
-        kda_head_step_scalar(&mut s2, &q, &k, &v, &g, 0.7, &mut dl2, &mut y2);
+        scalar::kda_head_step(&mut s2, &q, &k, &v, &g, 0.7, &mut dl2, &mut y2);
         assert!(s1.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()));
 
         let (l, r, t) = (33, 5, 9);
         let (ql, qp, lat, pe) = (vals(l, 6), vals(r, 7), vals(t * l, 8), vals(t * r, 9));
         let (mut sc1, mut sc2, mut o1, mut o2) = (vec![0f32; t], vec![0f32; t], vec![0f32; l], vec![0f32; l]);
+        // The default path against the portable scores and read-out around the same softmax.
         mla_head_attend(&ql, &qp, &lat, &pe, 0.3, &mut sc1, &mut o1);
-        mla_head_attend_scalar(&ql, &qp, &lat, &pe, 0.3, &mut sc2, &mut o2);
+        scalar::mla_scores(&ql, &qp, &lat, &pe, 0.3, &mut sc2);
+        crate::ops::softmax_inplace(&mut sc2);
+        scalar::mla_mix(&sc2, &lat, l, &mut o2);
         assert!(o1.iter().zip(&o2).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert!((sc1.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        // The AVX2 path (AVX2 instantiations, scalar softmax) against the scalar twin.
+        mla_head_attend_on(Path::Avx2, &ql, &qp, &lat, &pe, 0.3, &mut sc1, &mut o1);
+        scalar::mla_head_attend(&ql, &qp, &lat, &pe, 0.3, &mut sc2, &mut o2);
+        assert!(o1.iter().zip(&o2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(sc1.iter().zip(&sc2).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -1,4 +1,10 @@
-//! Run-time CPU feature detection, cached.
+//! Layer 1: run-time CPU feature detection (cached) and the one kernel-path enum, [`Path`].
+//! Imports nothing from the crate.
+//!
+//! Every dispatched operation comes as `op_on(path, ..)`, which runs `path`'s kernel (falling back
+//! where `path` is unavailable here or has no kernel for the arguments), and `op(..)`, which is
+//! `op_on(Path::best(), ..)`. Finer capabilities inside a path are queries, not paths: AVX-512
+//! VNNI is [`has_avx512_vnni`] within [`Path::Avx512`].
 
 use std::sync::OnceLock;
 
@@ -47,7 +53,7 @@ pub fn has_avx512_vnni() -> bool {
     })
 }
 
-/// A kernel implementation, for tests and benchmarks that pin one.
+/// A kernel implementation: an instruction set, or the portable scalar code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     Scalar,
@@ -72,6 +78,12 @@ impl Path {
     pub fn best() -> Path {
         [Path::Avx512, Path::Avx2, Path::Neon].into_iter().find(|p| p.available()).unwrap_or(Path::Scalar)
     }
+
+    /// `self` where this CPU has it, else [`Path::Scalar`]: what every `op_on` matches on.
+    /// (An available [`Path::Avx512`] implies AVX2 and FMA, so its ops may use AVX2 kernels.)
+    pub fn or_scalar(self) -> Path {
+        if self.available() { self } else { Path::Scalar }
+    }
 }
 
 /// Whether the NEON kernels may run (aarch64 always has NEON; checked all the same).
@@ -93,5 +105,23 @@ pub fn kernel_path() -> &'static str {
         Path::Avx2 => "avx2+fma",
         Path::Neon => "neon",
         Path::Scalar => "scalar",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_fall_back_to_scalar_and_the_best_is_available() {
+        assert!(Path::best().available());
+        assert_eq!(Path::best().or_scalar(), Path::best());
+        for path in Path::ALL {
+            let want = if path.available() { path } else { Path::Scalar };
+            assert_eq!(path.or_scalar(), want);
+        }
+        // The AVX-512 path's kernels may use AVX2 + FMA, and VNNI is a capability within it.
+        assert!(!Path::Avx512.available() || Path::Avx2.available());
+        assert!(!has_avx512_vnni() || has_avx512());
     }
 }

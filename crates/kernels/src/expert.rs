@@ -1,24 +1,51 @@
-//! The fused routed-expert kernel: `out = w2 · situ(w1 · x, w3 · x)` for one MXFP4 expert record,
-//! with the gate (w1) and up (w3) rows computed in the same pass over the input (one load of each
-//! input block serves both), SiTU applied as each row pair finishes, then the down product.
+//! Layer 4, operation: the routed MXFP4 expert, `out = w2 · situ(w1 · x, w3 · x)`, for one input
+//! or a small batch of inputs. Imports `format`, `cpu`, `par`, `scalar`, `isa` and, the one
+//! operation module below it, `mxfp4` (the down product and the paths without a fused kernel).
+//!
+//! The fused kernel computes the gate (w1) and up (w3) rows in the same pass over the input (one
+//! load of each input block serves both), applies SiTU as each row pair finishes, then runs the
+//! down product. The batched form decodes each block pair once for up to
+//! [`crate::format::MAX_BATCH`] inputs, per input bit-identical to the single-input expert.
 //!
 //! Shapes: w1, w3 packed `[I, L/2]` + scales `[I, L/32]`; w2 packed `[L, I/2]` + scales
-//! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`.
+//! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`. Batched: xs `[n, L]`, act
+//! `[n, I]`, out `[n, L]`.
 
-#[cfg(any(target_arch = "x86_64", test))]
+use std::cell::RefCell;
+
 use crate::cpu::Path;
-use crate::mxfp4::{BLOCK, mxfp4_matvec_par, row_dot_scalar};
-use crate::ops::situ;
+pub use crate::format::Mxfp4;
+use crate::format::{BLOCK, check_matmat_shapes};
+#[cfg(target_arch = "x86_64")]
+use crate::isa::avx512;
+#[cfg(target_arch = "x86_64")]
+use crate::mxfp4::mxfp4_matmat_on;
+use crate::mxfp4::mxfp4_matvec_par_on;
+#[cfg(target_arch = "x86_64")]
+use crate::par::{par_rows, par_rows_wide};
+use crate::scalar::situ;
 
-/// One MXFP4 matrix: packed nibbles and E8M0 scales.
-#[derive(Clone, Copy)]
-pub struct Mxfp4<'a> {
-    pub packed: &'a [u8],
-    pub scales: &'a [u8],
-}
-
+/// The expert on the best path: fused with AVX-512, else [`expert_mxfp4_unfused`].
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4(
+    w1: Mxfp4,
+    w3: Mxfp4,
+    w2: Mxfp4,
+    inter: usize,
+    latent: usize,
+    x: &[f32],
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
+    expert_mxfp4_on(Path::best(), w1, w3, w2, inter, latent, x, beta, linear_beta, act, out);
+}
+
+/// [`expert_mxfp4`] on `path`: the fused kernel on AVX-512, else [`expert_mxfp4_unfused_on`].
+#[allow(clippy::too_many_arguments)]
+pub fn expert_mxfp4_on(
+    path: Path,
     w1: Mxfp4,
     w3: Mxfp4,
     w2: Mxfp4,
@@ -38,23 +65,43 @@ pub fn expert_mxfp4(
     assert_eq!(x.len(), latent);
     assert_eq!(act.len(), inter);
     assert_eq!(out.len(), latent);
-    #[cfg(target_arch = "x86_64")]
-    if Path::best() == Path::Avx512 {
-        crate::mxfp4::with_deinterleaved(x, |xd| {
-            crate::par::par_rows(inter, 2 * latent, act, |r0, a| {
-                // SAFETY: AVX-512F/BW present (Path::best); shapes asserted above.
-                unsafe { crate::avx512::gate_up_situ_avx512(w1, w3, r0, latent, xd, beta, linear_beta, a) }
-            })
-        });
-        mxfp4_matvec_par(w2.packed, w2.scales, latent, inter, act, out);
-        return;
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => {
+            avx512::with_deinterleaved(x, |xd| {
+                par_rows(inter, 2 * latent, act, |r0, a| {
+                    // SAFETY: AVX-512F/BW present (an available path); shapes asserted above.
+                    unsafe { avx512::gate_up_situ(w1, w3, r0, latent, xd, beta, linear_beta, a) }
+                })
+            });
+            mxfp4_matvec_par_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, out);
+        }
+        p => expert_mxfp4_unfused_on(p, w1, w3, w2, inter, latent, x, beta, linear_beta, act, out),
     }
-    expert_mxfp4_unfused(w1, w3, w2, inter, latent, x, beta, linear_beta, act, out);
 }
 
-/// The same expert from separate products: the oracle, and the path without AVX-512.
+/// The same expert from separate products on the best path: the oracle of the fused kernel, and
+/// the path without AVX-512.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4_unfused(
+    w1: Mxfp4,
+    w3: Mxfp4,
+    w2: Mxfp4,
+    inter: usize,
+    latent: usize,
+    x: &[f32],
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
+    expert_mxfp4_unfused_on(Path::best(), w1, w3, w2, inter, latent, x, beta, linear_beta, act, out);
+}
+
+/// [`expert_mxfp4_unfused`] with its products on `path`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_mxfp4_unfused_on(
+    path: Path,
     w1: Mxfp4,
     w3: Mxfp4,
     w2: Mxfp4,
@@ -69,46 +116,98 @@ pub fn expert_mxfp4_unfused(
     // Gate and up products in per-thread buffers reused across calls: this is the production
     // path on CPUs without AVX-512, and the decode loop must not allocate.
     thread_local! {
-        static GU: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        static GU: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
     }
     GU.with(|gu| {
         let (g, u) = &mut *gu.borrow_mut();
         g.resize(inter, 0.0); // [I]
         u.resize(inter, 0.0); // [I]
-        mxfp4_matvec_par(w1.packed, w1.scales, inter, latent, x, g);
-        mxfp4_matvec_par(w3.packed, w3.scales, inter, latent, x, u);
+        mxfp4_matvec_par_on(path, w1.packed, w1.scales, inter, latent, x, g);
+        mxfp4_matvec_par_on(path, w3.packed, w3.scales, inter, latent, x, u);
         situ(g, u, beta, linear_beta, act);
     });
-    mxfp4_matvec_par(w2.packed, w2.scales, latent, inter, act, out);
+    mxfp4_matvec_par_on(path, w2.packed, w2.scales, latent, inter, act, out);
 }
 
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-/// Scalar gate/up/SiTU rows `r0..r0+a.len()` (for rows whose scales need the safe path).
-pub(crate) fn gate_up_situ_row_scalar(
+/// [`expert_mxfp4`] for `n` inputs: `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])`.
+/// Shapes: xs `[n, L]`, act (scratch) `[n, I]`, out `[n, L]`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_mxfp4_batch(
     w1: Mxfp4,
     w3: Mxfp4,
-    r: usize,
+    w2: Mxfp4,
+    inter: usize,
     latent: usize,
-    x: &[f32],
+    xs: &[f32],
+    n: usize,
     beta: f32,
-    lb: Option<f32>,
-) -> f32 {
-    let (half, nb) = (latent / 2, latent / BLOCK);
-    let g = row_dot_scalar(&w1.packed[r * half..(r + 1) * half], &w1.scales[r * nb..(r + 1) * nb], x);
-    let u = row_dot_scalar(&w3.packed[r * half..(r + 1) * half], &w3.scales[r * nb..(r + 1) * nb], x);
-    let mut o = [0f32];
-    situ(&[g], &[u], beta, lb, &mut o);
-    o[0]
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
+    expert_mxfp4_batch_on(Path::best(), w1, w3, w2, inter, latent, xs, n, beta, linear_beta, act, out);
+}
+
+/// [`expert_mxfp4_batch`] on `path` (a loop over [`expert_mxfp4_on`] where `path` has no batched
+/// kernel).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_mxfp4_batch_on(
+    path: Path,
+    w1: Mxfp4,
+    w3: Mxfp4,
+    w2: Mxfp4,
+    inter: usize,
+    latent: usize,
+    xs: &[f32],
+    n: usize,
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
+    check_matmat_shapes(w1.packed, w1.scales, inter, latent, xs, n, act);
+    check_matmat_shapes(w3.packed, w3.scales, inter, latent, xs, n, act);
+    assert_eq!(out.len(), n * latent);
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 if n > 1 => {
+            avx512::with_batch_staging(xs, latent, inter, n, act, |xd, staged| {
+                par_rows_wide(inter, 2 * latent * n, n, staged, |r0, o| {
+                    // SAFETY: AVX-512F/BW present (an available path); shapes checked above.
+                    unsafe { avx512::gate_up_situ_batch(w1, w3, r0, latent, xd, n, beta, linear_beta, o) }
+                });
+            });
+            mxfp4_matmat_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, n, out);
+        }
+        p => {
+            for t in 0..n {
+                expert_mxfp4_on(
+                    p,
+                    w1,
+                    w3,
+                    w2,
+                    inter,
+                    latent,
+                    &xs[t * latent..(t + 1) * latent],
+                    beta,
+                    linear_beta,
+                    &mut act[t * inter..(t + 1) * inter],
+                    &mut out[t * latent..(t + 1) * latent],
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scalar;
+    use crate::testdata::bytes;
 
     #[test]
     fn fused_matches_unfused() {
         let (inter, latent) = (96, 128);
-        use crate::testdata::bytes;
         let scales = |n: usize, seed: u64| crate::testdata::scales(n, seed, 119, 4);
         let (p1, p3, p2) = (bytes(inter * latent / 2, 1), bytes(inter * latent / 2, 2), bytes(latent * inter / 2, 3));
         let (s1, s3, s2) =
@@ -127,6 +226,84 @@ mod tests {
         }
         if Path::best() != Path::Avx512 {
             println!("SKIPPED fused AVX-512 path: this CPU lacks it (unfused path compared with itself)");
+        }
+    }
+
+    fn scales(n: usize, seed: u64) -> Vec<u8> {
+        crate::testdata::scales(n, seed, 117, 8)
+    }
+
+    fn inputs(n: usize, cols: usize) -> Vec<f32> {
+        (0..n * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 3) as f32)).collect()
+    }
+
+    #[test]
+    fn expert_batch_is_bit_identical_to_single_experts() {
+        let (inter, latent) = (96, 128);
+        let (p1, p3, p2) = (bytes(inter * latent / 2, 3), bytes(inter * latent / 2, 4), bytes(latent * inter / 2, 5));
+        let (mut s1, s3, s2) =
+            (scales(inter * latent / 32, 6), scales(inter * latent / 32, 7), scales(latent * inter / 32, 8));
+        // A huge scale in gate row 0 sends that row down the safe path in every kernel.
+        s1[0] = 230;
+        let w1 = Mxfp4 { packed: &p1, scales: &s1 };
+        let w3 = Mxfp4 { packed: &p3, scales: &s3 };
+        let w2 = Mxfp4 { packed: &p2, scales: &s2 };
+        for n in [1, 2, 8, 9] {
+            let xs = inputs(n, latent);
+            let (mut act, mut out) = (vec![0f32; n * inter], vec![0f32; n * latent]);
+            expert_mxfp4_batch(w1, w3, w2, inter, latent, &xs, n, 4.0, Some(25.0), &mut act, &mut out);
+            for t in 0..n {
+                let (mut a1, mut o1) = (vec![0f32; inter], vec![0f32; latent]);
+                expert_mxfp4(
+                    w1,
+                    w3,
+                    w2,
+                    inter,
+                    latent,
+                    &xs[t * latent..(t + 1) * latent],
+                    4.0,
+                    Some(25.0),
+                    &mut a1,
+                    &mut o1,
+                );
+                assert!(
+                    o1.iter().zip(&out[t * latent..(t + 1) * latent]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n {n} input {t}"
+                );
+            }
+        }
+    }
+
+    /// The unfused expert on the scalar path is bit-identical to the scalar fused expert (the
+    /// same row dot products and SiTU per element), and every path tracks it.
+    #[test]
+    fn every_path_matches_the_scalar_expert() {
+        let (inter, latent) = (64, 96);
+        let (p1, p3, p2) =
+            (bytes(inter * latent / 2, 11), bytes(inter * latent / 2, 12), bytes(latent * inter / 2, 13));
+        let (mut s1, s3, s2) =
+            (scales(inter * latent / 32, 14), scales(inter * latent / 32, 15), scales(latent * inter / 32, 16));
+        s1[0] = 230; // a row on the safe path
+        let w1 = Mxfp4 { packed: &p1, scales: &s1 };
+        let w3 = Mxfp4 { packed: &p3, scales: &s3 };
+        let w2 = Mxfp4 { packed: &p2, scales: &s2 };
+        let x = inputs(1, latent);
+        let (mut act0, mut want) = (vec![0f32; inter], vec![0f32; latent]);
+        scalar::expert_mxfp4(w1, w3, w2, inter, latent, &x, 4.0, Some(25.0), &mut act0, &mut want);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for path in Path::ALL {
+            if !path.available() {
+                println!("SKIPPED expert on {path:?}: this CPU lacks it");
+                continue;
+            }
+            let (mut act, mut got) = (vec![0f32; inter], vec![0f32; latent]);
+            expert_mxfp4_on(path, w1, w3, w2, inter, latent, &x, 4.0, Some(25.0), &mut act, &mut got);
+            if path == Path::Scalar {
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "scalar path");
+            }
+            for (u, v) in got.iter().zip(&want) {
+                assert!((u - v).abs() <= 1e-5 * scale, "{path:?}: {u} vs {v}");
+            }
         }
     }
 }

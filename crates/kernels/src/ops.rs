@@ -1,126 +1,59 @@
-//! Small element-wise and reduction kernels used by every model: norms, softmax, activations.
+//! Layer 4, operation: the small element-wise and reduction kernels every model uses (norms,
+//! softmax, activations). Imports `cpu`, `scalar` and `isa`.
+//!
+//! RMSNorm and softmax have AVX-512 kernels and come as `op_on(path, ..)` + `op(..)`. The
+//! activations and small reductions have one (scalar) implementation, shared with the SIMD
+//! kernels, and are re-exported here from `scalar`.
+
+use crate::cpu::Path;
+#[cfg(target_arch = "x86_64")]
+use crate::isa::avx512;
+use crate::scalar;
+pub use crate::scalar::{axpy, dot, inv_rms, sigmoid, silu, situ, softplus};
 
 /// RMSNorm: `out = x / sqrt(mean(x^2) + eps) * weight`. Shapes: x, weight, out `[n]`.
-/// AVX-512 when the CPU has it; [`rms_norm_scalar`] is the oracle.
+/// AVX-512 when the CPU has it; `scalar::rms_norm` is the oracle.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_on(Path::best(), x, weight, eps, out);
+}
+
+/// [`rms_norm`] on `path` (scalar where `path` has no kernel).
+pub fn rms_norm_on(path: Path, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), weight.len());
     assert_eq!(x.len(), out.len());
     out.copy_from_slice(x);
-    rms_norm_inplace(out, weight, eps);
+    rms_norm_inplace_on(path, out, weight, eps);
 }
 
 /// In-place RMSNorm. Shapes: x, weight `[n]`.
 pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    rms_norm_inplace_on(Path::best(), x, weight, eps);
+}
+
+/// [`rms_norm_inplace`] on `path` (scalar where `path` has no kernel).
+pub fn rms_norm_inplace_on(path: Path, x: &mut [f32], weight: &[f32], eps: f32) {
     assert_eq!(x.len(), weight.len());
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::Path::best() == crate::cpu::Path::Avx512 {
-        // SAFETY: AVX-512F is present (Path::best); lengths asserted above.
-        unsafe { crate::avx512::rms_norm_inplace_avx512(x, weight, eps) };
-        return;
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (an available path); lengths asserted above.
+        Path::Avx512 => unsafe { avx512::rms_norm_inplace(x, weight, eps) },
+        _ => scalar::rms_norm_inplace(x, weight, eps),
     }
-    rms_norm_inplace_scalar(x, weight, eps);
-}
-
-/// The portable RMSNorm: the oracle of the SIMD one.
-pub fn rms_norm_inplace_scalar(x: &mut [f32], weight: &[f32], eps: f32) {
-    assert_eq!(x.len(), weight.len());
-    let inv = inv_rms(x, eps);
-    for (v, &w) in x.iter_mut().zip(weight) {
-        *v *= inv * w;
-    }
-}
-
-/// Out-of-place [`rms_norm_inplace_scalar`].
-pub fn rms_norm_scalar(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    assert_eq!(x.len(), out.len());
-    out.copy_from_slice(x);
-    rms_norm_inplace_scalar(out, weight, eps);
-}
-
-/// `1 / sqrt(mean(x^2) + eps)`, accumulated in f64 so long rows keep their precision.
-pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
-    (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32
 }
 
 /// Numerically stable in-place softmax. AVX-512 (a polynomial `exp`) when the CPU has it;
-/// [`softmax_inplace_scalar`] is the oracle.
+/// `scalar::softmax_inplace` is the oracle.
 pub fn softmax_inplace(x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::Path::best() == crate::cpu::Path::Avx512 {
-        // SAFETY: AVX-512F is present (Path::best).
-        unsafe { crate::avx512::softmax_inplace_avx512(x) };
-        return;
-    }
-    softmax_inplace_scalar(x);
+    softmax_inplace_on(Path::best(), x);
 }
 
-/// The portable softmax: the oracle of the SIMD one.
-pub fn softmax_inplace_scalar(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= sum;
-    }
-}
-
-#[inline]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-#[inline]
-pub fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// Softplus with the usual linear cut-over for large inputs.
-#[inline]
-pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
-}
-
-/// SiTU, Kimi K3's gated activation: `beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)`.
-/// Shapes: gate, up, out `[n]`. `linear_beta` None leaves `u` unbounded.
-pub fn situ(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: &mut [f32]) {
-    assert_eq!(gate.len(), up.len());
-    assert_eq!(gate.len(), out.len());
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        let a = beta * (g / beta).tanh() * sigmoid(g);
-        let x = match linear_beta {
-            Some(lb) => lb * (u / lb).tanh(),
-            None => u,
-        };
-        *o = a * x;
-    }
-}
-
-/// Dot product with f32 accumulation over several lanes.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[i * 8 + l] * b[i * 8 + l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-/// `y += alpha * x`.
-pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    assert_eq!(x.len(), y.len());
-    for (v, &u) in y.iter_mut().zip(x) {
-        *v += alpha * u;
+/// [`softmax_inplace`] on `path` (scalar where `path` has no kernel).
+pub fn softmax_inplace_on(path: Path, x: &mut [f32]) {
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (an available path).
+        Path::Avx512 => unsafe { avx512::softmax_inplace(x) },
+        _ => scalar::softmax_inplace(x),
     }
 }
 
@@ -156,7 +89,7 @@ mod tests {
             let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
             let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
             rms_norm(&x, &w, 1e-6, &mut a);
-            rms_norm_scalar(&x, &w, 1e-6, &mut b);
+            scalar::rms_norm(&x, &w, 1e-6, &mut b);
             let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert!(a.iter().zip(&b).all(|(p, q)| (p - q).abs() <= 1e-6 * scale), "rms_norm n={n}");
             for spread in [1.0f32, 30.0] {
@@ -166,7 +99,7 @@ mod tests {
                 }
                 let mut t = s.clone();
                 softmax_inplace(&mut s);
-                softmax_inplace_scalar(&mut t);
+                scalar::softmax_inplace(&mut t);
                 for (i, (p, q)) in s.iter().zip(&t).enumerate() {
                     assert!(
                         (p - q).abs() <= 1e-5 * q.max(1e-30) + 1e-12,

@@ -1,6 +1,8 @@
 //! Row-parallel mat-vecs on a persistent thread pool (rayon's, sized to the cores once; no thread
 //! is spawned per call). Each row is computed by the same single-threaded kernel as in the serial
 //! path, so results are bit-identical whatever the thread count.
+//!
+//! Layer 1: imports nothing from the crate.
 
 use rayon::prelude::*;
 

@@ -1,11 +1,19 @@
 //! The two roofs a kernel is judged against, measured on this machine in the same run: memory
 //! read bandwidth (a stream-style read over a buffer far larger than the caches) and the peak
 //! f32 FMA rate (independent FMAs on registers), each for a given number of threads.
+//!
+//! Layer 4 (a measurement beside the operations): imports `cpu`, `scalar` and `isa`, whose FMA
+//! probes it runs.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use rayon::prelude::*;
+
+use crate::cpu::Path;
+#[cfg(target_arch = "x86_64")]
+use crate::isa::avx2;
+use crate::scalar;
 
 /// Read `buf` once per pass with `threads` threads for at least `min_secs`; returns GB/s.
 pub fn read_bandwidth_gbps(buf: &[u64], threads: usize, min_secs: f64) -> f64 {
@@ -46,58 +54,20 @@ pub fn fma_peak_gflops(threads: usize, min_secs: f64) -> f64 {
     };
     pool.install(|| {
         let t0 = Instant::now();
-        let flops: f64 = (0..threads).into_par_iter().map(|_| fma_loop(min_secs)).sum();
+        let flops: f64 = (0..threads).into_par_iter().map(|_| fma_loop_on(Path::best(), min_secs)).sum();
         flops / t0.elapsed().as_secs_f64() / 1e9
     })
 }
 
-/// FLOPs done by one thread in `secs` of back-to-back FMAs.
-fn fma_loop(secs: f64) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA.
-        return unsafe { fma_loop_avx2(secs) };
+/// FLOPs done by one thread in `secs` of back-to-back FMAs on `path` (the AVX2 loop on AVX2 and
+/// AVX-512, else scalar).
+fn fma_loop_on(path: Path, secs: f64) -> f64 {
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them).
+        Path::Avx512 | Path::Avx2 => unsafe { avx2::fma_loop(secs) },
+        _ => scalar::fma_loop(secs),
     }
-    fma_loop_scalar(secs)
-}
-
-fn fma_loop_scalar(secs: f64) -> f64 {
-    let t0 = Instant::now();
-    let mut acc = [1.0f32; 16];
-    let (a, b) = (black_box(0.999_999f32), black_box(1e-7f32));
-    let mut iters = 0u64;
-    while t0.elapsed().as_secs_f64() < secs {
-        for _ in 0..1_000_000 {
-            for v in acc.iter_mut() {
-                *v = v.mul_add(a, b);
-            }
-        }
-        iters += 1_000_000;
-    }
-    black_box(acc);
-    iters as f64 * 16.0 * 2.0
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_loop_avx2(secs: f64) -> f64 {
-    use std::arch::x86_64::*;
-    let t0 = Instant::now();
-    let a = _mm256_set1_ps(black_box(0.999_999));
-    let b = _mm256_set1_ps(black_box(1e-7));
-    // Twelve independent chains cover the FMA latency on two ports.
-    let mut acc = [_mm256_set1_ps(1.0); 12];
-    let mut iters = 0u64;
-    while t0.elapsed().as_secs_f64() < secs {
-        for _ in 0..100_000 {
-            for v in acc.iter_mut() {
-                *v = _mm256_fmadd_ps(*v, a, b);
-            }
-        }
-        iters += 100_000;
-    }
-    black_box(acc);
-    iters as f64 * 12.0 * 8.0 * 2.0
 }
 
 #[cfg(test)]

@@ -1,4 +1,6 @@
 //! Deterministic inputs shared by the kernels' tests and benchmarks.
+//!
+//! Layer 1: imports nothing from the crate.
 
 /// `n` pseudo-random bytes (an LCG: reproducible, every value reachable).
 pub fn bytes(n: usize, seed: u64) -> Vec<u8> {

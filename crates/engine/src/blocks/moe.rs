@@ -6,8 +6,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
-use deltafin_kernels::batch::expert_mxfp4_batch;
-use deltafin_kernels::expert::{Mxfp4, expert_mxfp4};
+use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
 

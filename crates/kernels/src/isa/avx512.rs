@@ -1,14 +1,21 @@
-//! AVX-512 kernels (F + BW): MXFP4 and int8 mat-vecs. Their oracles are the scalar paths.
+//! Layer 3, every AVX-512 kernel (x86_64): F + BW for the exact MXFP4, int8, batched and fused
+//! expert kernels, RMSNorm and softmax; F + BW + VL + VNNI for the approximate-mode product.
+//! Imports only `format` and `scalar`. Their oracles are the scalar twins.
 //!
 //! MXFP4: a block's 16 packed bytes widen to 16 lanes; the low nibbles are the block's even
 //! elements and the high nibbles its odd elements, and one `vpermps` against the 16-entry E2M1
 //! table decodes sign and magnitude at once. The input vector is split into even and odd halves
-//! once per product (`deinterleave`), so each block costs two table look-ups and two FMAs.
+//! once per product ([`deinterleave`], [`with_deinterleaved`], [`with_batch_staging`]), so each
+//! block costs two table look-ups and two FMAs.
+//!
+//! Every kernel here is `unsafe`: the caller (an operation module's `op_on`) must have checked
+//! that the CPU supports the features named in its `# Safety` section.
 
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
-use crate::mxfp4::{BLOCK, E2M1_LUT, e8m0_to_f32};
+use crate::format::{BLOCK, E2M1_LUT, E2M1_X2_I8, MAX_BATCH, Mxfp4, QuantizedX, e8m0_to_f32};
+use crate::scalar;
 
 /// Split `x` per 32-element block into its 16 even then 16 odd elements. Shapes: x, out `[cols]`.
 pub fn deinterleave(x: &[f32], out: &mut [f32]) {
@@ -20,12 +27,57 @@ pub fn deinterleave(x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Run `f` on `x` deinterleaved per block into a per-thread scratch buffer (reused: no
+/// allocation once warm).
+pub fn with_deinterleaved<R>(x: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        s.resize(x.len(), 0.0);
+        deinterleave(x, &mut s);
+        f(&s)
+    })
+}
+
+/// Run `f(xd, staged)` with the inputs `xs [n, cols]` each deinterleaved per block into `xd`
+/// and a staging buffer `staged [rows, n]`, then write `staged` transposed into `out [n, rows]`.
+/// Both buffers are per-thread and reused: no allocation once warm.
+pub fn with_batch_staging(
+    xs: &[f32],
+    cols: usize,
+    rows: usize,
+    n: usize,
+    out: &mut [f32],
+    f: impl FnOnce(&[f32], &mut [f32]),
+) {
+    thread_local! {
+        static BUFS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    }
+    BUFS.with(|b| {
+        let (xd, staged) = &mut *b.borrow_mut();
+        xd.resize(xs.len(), 0.0);
+        for (x, d) in xs.chunks_exact(cols).zip(xd.chunks_exact_mut(cols)) {
+            deinterleave(x, d);
+        }
+        staged.resize(rows * n, 0.0); // [rows, n]
+        f(&xd[..], staged);
+        for r in 0..rows {
+            for t in 0..n {
+                out[t * rows + r] = staged[r * n + t];
+            }
+        }
+    });
+}
+
+/// MXFP4 mat-vec.
+///
 /// # Safety
 /// AVX-512F/BW must be available. Shapes as `mxfp4_matvec`, validated by the caller; `xd` is
 /// `x` passed through [`deinterleave`].
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn mxfp4_matvec_avx512(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xd: &[f32], out: &mut [f32]) {
+pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xd: &[f32], out: &mut [f32]) {
     let half = cols / 2;
     let nblocks = cols / BLOCK;
     // SAFETY: E2M1_LUT holds exactly 16 f32.
@@ -36,7 +88,7 @@ pub unsafe fn mxfp4_matvec_avx512(packed: &[u8], scales: &[u8], rows: usize, col
         let srow = &scales[r * nblocks..(r + 1) * nblocks];
         if srow.iter().any(|&s| s > 200) {
             // See the AVX2 kernel: huge scales could overflow a lane where the oracle does not.
-            *o = crate::mxfp4::row_dot_scalar(prow, srow, &interleave_back(xd, cols));
+            *o = scalar::row_dot(prow, srow, &interleave_back(xd, cols));
             continue;
         }
         let mut acc = _mm512_setzero_ps();
@@ -77,9 +129,8 @@ fn interleave_back(xd: &[f32], cols: usize) -> Vec<f32> {
 ///
 /// # Safety
 /// AVX-512F/BW must be available; shapes validated by the caller; `group % 16 == 0`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn int8_matvec_avx512(
+pub unsafe fn int8_matvec(
     q: &[i8],
     scales: &[f32],
     group: usize,
@@ -120,12 +171,11 @@ pub unsafe fn int8_matvec_avx512(
 /// # Safety
 /// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
 /// of 32 and `r0 + act.len()` rows at least; `xd` is the input passed through [`deinterleave`].
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn gate_up_situ_avx512(
-    w1: crate::expert::Mxfp4,
-    w3: crate::expert::Mxfp4,
+pub unsafe fn gate_up_situ(
+    w1: Mxfp4,
+    w3: Mxfp4,
     r0: usize,
     latent: usize,
     xd: &[f32],
@@ -143,15 +193,7 @@ pub unsafe fn gate_up_situ_avx512(
         let (p1, p3) = (&w1.packed[r * half..(r + 1) * half], &w3.packed[r * half..(r + 1) * half]);
         let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
         if s1.iter().chain(s3).any(|&s| s > 200) {
-            *a = crate::expert::gate_up_situ_row_scalar(
-                w1,
-                w3,
-                r,
-                latent,
-                &interleave_back(xd, latent),
-                beta,
-                linear_beta,
-            );
+            *a = scalar::gate_up_situ_row(w1, w3, r, latent, &interleave_back(xd, latent), beta, linear_beta);
             continue;
         }
         let mut g = _mm512_setzero_ps();
@@ -184,21 +226,20 @@ pub unsafe fn gate_up_situ_avx512(
         }
         let (gs, us) = (_mm512_reduce_add_ps(g), _mm512_reduce_add_ps(u));
         let mut o = [0f32];
-        crate::ops::situ(&[gs], &[us], beta, linear_beta, &mut o);
+        scalar::situ(&[gs], &[us], beta, linear_beta, &mut o);
         *a = o[0];
     }
 }
 
 /// Rows of an MXFP4 matrix against `n` inputs: each block is decoded once per group of up to
-/// [`crate::batch::MAX_BATCH`] inputs. Per input, the same operations in the same order as
-/// [`mxfp4_matvec_avx512`], so each output is bit-identical to it.
+/// [`MAX_BATCH`] inputs. Per input, the same operations in the same order as
+/// [`mxfp4_matvec`], so each output is bit-identical to it.
 ///
 /// # Safety
 /// AVX-512F/BW must be available. `packed`/`scales` hold `rows` rows of `cols` (a multiple of
 /// 32); `xd` is `[n, cols]`, each input passed through [`deinterleave`]; `out` is `[rows, n]`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn mxfp4_rows_batch_avx512(
+pub unsafe fn mxfp4_rows_batch(
     packed: &[u8],
     scales: &[u8],
     rows: usize,
@@ -209,7 +250,7 @@ pub unsafe fn mxfp4_rows_batch_avx512(
 ) {
     let mut t0 = 0;
     while t0 < n {
-        let m = (n - t0).min(crate::batch::MAX_BATCH);
+        let m = (n - t0).min(MAX_BATCH);
         // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
         unsafe {
             match m {
@@ -227,8 +268,7 @@ pub unsafe fn mxfp4_rows_batch_avx512(
     }
 }
 
-/// Inputs `t0..t0+N` of [`mxfp4_rows_batch_avx512`].
-#[cfg(target_arch = "x86_64")]
+/// Inputs `t0..t0+N` of [`mxfp4_rows_batch`].
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_group<const N: usize>(
@@ -252,7 +292,7 @@ unsafe fn rows_group<const N: usize>(
         let srow = &scales[r * nblocks..(r + 1) * nblocks];
         if srow.iter().any(|&s| s > 200) {
             for (j, x) in inputs.iter().enumerate() {
-                out[r * n + t0 + j] = crate::mxfp4::row_dot_scalar(prow, srow, &interleave_back(x, cols));
+                out[r * n + t0 + j] = scalar::row_dot(prow, srow, &interleave_back(x, cols));
             }
             continue;
         }
@@ -278,20 +318,19 @@ unsafe fn rows_group<const N: usize>(
     }
 }
 
-/// Gate and up rows `r0..` against `n` inputs in one pass, then SiTU: [`gate_up_situ_avx512`]
-/// with each block pair decoded once per group of up to [`crate::batch::MAX_BATCH`] inputs, and
+/// Gate and up rows `r0..` against `n` inputs in one pass, then SiTU: [`gate_up_situ`]
+/// with each block pair decoded once per group of up to [`MAX_BATCH`] inputs, and
 /// per input the same operations in the same order (bit-identical outputs).
 ///
 /// # Safety
 /// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
 /// of 32 and at least `r0 + act.len() / n` rows; `xd` is `[n, latent]`, each input passed through
 /// [`deinterleave`]; `act` is `[rows, n]`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn gate_up_situ_batch_avx512(
-    w1: crate::expert::Mxfp4,
-    w3: crate::expert::Mxfp4,
+pub unsafe fn gate_up_situ_batch(
+    w1: Mxfp4,
+    w3: Mxfp4,
     r0: usize,
     latent: usize,
     xd: &[f32],
@@ -302,7 +341,7 @@ pub unsafe fn gate_up_situ_batch_avx512(
 ) {
     let mut t0 = 0;
     while t0 < n {
-        let m = (n - t0).min(crate::batch::MAX_BATCH);
+        let m = (n - t0).min(MAX_BATCH);
         let args = (w1, w3, r0, latent, xd, n, t0, beta, linear_beta);
         // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
         unsafe {
@@ -321,12 +360,9 @@ pub unsafe fn gate_up_situ_batch_avx512(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-type GateUpArgs<'a> =
-    (crate::expert::Mxfp4<'a>, crate::expert::Mxfp4<'a>, usize, usize, &'a [f32], usize, usize, f32, Option<f32>);
+type GateUpArgs<'a> = (Mxfp4<'a>, Mxfp4<'a>, usize, usize, &'a [f32], usize, usize, f32, Option<f32>);
 
-/// Inputs `t0..t0+N` of [`gate_up_situ_batch_avx512`].
-#[cfg(target_arch = "x86_64")]
+/// Inputs `t0..t0+N` of [`gate_up_situ_batch`].
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
     let (w1, w3, r0, latent, xd, n, t0, beta, linear_beta) = args;
@@ -342,15 +378,8 @@ unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
         let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
         if s1.iter().chain(s3).any(|&s| s > 200) {
             for (j, x) in inputs.iter().enumerate() {
-                act[i * n + t0 + j] = crate::expert::gate_up_situ_row_scalar(
-                    w1,
-                    w3,
-                    r,
-                    latent,
-                    &interleave_back(x, latent),
-                    beta,
-                    linear_beta,
-                );
+                act[i * n + t0 + j] =
+                    scalar::gate_up_situ_row(w1, w3, r, latent, &interleave_back(x, latent), beta, linear_beta);
             }
             continue;
         }
@@ -387,7 +416,7 @@ unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
         for j in 0..N {
             let (gs, us) = (_mm512_reduce_add_ps(g[j]), _mm512_reduce_add_ps(u[j]));
             let mut o = [0f32];
-            crate::ops::situ(&[gs], &[us], beta, linear_beta, &mut o);
+            scalar::situ(&[gs], &[us], beta, linear_beta, &mut o);
             act[i * n + t0 + j] = o[0];
         }
     }
@@ -398,9 +427,8 @@ unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
 ///
 /// # Safety
 /// AVX-512F must be available; `x.len() == weight.len()`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub unsafe fn rms_norm_inplace_avx512(x: &mut [f32], weight: &[f32], eps: f32) {
+pub unsafe fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = x.len();
     let (mut s0, mut s1) = (_mm512_setzero_pd(), _mm512_setzero_pd());
     let mut i = 0;
@@ -436,7 +464,6 @@ pub unsafe fn rms_norm_inplace_avx512(x: &mut [f32], weight: &[f32], eps: f32) {
 
 /// `exp` of 16 lanes: `x = k ln2 + r` with |r| <= ln2/2, a degree-6 polynomial for `e^r`
 /// (relative error ~1e-7), and `scalef` for `2^k` (which also gives 0 for very negative `x`).
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn exp_ps(x: __m512) -> __m512 {
     // Clamp (NaN-preserving: `max` returns its second operand when either is NaN).
@@ -456,9 +483,8 @@ fn exp_ps(x: __m512) -> __m512 {
 ///
 /// # Safety
 /// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub unsafe fn softmax_inplace_avx512(x: &mut [f32]) {
+pub unsafe fn softmax_inplace(x: &mut [f32]) {
     let n = x.len();
     let full = n / 16 * 16;
     let tail: __mmask16 = ((1u32 << (n - full)) - 1) as __mmask16;
@@ -500,5 +526,105 @@ pub unsafe fn softmax_inplace_avx512(x: &mut [f32]) {
             let v = _mm512_maskz_loadu_ps(tail, x.as_ptr().add(full));
             _mm512_mask_storeu_ps(x.as_mut_ptr().add(full), tail, _mm512_div_ps(v, s));
         }
+    }
+}
+
+/// The approximate (int8 activation) MXFP4 product, two blocks (64 weights) per step with
+/// AVX-512 VNNI (a capability within the AVX-512 path: `cpu::has_avx512_vnni`): the 32 packed
+/// bytes widen to 64 nibbles laid out as block A's even, A's odd, B's even, B's odd weights (the
+/// activations' layout), `vpshufb` maps them to |2·E2M1| bytes, the weights' signs move onto the
+/// activations (masked negation), and one `vpdpbusd` forms all 64 products summed in fours; lanes
+/// 0-7 hold block A and 8-15 block B. Scales are decoded 16 blocks at a time (E8M0 is an f32
+/// exponent field) and multiplied with the activations' block scales; one permute picks a pair's
+/// two.
+///
+/// # Safety
+/// AVX-512F/BW/VL/VNNI must be available; shapes validated by the caller.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn mxfp4_matvec_q8_vnni(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &QuantizedX,
+    out: &mut [f32],
+) {
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    let mut mag = [0u8; 16];
+    for (m, &w) in mag.iter_mut().zip(&E2M1_X2_I8) {
+        *m = w.unsigned_abs();
+    }
+    // SAFETY: 16 bytes, broadcast to the four 128-bit lanes.
+    let lut = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(mag.as_ptr() as *const __m128i)) };
+    let low4 = _mm512_set1_epi8(0x0F);
+    let sign = _mm512_set1_epi8(0x08);
+    let zero = _mm512_setzero_si512();
+    let half_ps = _mm512_set1_ps(0.5);
+    // Permute indices: pair k takes scale 2k in lanes 0-7 and 2k+1 in lanes 8-15.
+    let pair_idx: [__m512i; 8] = std::array::from_fn(|k| {
+        let (a, b) = (2 * k as i32, 2 * k as i32 + 1);
+        _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+    });
+    'rows: for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nb..(r + 1) * nb];
+        let mut acc = _mm512_setzero_ps();
+        for b0 in (0..nb).step_by(16) {
+            let n = (nb - b0).min(16);
+            let m16: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            // SAFETY: masked loads touch only the `n` scale bytes and activation scales in bounds.
+            let (sbytes, xs) = unsafe {
+                (
+                    _mm_maskz_loadu_epi8(m16, srow[b0..].as_ptr() as *const i8),
+                    _mm512_maskz_loadu_ps(m16, xq.scales[b0..].as_ptr()),
+                )
+            };
+            // E8M0 0 (2^-127, subnormal) and 255 (NaN) do not decode as an exponent field: such
+            // rare rows take the scalar path, which handles them exactly.
+            let odd = _mm_mask_cmpeq_epi8_mask(m16, sbytes, _mm_setzero_si128())
+                | _mm_mask_cmpeq_epi8_mask(m16, sbytes, _mm_set1_epi8(-1));
+            if odd != 0 {
+                let mut one = [0f32];
+                scalar::mxfp4_matvec_q8(prow, srow, 1, cols, xq, &mut one);
+                *o = one[0];
+                continue 'rows;
+            }
+            let wscale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sbytes), 23));
+            let sv = _mm512_mul_ps(_mm512_mul_ps(wscale, xs), half_ps);
+            let mut b = b0;
+            while b < b0 + n {
+                // A pair of blocks, or the last block alone (its partner's bytes and scale zero).
+                let pair = b + 1 < b0 + n;
+                let (bytes, x) = if pair {
+                    // SAFETY: 32 packed bytes and 64 activations in bounds; unaligned loads.
+                    unsafe {
+                        (
+                            _mm256_loadu_si256(prow[b * 16..].as_ptr() as *const __m256i),
+                            _mm512_loadu_si512(xq.q[b * BLOCK..].as_ptr() as *const _),
+                        )
+                    }
+                } else {
+                    // SAFETY: 16 packed bytes and 32 activations in bounds; the rest is zero.
+                    unsafe {
+                        (
+                            _mm256_zextsi128_si256(_mm_loadu_si128(prow[b * 16..].as_ptr() as *const __m128i)),
+                            _mm512_zextsi256_si512(_mm256_loadu_si256(xq.q[b * BLOCK..].as_ptr() as *const __m256i)),
+                        )
+                    }
+                };
+                // [lo(A), lo(B), hi(A), hi(B)] in 128-bit lanes, reordered to A lo, A hi, B lo, B hi.
+                let wide = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+                let nib = _mm512_and_si512(_mm512_shuffle_i64x2(wide, wide, 0b11_01_10_00), low4);
+                let w = _mm512_shuffle_epi8(lut, nib);
+                let neg = _mm512_test_epi8_mask(nib, sign);
+                let xs = _mm512_mask_sub_epi8(x, neg, zero, x);
+                let dot = _mm512_dpbusd_epi32(zero, w, xs);
+                // A lone last block's partner lane scale is the zero of the masked load.
+                let scale = _mm512_permutexvar_ps(pair_idx[(b - b0) / 2], sv);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+                b += 2;
+            }
+        }
+        *o = _mm512_reduce_add_ps(acc);
     }
 }

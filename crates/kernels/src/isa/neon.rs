@@ -1,5 +1,6 @@
-//! NEON kernels (aarch64): MXFP4 and int8 mat-vecs. Their oracles are the scalar paths; the
-//! tests run them under `qemu-aarch64` on x86 machines (`scripts/test-neon.sh`).
+//! Layer 3, every NEON kernel (aarch64): MXFP4 and int8 mat-vecs. Imports only `format` and
+//! `scalar`. Their oracles are the scalar twins; the tests run them under `qemu-aarch64` on x86
+//! machines (`scripts/test-neon.sh`).
 //!
 //! MXFP4: a block's 16 packed bytes split into low and high nibbles, `tbl` maps each nibble to
 //! the exact integer 2·E2M1 (a signed byte), `zip` restores element order, and the 32 weights
@@ -8,8 +9,8 @@
 
 use std::arch::aarch64::*;
 
-use crate::approx::E2M1_X2_I8;
-use crate::mxfp4::{BLOCK, e8m0_to_f32, row_dot_scalar};
+use crate::format::{BLOCK, E2M1_X2_I8, e8m0_to_f32};
+use crate::scalar;
 
 /// Sixteen signed bytes as four f32 vectors, in order.
 #[inline]
@@ -25,10 +26,12 @@ fn widen_i8x16(v: int8x16_t) -> [float32x4_t; 4] {
     ]
 }
 
+/// MXFP4 mat-vec.
+///
 /// # Safety
 /// NEON must be available (always on aarch64). Shapes as `mxfp4_matvec`, validated by the caller.
 #[target_feature(enable = "neon")]
-pub unsafe fn mxfp4_matvec_neon(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     let (half, nb) = (cols / 2, cols / BLOCK);
     // SAFETY: the table holds 16 bytes.
     let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
@@ -38,7 +41,7 @@ pub unsafe fn mxfp4_matvec_neon(packed: &[u8], scales: &[u8], rows: usize, cols:
         let srow = &scales[r * nb..(r + 1) * nb];
         if srow.iter().any(|&s| s > 200) {
             // Huge scales could overflow a lane where the oracle's order does not: take its path.
-            *o = row_dot_scalar(prow, srow, x);
+            *o = scalar::row_dot(prow, srow, x);
             continue;
         }
         let mut acc = vdupq_n_f32(0.0);
@@ -65,7 +68,7 @@ pub unsafe fn mxfp4_matvec_neon(packed: &[u8], scales: &[u8], rows: usize, cols:
 /// # Safety
 /// NEON must be available; shapes validated by the caller; `group % 16 == 0`.
 #[target_feature(enable = "neon")]
-pub unsafe fn int8_matvec_neon(
+pub unsafe fn int8_matvec(
     q: &[i8],
     scales: &[f32],
     group: usize,

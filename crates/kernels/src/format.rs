@@ -1,0 +1,140 @@
+//! Layer 1, data formats: what the bytes mean, no kernels. Imports nothing from the crate.
+//!
+//! MXFP4 (OCP Microscaling), as compressed-tensors `mxfp4-pack-quantized` stores it (Kimi K3): a
+//! `[rows, cols]` matrix is `packed: [rows, cols/2]` bytes, element `2j` in the LOW nibble of byte
+//! `j`, and `scales: [rows, cols/32]` E8M0 bytes, one per block of 32 elements along a row. Also
+//! the int8 activation blocks of approximate mode ([`QuantizedX`]) and the batch width of the
+//! small-batch kernels ([`MAX_BATCH`]).
+
+/// Elements per shared scale.
+pub const BLOCK: usize = 32;
+
+/// E2M1 value of each nibble: sign bit 3, two exponent bits, one mantissa bit.
+pub const E2M1_LUT: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// 2·E2M1 for each nibble: exact small integers.
+pub const E2M1_X2_I8: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Inputs decoded against one block in a single pass by the small-batch kernels (register
+/// budget: two accumulators per input in the fused gate/up kernel). Larger batches are processed
+/// in groups of this size.
+pub const MAX_BATCH: usize = 8;
+
+/// E8M0 scale byte to its value, 2^(e-127). 0xFF encodes NaN in the format; callers validate
+/// scales when data enters the store, so here it simply decodes to NaN.
+#[inline]
+pub fn e8m0_to_f32(e: u8) -> f32 {
+    if e == 0xFF {
+        return f32::NAN;
+    }
+    // 2^(e-127) for e in 0..=254. e = 0 is 2^-127, a subnormal f32: build it from bits.
+    if e == 0 { f32::from_bits(0x0040_0000) } else { f32::from_bits((e as u32) << 23) }
+}
+
+/// One MXFP4 matrix: packed nibbles and E8M0 scales.
+#[derive(Clone, Copy)]
+pub struct Mxfp4<'a> {
+    pub packed: &'a [u8],
+    pub scales: &'a [u8],
+}
+
+/// Shapes of an MXFP4 mat-vec: packed `[rows, cols/2]`, scales `[rows, cols/32]`, x `[cols]`,
+/// out `[rows]`, `cols` a multiple of 32.
+pub(crate) fn check_matvec_shapes(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &[f32]) {
+    assert!(cols.is_multiple_of(BLOCK), "MXFP4 rows must be whole blocks of 32");
+    assert_eq!(packed.len(), rows * cols / 2);
+    assert_eq!(scales.len(), rows * cols / BLOCK);
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+}
+
+/// Shapes of an MXFP4 product against `n` inputs: as [`check_matvec_shapes`] with xs `[n, cols]`
+/// and out `[n, rows]`.
+pub(crate) fn check_matmat_shapes(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    n: usize,
+    out: &[f32],
+) {
+    assert!(cols.is_multiple_of(BLOCK), "MXFP4 rows must be whole blocks of 32");
+    assert_eq!(packed.len(), rows * cols / 2);
+    assert_eq!(scales.len(), rows * cols / BLOCK);
+    assert_eq!(xs.len(), n * cols);
+    assert_eq!(out.len(), n * rows);
+}
+
+/// Decode one MXFP4 row to f32. Shapes: packed `[cols/2]`, scales `[cols/32]`, out `[cols]`.
+pub fn mxfp4_decode_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len(), packed.len() * 2);
+    assert_eq!(out.len(), scales.len() * BLOCK);
+    for (j, &byte) in packed.iter().enumerate() {
+        let s = e8m0_to_f32(scales[2 * j / BLOCK]);
+        out[2 * j] = E2M1_LUT[(byte & 0x0F) as usize] * s;
+        out[2 * j + 1] = E2M1_LUT[(byte >> 4) as usize] * s;
+    }
+}
+
+/// Input quantised per block, in the layout the kernels read: per block, the 16 even elements
+/// then the 16 odd ones (matching low and high nibbles).
+#[derive(Default)]
+pub struct QuantizedX {
+    pub q: Vec<i8>,
+    /// One per block: `max|x| / 127` (0 for an all-zero block).
+    pub scales: Vec<f32>,
+}
+
+impl QuantizedX {
+    pub fn quantize(&mut self, x: &[f32]) {
+        assert!(x.len().is_multiple_of(BLOCK));
+        self.q.clear();
+        self.scales.clear();
+        for xb in x.chunks_exact(BLOCK) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = amax / 127.0;
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            self.scales.push(s);
+            let qv = |v: f32| (v * inv).round().clamp(-127.0, 127.0) as i8;
+            self.q.extend((0..BLOCK / 2).map(|j| qv(xb[2 * j])));
+            self.q.extend((0..BLOCK / 2).map(|j| qv(xb[2 * j + 1])));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_nibble_decodes_to_e2m1() {
+        // Nibble n in the low half of byte 0 is element 0; in the high half it is element 1.
+        let expect = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        for n in 0u8..16 {
+            let mag = expect[(n & 7) as usize];
+            let want = if n & 8 != 0 { -mag } else { mag };
+            let mut packed = vec![0u8; 16];
+            packed[0] = n | (n << 4);
+            let mut out = vec![0f32; 32];
+            mxfp4_decode_row(&packed, &[127], &mut out);
+            assert_eq!(out[0], want, "nibble {n} low");
+            assert_eq!(out[1], want, "nibble {n} high");
+            assert!(out[2..].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    #[test]
+    fn scale_edges() {
+        assert_eq!(e8m0_to_f32(127), 1.0);
+        assert_eq!(e8m0_to_f32(128), 2.0);
+        assert_eq!(e8m0_to_f32(254), 2f32.powi(127));
+        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
+        assert!(e8m0_to_f32(0) > 0.0);
+        assert!(e8m0_to_f32(255).is_nan());
+        for e in 1u8..=254 {
+            assert_eq!(e8m0_to_f32(e), 2f32.powi(e as i32 - 127), "e = {e}");
+        }
+    }
+}

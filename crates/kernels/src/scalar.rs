@@ -1,0 +1,383 @@
+//! Layer 2, the portable scalar code: every kernel's reference twin (the oracle its SIMD paths are
+//! tested against, and the path on CPUs without them), and the small math helpers both sides use
+//! (`situ`, `sigmoid`, `dot`, ...). Imports only `format`.
+//!
+//! The `#[inline(always)]` bodies (dense mat-vecs, the attention steps) are written with
+//! independent lane accumulators so the compiler vectorises them; `isa::avx2` compiles the same
+//! bodies a second time with AVX2 enabled, which keeps their arithmetic and its order.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use half::bf16;
+
+use crate::format::{BLOCK, E2M1_LUT, E2M1_X2_I8, Mxfp4, QuantizedX, check_matvec_shapes, e8m0_to_f32};
+
+// ---- Element-wise helpers and reductions -------------------------------------------------------
+
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// Softplus with the usual linear cut-over for large inputs.
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// SiTU, Kimi K3's gated activation: `beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)`.
+/// Shapes: gate, up, out `[n]`. `linear_beta` None leaves `u` unbounded.
+pub fn situ(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: &mut [f32]) {
+    assert_eq!(gate.len(), up.len());
+    assert_eq!(gate.len(), out.len());
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let a = beta * (g / beta).tanh() * sigmoid(g);
+        let x = match linear_beta {
+            Some(lb) => lb * (u / lb).tanh(),
+            None => u,
+        };
+        *o = a * x;
+    }
+}
+
+/// Dot product with f32 accumulation over several lanes.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[i * 8 + l] * b[i * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// `y += alpha * x`.
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len());
+    for (v, &u) in y.iter_mut().zip(x) {
+        *v += alpha * u;
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)`, accumulated in f64 so long rows keep their precision.
+pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32
+}
+
+/// In-place RMSNorm: `x = x / sqrt(mean(x^2) + eps) * weight`. Shapes: x, weight `[n]`.
+pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    assert_eq!(x.len(), weight.len());
+    let inv = inv_rms(x, eps);
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v *= inv * w;
+    }
+}
+
+/// Out-of-place [`rms_norm_inplace`].
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), out.len());
+    out.copy_from_slice(x);
+    rms_norm_inplace(out, weight, eps);
+}
+
+/// Numerically stable in-place softmax.
+pub fn softmax_inplace(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+// ---- MXFP4 ---------------------------------------------------------------------------------------
+
+/// One MXFP4 row's dot product. Shapes: prow `[cols/2]`, srow `[cols/32]`, x `[cols]`.
+pub fn row_dot(prow: &[u8], srow: &[u8], x: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, &s) in srow.iter().enumerate() {
+        let pb = &prow[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+        let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+        // Two partial sums keep the dependency chain short; the block sum is then scaled once.
+        let mut s0 = 0.0f32;
+        let mut s1 = 0.0f32;
+        for (j, &byte) in pb.iter().enumerate() {
+            s0 += E2M1_LUT[(byte & 0x0F) as usize] * xb[2 * j];
+            s1 += E2M1_LUT[(byte >> 4) as usize] * xb[2 * j + 1];
+        }
+        acc += (s0 + s1) * e8m0_to_f32(s);
+    }
+    acc
+}
+
+/// `out[r] = sum_c W[r, c] * x[c]` for an MXFP4 matrix. `cols` must be a multiple of 32.
+/// Shapes: packed `[rows, cols/2]`, scales `[rows, cols/32]`, x `[cols]`, out `[rows]`.
+pub fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    check_matvec_shapes(packed, scales, rows, cols, x, out);
+    let half = cols / 2;
+    let nblocks = cols / BLOCK;
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = row_dot(&packed[r * half..(r + 1) * half], &scales[r * nblocks..(r + 1) * nblocks], x);
+    }
+}
+
+/// Gate and up row `r` of an expert (`[rows, latent]` MXFP4 each), then SiTU: one element of the
+/// expert's activation (the safe path of the SIMD kernels for rows with huge scales).
+pub fn gate_up_situ_row(w1: Mxfp4, w3: Mxfp4, r: usize, latent: usize, x: &[f32], beta: f32, lb: Option<f32>) -> f32 {
+    let (half, nb) = (latent / 2, latent / BLOCK);
+    let g = row_dot(&w1.packed[r * half..(r + 1) * half], &w1.scales[r * nb..(r + 1) * nb], x);
+    let u = row_dot(&w3.packed[r * half..(r + 1) * half], &w3.scales[r * nb..(r + 1) * nb], x);
+    let mut o = [0f32];
+    situ(&[g], &[u], beta, lb, &mut o);
+    o[0]
+}
+
+/// The fused routed expert `out = w2 · situ(w1 · x, w3 · x)`, row by row on one thread.
+/// Shapes: w1, w3 packed `[I, L/2]` + scales `[I, L/32]`; w2 packed `[L, I/2]` + scales
+/// `[L, I/32]`; x `[L]`; act (scratch) `[I]`; out `[L]`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_mxfp4(
+    w1: Mxfp4,
+    w3: Mxfp4,
+    w2: Mxfp4,
+    inter: usize,
+    latent: usize,
+    x: &[f32],
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
+    check_matvec_shapes(w1.packed, w1.scales, inter, latent, x, act);
+    check_matvec_shapes(w3.packed, w3.scales, inter, latent, x, act);
+    for (r, a) in act.iter_mut().enumerate() {
+        *a = gate_up_situ_row(w1, w3, r, latent, x, beta, linear_beta);
+    }
+    mxfp4_matvec(w2.packed, w2.scales, latent, inter, act, out);
+}
+
+/// The approximate (int8 activation) MXFP4 product. Shapes as [`mxfp4_matvec`], `xq` quantised
+/// from `[cols]`.
+pub fn mxfp4_matvec_q8(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xq: &QuantizedX, out: &mut [f32]) {
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let pb = &packed[r * half + b * 16..r * half + b * 16 + 16];
+            let qb = &xq.q[b * BLOCK..(b + 1) * BLOCK];
+            let mut dot = 0i32;
+            for (j, &byte) in pb.iter().enumerate() {
+                dot += E2M1_X2_I8[(byte & 0xF) as usize] as i32 * qb[j] as i32;
+                dot += E2M1_X2_I8[(byte >> 4) as usize] as i32 * qb[16 + j] as i32;
+            }
+            acc += dot as f32 * (0.5 * e8m0_to_f32(scales[r * nb + b]) * xq.scales[b]);
+        }
+        *o = acc;
+    }
+}
+
+// ---- Dense mat-vecs (f32, bf16, int8 + scales) ---------------------------------------------------
+//
+// All take a row-major `[rows, cols]` weight and compute `out[r] = sum_c W[r, c] * x[c]` with f32
+// accumulation.
+
+const LANES: usize = 8;
+
+#[inline(always)]
+fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = w.len() / LANES;
+    for i in 0..chunks {
+        for l in 0..LANES {
+            acc[l] += w[i * LANES + l] * x[i * LANES + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * LANES..w.len() {
+        s += w[i] * x[i];
+    }
+    s
+}
+
+/// f32 weights. Shapes: w `[rows, cols]`, x `[cols]`, out `[rows]`.
+#[inline(always)]
+pub fn f32_matvec(w: &[f32], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols);
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(&w[r * cols..(r + 1) * cols], x);
+    }
+}
+
+/// bf16 weights (raw u16 bits), widened exactly to f32. Shapes as [`f32_matvec`].
+#[inline(always)]
+pub fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols);
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &w[r * cols..(r + 1) * cols];
+        let mut acc = [0.0f32; LANES];
+        let chunks = cols / LANES;
+        for i in 0..chunks {
+            for l in 0..LANES {
+                acc[l] += bf16::from_bits(row[i * LANES + l]).to_f32() * x[i * LANES + l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for i in chunks * LANES..cols {
+            s += bf16::from_bits(row[i]).to_f32() * x[i];
+        }
+        *o = s;
+    }
+}
+
+/// int8 weights with one f32 scale per `group` consecutive elements of a row (`group == cols` is
+/// per-row scaling). Shapes: q `[rows, cols]`, scales `[rows, cols/group]`, x `[cols]`, out `[rows]`.
+#[inline(always)]
+pub fn int8_matvec(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(group > 0 && cols.is_multiple_of(group), "int8 group must divide the row");
+    assert_eq!(q.len(), rows * cols);
+    assert_eq!(scales.len(), rows * (cols / group));
+    assert_eq!(x.len(), cols);
+    assert_eq!(out.len(), rows);
+    let groups = cols / group;
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &q[r * cols..(r + 1) * cols];
+        let srow = &scales[r * groups..(r + 1) * groups];
+        let mut total = 0.0f32;
+        for (g, &s) in srow.iter().enumerate() {
+            let qg = &row[g * group..(g + 1) * group];
+            let xg = &x[g * group..(g + 1) * group];
+            let mut acc = [0.0f32; LANES];
+            let chunks = group / LANES;
+            for i in 0..chunks {
+                for l in 0..LANES {
+                    acc[l] += qg[i * LANES + l] as f32 * xg[i * LANES + l];
+                }
+            }
+            let mut sum: f32 = acc.iter().sum();
+            for i in chunks * LANES..group {
+                sum += qg[i] as f32 * xg[i];
+            }
+            total += sum * s;
+        }
+        *o = total;
+    }
+}
+
+// ---- Attention steps -----------------------------------------------------------------------------
+
+/// One KDA (gated delta-rule) head step: `S <- S * g` (per key channel),
+/// `delta = beta (v - S k)`, `S <- S + delta k^T`, `y = S q`.
+/// Shapes: s `[Dv, Dk]`, q, k, g `[Dk]`, v, delta, y `[Dv]`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn kda_head_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    delta: &mut [f32],
+    y: &mut [f32],
+) {
+    let d = k.len();
+    for vi in 0..v.len() {
+        let row = &mut s[vi * d..(vi + 1) * d];
+        let mut mem = 0.0f32;
+        for j in 0..d {
+            row[j] *= g[j];
+            mem += row[j] * k[j];
+        }
+        delta[vi] = (v[vi] - mem) * beta;
+    }
+    for vi in 0..v.len() {
+        let row = &mut s[vi * d..(vi + 1) * d];
+        let mut acc = 0.0f32;
+        for j in 0..d {
+            row[j] += k[j] * delta[vi];
+            acc += row[j] * q[j];
+        }
+        y[vi] = acc;
+    }
+}
+
+/// The scores of absorbed NoPE MLA: `score_t = scale (q_lat . c_t + q_pe . pe_t)`.
+/// Shapes: q_lat `[L]`, q_pe `[R]`, latents `[T, L]`, k_pe `[T, R]`, scores `[T]`.
+#[inline(always)]
+pub fn mla_scores(q_lat: &[f32], q_pe: &[f32], latents: &[f32], k_pe: &[f32], scale: f32, scores: &mut [f32]) {
+    let (kvl, rope) = (q_lat.len(), q_pe.len());
+    for (t, s) in scores.iter_mut().enumerate() {
+        let c = &latents[t * kvl..(t + 1) * kvl];
+        let pe = &k_pe[t * rope..(t + 1) * rope];
+        *s = scale * (dot(q_lat, c) + dot(q_pe, pe));
+    }
+}
+
+/// The read-out of absorbed NoPE MLA: `o_lat = sum_t p_t c_t`.
+/// Shapes: probabilities `[T]`, latents `[T, kvl]`, o_lat `[kvl]`.
+#[inline(always)]
+pub fn mla_mix(probabilities: &[f32], latents: &[f32], kvl: usize, o_lat: &mut [f32]) {
+    o_lat.fill(0.0);
+    for (t, &p) in probabilities.iter().enumerate() {
+        for (o, &c) in o_lat.iter_mut().zip(&latents[t * kvl..(t + 1) * kvl]) {
+            *o += p * c;
+        }
+    }
+}
+
+/// Absorbed NoPE MLA for one head: [`mla_scores`], softmax over the cached positions,
+/// [`mla_mix`]. Shapes as those two, o_lat `[L]`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_head_attend(
+    q_lat: &[f32],
+    q_pe: &[f32],
+    latents: &[f32],
+    k_pe: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    o_lat: &mut [f32],
+) {
+    mla_scores(q_lat, q_pe, latents, k_pe, scale, scores);
+    softmax_inplace(scores);
+    mla_mix(scores, latents, q_lat.len(), o_lat);
+}
+
+// ---- Roofline probe ------------------------------------------------------------------------------
+
+/// FLOPs done by one thread in `secs` of back-to-back scalar FMAs.
+pub fn fma_loop(secs: f64) -> f64 {
+    let t0 = Instant::now();
+    let mut acc = [1.0f32; 16];
+    let (a, b) = (black_box(0.999_999f32), black_box(1e-7f32));
+    let mut iters = 0u64;
+    while t0.elapsed().as_secs_f64() < secs {
+        for _ in 0..1_000_000 {
+            for v in acc.iter_mut() {
+                *v = v.mul_add(a, b);
+            }
+        }
+        iters += 1_000_000;
+    }
+    black_box(acc);
+    iters as f64 * 16.0 * 2.0
+}
