@@ -7,6 +7,8 @@ use anyhow::Result;
 use deltafin_store::Store;
 use deltafin_store::manifest::ExpertPart;
 
+use crate::fault::FaultStats;
+
 /// The model announces each layer's chosen experts with [`begin`](ExpertSource::begin) as soon as
 /// its router has picked them, may compute other work (shared experts) while reads are in
 /// flight, then takes the records with [`drain`](ExpertSource::drain) in whatever order they
@@ -27,6 +29,16 @@ pub trait ExpertSource {
 
     /// Bytes read from storage so far (for reporting).
     fn bytes_read(&self) -> u64;
+
+    /// Return to a clean state after a failed step: reads in flight are waited for and their
+    /// buffers freed, a half-served demand is dropped, and nothing unverified stays cached. The
+    /// next [`begin`](ExpertSource::begin) starts afresh. Default: nothing to clean.
+    fn reset(&mut self) {}
+
+    /// Read faults counted so far (zero for sources that do not count them).
+    fn faults(&self) -> FaultStats {
+        FaultStats::default()
+    }
 }
 
 /// Reads every record from the store with plain positioned reads, verifying its checksum; no

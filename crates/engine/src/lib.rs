@@ -3,7 +3,7 @@
 //! - Model math: [`k3`] (the Kimi K3 model and its one token path) over shared [`blocks`]
 //!   (attention, router, MoE block, MLP), [`weights`] and per-token [`scratch`].
 //! - The expert interface: [`experts`], the one narrow path by which routed-expert weights reach
-//!   the model.
+//!   the model, and [`fault`], what a failed read looks like above it.
 //! - The I/O runtime: [`stream`] (read back-ends, record geometry, the expert cache and the
 //!   streaming expert source, spine streaming), [`plan`] (the memory budget) and [`session`]
 //!   (options to a loaded model with its expert source).
@@ -13,6 +13,7 @@
 
 pub mod blocks;
 pub mod experts;
+pub mod fault;
 pub mod generate;
 pub mod k3;
 pub mod plan;

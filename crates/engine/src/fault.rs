@@ -1,0 +1,41 @@
+//! What a failed expert read looks like to the layers above: which record, what kind of fault,
+//! and whether it was retried. The message names the layer and expert, never a file path, so a
+//! server may pass it to its client as it is (the path goes to the log through `detail`).
+
+use serde::Serialize;
+
+/// The kind of a read fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// The read itself failed (EIO, a short read, a vanished file).
+    Io,
+    /// The bytes arrived but do not match the record's checksum.
+    Checksum,
+}
+
+/// A routed expert that could not be read intact, even after one retry.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("reading layer {layer} expert {expert} failed ({}) after a retry", match kind { FaultKind::Io => "I/O error", FaultKind::Checksum => "checksum mismatch" })]
+pub struct ReadFault {
+    pub layer: usize,
+    pub expert: usize,
+    pub kind: FaultKind,
+    /// The underlying error with its file, for the server's log only.
+    pub detail: String,
+}
+
+/// Read faults counted by an expert source since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct FaultStats {
+    /// Reads that failed (each attempt counts).
+    pub read_errors: u64,
+    /// Records whose bytes failed their checksum (each attempt counts).
+    pub checksum_failures: u64,
+    /// Records read again after a fault.
+    pub retries: u64,
+    /// Faults that ended a request (the retry failed too).
+    pub failed_records: u64,
+    /// Times the source was returned to a clean state after a failed request.
+    pub resets: u64,
+}
