@@ -93,6 +93,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            // A read fault's message names layer and expert only (servers pass it to clients);
+            // here, on the operator's own terminal, the file and cause help.
+            if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<deltafin_engine::fault::ReadFault>()) {
+                eprintln!("  detail: {}", f.detail);
+            }
             ExitCode::FAILURE
         }
     }

@@ -175,3 +175,36 @@ fn corrupt_streamed_spine_layer_is_caught() {
     let msg = format!("{err:#}");
     assert!(msg.contains("layers.6.self_attn.q_proj.weight") && msg.contains("checksum"), "{msg}");
 }
+
+/// A store whose in-place experts moved (opened with `--source`) can stream its spine: the spine
+/// loader works from the open store and never reopens it.
+#[test]
+fn streamed_spine_works_with_a_moved_checkpoint() {
+    let src = tempfile::tempdir().unwrap();
+    let hf = src.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    for e in std::fs::read_dir(fixture_dir("k3-tiny").join("hf")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), hf.join(e.file_name())).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let opts = deltafin_store::convert::ConvertOptions {
+        spine: SpineDtype::Int8,
+        int8_group: 0,
+        experts: ExpertLayout::InPlace,
+        progress: false,
+    };
+    deltafin_store::convert::convert(&hf, dir.path(), &opts).unwrap();
+    let moved = src.path().join("moved");
+    std::fs::rename(&hf, &moved).unwrap();
+    assert!(Store::open(dir.path(), None).is_err(), "the checkpoint moved: opening without --source must fail");
+    let store = Store::open(dir.path(), Some(&moved)).unwrap();
+    let reference =
+        run(&K3Model::load(&store, &RunConfig::default()).unwrap(), &mut StoreExperts::new(&store), "k3-tiny");
+    let model = K3Model::load(&store, &RunConfig { resident_layers: Some(2), ..Default::default() }).unwrap();
+    let got = run(&model, &mut StoreExperts::new(&store), "k3-tiny");
+    assert_eq!(got.len(), reference.len());
+    for (a, b) in got.iter().zip(&reference) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "streamed spine with a moved checkpoint");
+    }
+}

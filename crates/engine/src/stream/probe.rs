@@ -44,11 +44,13 @@ pub fn raw_read_bandwidth(
     if targets.is_empty() {
         bail!("the store has no routed experts to read");
     }
-    let (files, o_direct) = open_files(store.experts.paths(), true)?;
-    let mut be = make_backend(Arc::new(files), backend, queue_depth)?;
     let max_w = targets.iter().map(|r| Window::of(r).len).max().unwrap_or(DIRECT_ALIGN);
     let qd = queue_depth.max(1);
+    // Declared before the back-end so they are dropped after it: its drop waits for the reads
+    // still in flight into them (an early return on a failed read must not free them first).
     let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(max_w)).collect();
+    let (files, o_direct) = open_files(store.experts.paths(), true)?;
+    let mut be = make_backend(Arc::new(files), backend, queue_depth)?;
     let mut free: Vec<usize> = (0..qd).collect();
     let mut rng = SmallRng::seed_from_u64(seed);
     let (mut issued, mut completed, mut bytes) = (0usize, 0usize, 0u64);
@@ -69,6 +71,7 @@ pub fn raw_read_bandwidth(
                 need: w.need,
                 buf: bufs[b].as_mut_ptr(),
                 tag: b as u64,
+                urgent: true,
             };
             be.submit(&[req])?;
             bytes += w.len as u64;

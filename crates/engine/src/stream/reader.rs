@@ -3,15 +3,18 @@
 //! it (the page cache is not our cache), many reads in flight.
 //!
 //! A back-end takes read requests tagged by the caller and reports completions by tag; it never
-//! touches a buffer after reporting its completion.
+//! touches a buffer after reporting its completion. At most `depth` reads are in the device's
+//! hands at once; requests beyond that wait, urgent ones (demand reads) ahead of the others
+//! (prefetch).
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{Receiver, channel};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 /// One read: `len` bytes at `offset` of file `file` into `buf`. With O_DIRECT all three are
@@ -24,6 +27,8 @@ pub struct ReadReq {
     pub need: usize,
     pub buf: *mut u8,
     pub tag: u64,
+    /// A read a computation waits for (a demand read): it goes ahead of waiting non-urgent ones.
+    pub urgent: bool,
 }
 
 // SAFETY: the pointer targets a pool buffer that the submitter does not touch until the read's
@@ -112,27 +117,52 @@ fn pread_req(file: &File, req: &ReadReq) -> io::Result<()> {
 // ---------------------------------------------------------------------------------------------
 
 pub struct PreadPool {
-    jobs: Option<Sender<ReadReq>>,
+    queue: Arc<JobQueue>,
     done: Receiver<(u64, io::Result<()>)>,
     threads: Vec<JoinHandle<()>>,
     in_flight: usize,
 }
 
+/// Reads waiting for a thread: urgent first. One thread does one read at a time, so the number
+/// of threads is the queue depth.
+#[derive(Default)]
+struct JobQueue {
+    jobs: Mutex<Jobs>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct Jobs {
+    urgent: VecDeque<ReadReq>,
+    other: VecDeque<ReadReq>,
+    closed: bool,
+}
+
+impl JobQueue {
+    /// The next read, or `None` once the pool closes.
+    fn next(&self) -> Option<ReadReq> {
+        let mut jobs = self.jobs.lock().ok()?;
+        loop {
+            if let Some(r) = jobs.urgent.pop_front().or_else(|| jobs.other.pop_front()) {
+                return Some(r);
+            }
+            if jobs.closed {
+                return None;
+            }
+            jobs = self.ready.wait(jobs).ok()?;
+        }
+    }
+}
+
 impl PreadPool {
     pub fn new(files: Arc<Vec<File>>, threads: usize) -> Self {
-        let (jtx, jrx) = channel::<ReadReq>();
         let (dtx, drx) = channel();
-        let jrx = Arc::new(Mutex::new(jrx));
+        let queue = Arc::new(JobQueue::default());
         let threads = (0..threads.max(1))
             .map(|_| {
-                let (jrx, dtx, files) = (jrx.clone(), dtx.clone(), files.clone());
+                let (queue, dtx, files) = (queue.clone(), dtx.clone(), files.clone());
                 std::thread::spawn(move || {
-                    loop {
-                        let job = match jrx.lock() {
-                            Ok(rx) => rx.recv(),
-                            Err(_) => return,
-                        };
-                        let Ok(req) = job else { return };
+                    while let Some(req) = queue.next() {
                         let res = match files.get(req.file) {
                             Some(f) => pread_req(f, &req),
                             None => Err(io::Error::other("bad file index")),
@@ -144,7 +174,7 @@ impl PreadPool {
                 })
             })
             .collect();
-        PreadPool { jobs: Some(jtx), done: drx, threads, in_flight: 0 }
+        PreadPool { queue, done: drx, threads, in_flight: 0 }
     }
 }
 
@@ -154,11 +184,20 @@ impl ReadBackend for PreadPool {
     }
 
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
-        let tx = self.jobs.as_ref().ok_or_else(|| io::Error::other("pool stopped"))?;
+        let mut jobs = self.queue.jobs.lock().map_err(|_| io::Error::other("I/O queue poisoned"))?;
+        if jobs.closed {
+            return Err(io::Error::other("pool stopped"));
+        }
         for r in reqs {
-            tx.send(*r).map_err(|_| io::Error::other("I/O threads stopped"))?;
+            if r.urgent {
+                jobs.urgent.push_back(*r)
+            } else {
+                jobs.other.push_back(*r)
+            }
             self.in_flight += 1;
         }
+        drop(jobs);
+        self.queue.ready.notify_all();
         Ok(())
     }
 
@@ -183,14 +222,21 @@ impl ReadBackend for PreadPool {
 
 impl Drop for PreadPool {
     fn drop(&mut self) {
-        // Let in-flight reads finish before their buffers can be freed.
+        // Reads not started are dropped; reads started finish before their buffers can be
+        // freed.
+        if let Ok(mut jobs) = self.queue.jobs.lock() {
+            self.in_flight -= jobs.urgent.len() + jobs.other.len();
+            jobs.urgent.clear();
+            jobs.other.clear();
+            jobs.closed = true;
+        }
+        self.queue.ready.notify_all();
         while self.in_flight > 0 {
             if self.done.recv().is_err() {
                 break;
             }
             self.in_flight -= 1;
         }
-        self.jobs = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -206,8 +252,12 @@ pub struct Uring {
     files: Arc<Vec<File>>,
     /// Requests by tag, kept to finish short reads synchronously.
     pending: std::collections::HashMap<u64, ReadReq>,
-    /// Requests waiting for room in the submission queue.
-    backlog: std::collections::VecDeque<ReadReq>,
+    /// Requests waiting for room: demand reads, and the others.
+    urgent: VecDeque<ReadReq>,
+    backlog: VecDeque<ReadReq>,
+    /// Reads in the kernel's hands (pushed, completion not reaped), at most `depth`.
+    submitted: usize,
+    depth: usize,
     /// Completions reaped in one pass (reused).
     cqes: Vec<(u64, i32)>,
 }
@@ -215,12 +265,25 @@ pub struct Uring {
 impl Uring {
     pub fn new(files: Arc<Vec<File>>, depth: u32) -> io::Result<Self> {
         let ring = io_uring::IoUring::new(depth.max(2))?;
-        Ok(Uring { ring, files, pending: Default::default(), backlog: Default::default(), cqes: Vec::new() })
+        Ok(Uring {
+            ring,
+            files,
+            pending: Default::default(),
+            urgent: Default::default(),
+            backlog: Default::default(),
+            submitted: 0,
+            depth: depth.max(1) as usize,
+            cqes: Vec::new(),
+        })
     }
 
+    /// Move waiting requests into the ring while fewer than `depth` are in the kernel's hands,
+    /// demand reads first.
     fn push_backlog(&mut self) -> io::Result<()> {
         let mut pushed = false;
-        while let Some(r) = self.backlog.front().copied() {
+        while self.submitted < self.depth
+            && let Some(r) = self.urgent.front().or(self.backlog.front()).copied()
+        {
             let f = self.files.get(r.file).ok_or_else(|| io::Error::other("bad file index"))?;
             let entry = io_uring::opcode::Read::new(io_uring::types::Fd(f.as_raw_fd()), r.buf, r.len as u32)
                 .offset(r.offset)
@@ -231,7 +294,10 @@ impl Uring {
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 break;
             }
-            self.backlog.pop_front();
+            if self.urgent.pop_front().is_none() {
+                self.backlog.pop_front();
+            }
+            self.submitted += 1;
             pushed = true;
         }
         if pushed {
@@ -252,7 +318,7 @@ impl ReadBackend for Uring {
                 return Err(io::Error::other("read too large for one io_uring request"));
             }
             self.pending.insert(r.tag, *r);
-            self.backlog.push_back(*r);
+            if r.urgent { self.urgent.push_back(*r) } else { self.backlog.push_back(*r) }
         }
         self.push_backlog()
     }
@@ -260,6 +326,9 @@ impl ReadBackend for Uring {
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
         if self.pending.is_empty() {
             return Ok(());
+        }
+        if self.submitted == 0 {
+            self.push_backlog()?;
         }
         let mut got = std::mem::take(&mut self.cqes);
         loop {
@@ -270,14 +339,18 @@ impl ReadBackend for Uring {
             if got.is_empty() {
                 match self.ring.submit_and_wait(1) {
                     Ok(_) => continue,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e),
+                    Err(e) if is_transient(&e) => continue,
+                    Err(e) => {
+                        self.cqes = got;
+                        return Err(e);
+                    }
                 }
             }
             for &(tag, res) in &got {
                 let Some(req) = self.pending.remove(&tag) else {
                     continue;
                 };
+                self.submitted = self.submitted.saturating_sub(1);
                 let r = if res < 0 {
                     Err(io::Error::from_raw_os_error(-res))
                 } else if (res as usize) < req.need {
@@ -314,17 +387,30 @@ impl ReadBackend for Uring {
 impl Drop for Uring {
     fn drop(&mut self) {
         // Reap every submitted read so no buffer is freed while the kernel may still write it.
-        for r in std::mem::take(&mut self.backlog) {
+        for r in std::mem::take(&mut self.backlog).into_iter().chain(std::mem::take(&mut self.urgent)) {
             self.pending.remove(&r.tag);
         }
         let mut sink = Vec::new();
+        let mut failures = 0;
         while !self.pending.is_empty() {
-            let before = self.pending.len();
-            if self.wait(&mut sink).is_err() || self.pending.len() == before {
-                break;
+            sink.clear();
+            if self.wait(&mut sink).is_err() {
+                failures += 1;
+                if failures > 100 {
+                    // The kernel may still write into buffers the caller is about to free:
+                    // stopping the process is the only memory-safe way out.
+                    eprintln!("deltafin: io_uring reads could not be reaped; aborting");
+                    std::process::abort();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
     }
+}
+
+/// Errors after which waiting again is the right thing.
+fn is_transient(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::Interrupted || matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY))
 }
 
 /// Whether this kernel grants an io_uring ring (some sandboxes disable io_uring).
@@ -348,5 +434,98 @@ pub fn make_backend(
                 Ok(Box::new(PreadPool::new(files, depth)))
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::stream::aligned::AlignedBuf;
+
+    /// A file of `blocks` 4096-byte blocks, block i filled with byte i.
+    fn blocks_file(blocks: usize) -> (tempfile::NamedTempFile, Arc<Vec<File>>) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for i in 0..blocks {
+            f.write_all(&[i as u8; 4096]).unwrap();
+        }
+        f.flush().unwrap();
+        let file = File::open(f.path()).unwrap();
+        (f, Arc::new(vec![file]))
+    }
+
+    /// Eight prefetch reads, then one demand read, on a back-end of depth 1: the demand read is
+    /// served first or second (the first prefetch may already be in the device's hands), never
+    /// behind the other prefetches. Returns the completion order.
+    fn demand_goes_first(be: &mut dyn ReadBackend, bufs: &mut [AlignedBuf]) -> Vec<u64> {
+        let mut req = |i: usize, urgent: bool| ReadReq {
+            file: 0,
+            offset: (i * 4096) as u64,
+            len: 4096,
+            need: 4096,
+            buf: bufs[i].as_mut_ptr(),
+            tag: i as u64,
+            urgent,
+        };
+        let prefetch: Vec<ReadReq> = (0..8).map(|i| req(i, false)).collect();
+        let demand = req(8, true);
+        be.submit(&prefetch).unwrap();
+        be.submit(&[demand]).unwrap();
+        let (mut order, mut out) = (Vec::new(), Vec::new());
+        while be.in_flight() > 0 {
+            out.clear();
+            be.wait(&mut out).unwrap();
+            for (tag, res) in out.drain(..) {
+                res.unwrap();
+                order.push(tag);
+            }
+        }
+        assert_eq!(order.len(), 9);
+        let pos = order.iter().position(|&t| t == 8).unwrap();
+        assert!(pos <= 1, "the demand read waited behind prefetch reads: {order:?}");
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(b.as_slice()[..4096].iter().all(|&x| x == i as u8), "block {i} read wrong");
+        }
+        order
+    }
+
+    #[test]
+    fn pread_pool_serves_demand_reads_first() {
+        let (_f, files) = blocks_file(9);
+        let mut bufs: Vec<AlignedBuf> = (0..9).map(|_| AlignedBuf::new(4096)).collect();
+        let mut pool = PreadPool::new(files, 1);
+        demand_goes_first(&mut pool, &mut bufs);
+    }
+
+    #[test]
+    fn io_uring_keeps_to_its_depth_and_serves_demand_reads_first() {
+        if !io_uring_available() {
+            println!("SKIPPED: this kernel refuses io_uring rings");
+            return;
+        }
+        let (_f, files) = blocks_file(9);
+        let mut bufs: Vec<AlignedBuf> = (0..9).map(|_| AlignedBuf::new(4096)).collect();
+        let mut ring = Uring::new(files.clone(), 1).unwrap();
+        let mut req = |i: usize| ReadReq {
+            file: 0,
+            offset: (i * 4096) as u64,
+            len: 4096,
+            need: 4096,
+            buf: bufs[i].as_mut_ptr(),
+            tag: i as u64,
+            urgent: false,
+        };
+        let reqs: Vec<ReadReq> = (0..6).map(&mut req).collect();
+        ring.submit(&reqs).unwrap();
+        assert_eq!(ring.submitted, 1, "io_uring took more reads than its depth");
+        let mut out = Vec::new();
+        while ring.in_flight() > 0 {
+            out.clear();
+            ring.wait(&mut out).unwrap();
+            assert!(ring.submitted <= 1, "io_uring took more reads than its depth");
+        }
+        let mut ring = Uring::new(files, 1).unwrap();
+        demand_goes_first(&mut ring, &mut bufs);
     }
 }

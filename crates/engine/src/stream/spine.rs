@@ -60,7 +60,15 @@ impl<T> Loader<T> {
         let (lo, hi) = self.range(l)?;
         let b = self.spare.pop().ok_or_else(|| anyhow!("no spine buffer free"))?;
         let len = (hi - lo) as usize;
-        let req = ReadReq { file: 0, offset: lo, len, need: len, buf: self.bufs[b].as_mut_ptr(), tag: l as u64 };
+        let req = ReadReq {
+            file: 0,
+            offset: lo,
+            len,
+            need: len,
+            buf: self.bufs[b].as_mut_ptr(),
+            tag: l as u64,
+            urgent: true,
+        };
         self.backend.submit(&[req])?;
         self.in_flight = Some((l, b));
         Ok(())

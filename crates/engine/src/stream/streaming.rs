@@ -2,15 +2,21 @@
 //! of recently used experts, demand reads issued all at once as soon as the router has chosen,
 //! records handed to compute in completion order, and low-priority prefetch reads for the next
 //! layer's likely experts.
+//!
+//! Faults: a read that fails, or whose bytes fail the record's checksum, is read once more from
+//! disk; if that fails too the step ends with a [`ReadFault`] naming the layer and expert, and the
+//! source returns itself to a clean state (every read in flight landed, every buffer back, no
+//! half-served demand), so the next step is served normally. A failed prefetch costs nothing but
+//! its buffer's time. A record that failed its checksum never enters the cache.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
+use deltafin_store::Store;
 use deltafin_store::manifest::ExpertLocation;
-use deltafin_store::{Store, StoreError};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -19,6 +25,7 @@ use super::cache::{LayerCache, Policy};
 use super::geometry;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
 use crate::experts::ExpertSource;
+use crate::fault::{FaultKind, FaultStats, ReadFault};
 
 #[derive(Debug, Clone)]
 pub struct StreamOptions {
@@ -57,8 +64,14 @@ struct Flight {
     parts_left: usize,
     demanded: bool,
     prefetched: bool,
-    error: Option<String>,
+    /// Reads of this record so far (a fault is retried once).
+    attempts: u8,
+    /// The first failed range's error, with the file it read.
+    error: Option<(usize, std::io::Error)>,
 }
+
+/// Reads of a record before a fault ends the step.
+const MAX_ATTEMPTS: u8 = 2;
 
 #[derive(Default)]
 struct Demand {
@@ -89,15 +102,22 @@ pub struct StreamingExperts {
     free: Vec<usize>,
     caches: HashMap<usize, LayerCache<usize>>,
     flights: HashMap<u64, Flight>,
-    /// Read tag -> flight id.
-    tags: HashMap<u64, u64>,
+    /// Read tag -> (flight id, file read): one tag per submitted range.
+    tags: HashMap<u64, (u64, usize)>,
     by_key: HashMap<(usize, usize), u64>,
     next_id: u64,
+    next_tag: u64,
     pending_prefetch: VecDeque<(usize, usize)>,
     prefetch_in_flight: usize,
-    /// Cached records brought in by prefetch and not used yet.
-    prefetched_unused: HashSet<(usize, usize)>,
+    /// Per buffer: it holds a cached record brought in by prefetch and not used yet.
+    prefetched_unused: Vec<bool>,
+    /// Buffers whose reads could not be confirmed landed (the back-end failed while they were
+    /// in flight): never reused, so the kernel can never write into a buffer in use.
+    lost: usize,
     demand: Option<Demand>,
+    faults: FaultStats,
+    /// The fault that ends the current step, once a record's retry failed too.
+    failure: Option<ReadFault>,
     opts: StreamOptions,
     pub stats: HashMap<usize, LayerStats>,
     bytes_read: u64,
@@ -113,11 +133,21 @@ pub struct StreamingExperts {
 
 impl StreamingExperts {
     pub fn new(store: &Store, opts: StreamOptions) -> Result<Self> {
+        Self::with_backend(store, opts, |b| b)
+    }
+
+    /// [`Self::new`], with the read back-end passed through `wrap` (a decorator: I/O tracing,
+    /// or fault injection in tests).
+    pub fn with_backend(
+        store: &Store,
+        opts: StreamOptions,
+        wrap: impl FnOnce(Box<dyn ReadBackend>) -> Box<dyn ReadBackend>,
+    ) -> Result<Self> {
         let ex = &store.manifest.experts;
         let paths = store.experts.paths().to_vec();
         let (files, o_direct) = open_files(&paths, opts.direct)?;
         let files = Arc::new(files);
-        let backend = make_backend(files, opts.backend, opts.queue_depth.max(1))?;
+        let backend = wrap(make_backend(files, opts.backend, opts.queue_depth.max(1))?);
         let locs: HashMap<usize, Vec<ExpertLocation>> =
             ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
         // A buffer holds the aligned windows of all of a record's ranges back to back.
@@ -143,8 +173,12 @@ impl StreamingExperts {
             next_id: 0,
             pending_prefetch: VecDeque::new(),
             prefetch_in_flight: 0,
-            prefetched_unused: HashSet::new(),
+            prefetched_unused: vec![false; n_bufs],
+            lost: 0,
+            next_tag: 0,
             demand: None,
+            faults: FaultStats::default(),
+            failure: None,
             stats: HashMap::new(),
             bytes_read: 0,
             io_wait: Duration::ZERO,
@@ -168,19 +202,47 @@ impl StreamingExperts {
     /// Start reading (layer, expert) into a free buffer.
     fn start_read(&mut self, key: (usize, usize), demanded: bool) -> Result<()> {
         let buf = self.free.pop().ok_or_else(|| anyhow!("no free expert buffer (plan too small)"))?;
+        self.prefetched_unused[buf] = false;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.flights
+            .insert(id, Flight { key, buf, parts_left: 0, demanded, prefetched: !demanded, attempts: 0, error: None });
+        self.by_key.insert(key, id);
+        if !demanded {
+            self.prefetch_in_flight += 1;
+        }
+        let submitted = self.submit(id);
+        if submitted.is_err()
+            && let Some(f) = self.flights.remove(&id)
+        {
+            // Nothing of it is in flight: its buffer is free again.
+            self.by_key.remove(&key);
+            if f.prefetched {
+                self.prefetch_in_flight -= 1;
+            }
+            self.free.push(f.buf);
+        }
+        submitted
+    }
+
+    /// Submit (again) every range of flight `id` into its buffer.
+    fn submit(&mut self, id: u64) -> Result<()> {
+        let Some(f) = self.flights.get_mut(&id) else { bail!("no read {id} in flight") };
+        let (key, buf, demanded) = (f.key, f.buf, f.demanded);
+        f.attempts += 1;
+        f.error = None;
         let locs = Arc::clone(&self.locs);
         let loc = locs
             .get(&key.0)
             .and_then(|v| v.get(key.1))
             .ok_or_else(|| anyhow!("no routed expert {} in layer {}", key.1, key.0))?;
-        let id = self.next_id;
-        self.next_id += 1;
         let mut reqs = std::mem::take(&mut self.reqs);
         reqs.clear();
         let mut pos = 0usize;
         let base = self.bufs[buf].as_mut_ptr();
-        for (i, w) in geometry::windows(loc).enumerate() {
-            let tag = (id << 8) | i as u64;
+        for w in geometry::windows(loc) {
+            let tag = self.next_tag;
+            self.next_tag += 1;
             reqs.push(ReadReq {
                 file: w.file,
                 offset: w.offset,
@@ -189,117 +251,232 @@ impl StreamingExperts {
                 // SAFETY: `pos + window` fits in the buffer by construction of `slot_bytes`.
                 buf: unsafe { base.add(pos) },
                 tag,
+                urgent: demanded,
             });
-            self.tags.insert(tag, id);
+            self.tags.insert(tag, (id, w.file));
             pos += w.len;
         }
+        if let Some(f) = self.flights.get_mut(&id) {
+            f.parts_left = reqs.len();
+        }
         let bytes: u64 = reqs.iter().map(|r| r.len as u64).sum();
-        self.flights
-            .insert(id, Flight { key, buf, parts_left: reqs.len(), demanded, prefetched: !demanded, error: None });
-        self.by_key.insert(key, id);
         let st = self.stats.entry(key.0).or_default();
         st.bytes_read += bytes;
         if demanded {
             st.demand_reads += 1;
         } else {
             st.prefetch_reads += 1;
-            self.prefetch_in_flight += 1;
         }
         self.bytes_read += bytes;
-        self.backend.submit(&reqs)?;
+        let submitted = self.backend.submit(&reqs);
+        if submitted.is_err() {
+            // Nothing of this flight reached the back-end: forget its tags.
+            for r in &reqs {
+                self.tags.remove(&r.tag);
+            }
+        }
         self.reqs = reqs;
+        submitted?;
         Ok(())
     }
 
     /// Move each range's bytes to their place in the canonical record and check the checksum.
     /// Returns where the record starts in the buffer.
-    fn finalize(&mut self, buf: usize, key: (usize, usize)) -> Result<usize> {
+    fn finalize(&mut self, buf: usize, key: (usize, usize)) -> std::result::Result<usize, String> {
         let locs = Arc::clone(&self.locs);
-        let loc = locs
-            .get(&key.0)
-            .and_then(|v| v.get(key.1))
-            .ok_or_else(|| anyhow!("no routed expert {} in layer {}", key.1, key.0))?;
+        let loc = locs.get(&key.0).and_then(|v| v.get(key.1)).ok_or("no such record in the manifest")?;
         let b = self.bufs[buf].as_mut_slice();
         let start = geometry::assemble(loc, b);
-        let rec = &b[start..start + self.record_bytes];
+        let rec = b.get(start..start + self.record_bytes).ok_or("the record does not fit its buffer")?;
         let actual = xxh3_64(rec);
         if actual != loc.xxh3 {
-            return Err(StoreError::Checksum { layer: key.0, expert: key.1, expected: loc.xxh3, actual }.into());
+            return Err(format!("checksum mismatch (stored {:016x}, read {actual:016x})", loc.xxh3));
         }
         Ok(start)
     }
 
-    /// Reap completions; finished demanded records are returned as (demand index, buffer).
+    /// Reap completions; finished demanded records are returned as (demand index, buffer). A
+    /// record whose read failed or whose bytes fail the checksum is read once more; when a
+    /// demanded record's retry fails too, the step ends with its [`ReadFault`], after every
+    /// other completion of this pass has been taken care of.
     fn reap(&mut self, ready: &mut Vec<(usize, usize)>) -> Result<()> {
         let mut done = std::mem::take(&mut self.done_buf);
         done.clear();
         let t0 = Instant::now();
-        self.backend.wait(&mut done)?;
+        let waited = self.backend.wait(&mut done);
         self.io_wait += t0.elapsed();
         for (tag, res) in done.drain(..) {
-            let Some(id) = self.tags.remove(&tag) else {
+            let Some((id, file)) = self.tags.remove(&tag) else {
                 continue;
             };
             let Some(f) = self.flights.get_mut(&id) else {
                 continue;
             };
             if let Err(e) = res {
-                f.error.get_or_insert_with(|| e.to_string());
+                f.error.get_or_insert((file, e));
             }
-            f.parts_left -= 1;
-            if f.parts_left > 0 {
-                continue;
-            }
-            let Some(f) = self.flights.remove(&id) else {
-                continue;
-            };
-            self.by_key.remove(&f.key);
-            if f.prefetched {
-                self.prefetch_in_flight -= 1;
-            }
-            let result = match f.error {
-                Some(e) => Err(anyhow!(
-                    "reading layer {} expert {} from {}: {e}",
-                    f.key.0,
-                    f.key.1,
-                    self.paths.first().map(|p| p.display().to_string()).unwrap_or_default()
-                )),
-                None => self.finalize(f.buf, f.key),
-            };
-            let start = match result {
-                Ok(s) => s,
-                Err(e) => {
-                    self.free.push(f.buf);
-                    return Err(e);
-                }
-            };
-            self.data_start[f.buf] = start;
-            let demand_idx = self.demand.as_ref().and_then(|d| {
-                (d.layer == f.key.0 && f.demanded)
-                    .then(|| d.experts.iter().enumerate().position(|(i, &e)| e == f.key.1 && d.ready[i].is_none()))
-                    .flatten()
-            });
-            match demand_idx {
-                Some(i) => {
-                    if let Some(d) = self.demand.as_mut() {
-                        d.ready[i] = Some(f.buf);
-                    }
-                    ready.push((i, f.buf));
-                }
-                None => {
-                    // A prefetch finished: keep it as a probationary cache entry.
-                    let cache = self.caches.entry(f.key.0).or_insert_with(|| LayerCache::new(0, self.opts.policy));
-                    match cache.insert(f.key.1, f.buf, &mut self.free) {
-                        Ok(()) => {
-                            self.prefetched_unused.insert(f.key);
-                        }
-                        Err(b) => self.free.push(b),
-                    }
-                }
+            f.parts_left = f.parts_left.saturating_sub(1);
+            if f.parts_left == 0 {
+                self.complete(id, ready);
             }
         }
         self.done_buf = done;
+        waited?;
+        match self.failure.take() {
+            Some(fault) => Err(fault.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Every range of flight `id` has landed: verify it, then hand it to the demand, cache it
+    /// (a prefetch), read it again (a first fault) or give up on it.
+    fn complete(&mut self, id: u64, ready: &mut Vec<(usize, usize)>) {
+        let Some(f) = self.flights.get_mut(&id) else { return };
+        let (key, buf, demanded, attempts) = (f.key, f.buf, f.demanded, f.attempts);
+        let fault = match f.error.take() {
+            Some((file, e)) => {
+                self.faults.read_errors += 1;
+                let path = self.paths.get(file).map(|p| p.display().to_string()).unwrap_or_default();
+                Some((FaultKind::Io, format!("reading layer {} expert {} from {path}: {e}", key.0, key.1)))
+            }
+            None => match self.finalize(buf, key) {
+                Ok(start) => {
+                    self.data_start[buf] = start;
+                    None
+                }
+                Err(msg) => {
+                    self.faults.checksum_failures += 1;
+                    Some((FaultKind::Checksum, format!("layer {} expert {}: {msg}", key.0, key.1)))
+                }
+            },
+        };
+        if let Some((kind, detail)) = fault {
+            if demanded && attempts < MAX_ATTEMPTS {
+                tracing::warn!("{detail}; reading it again");
+                self.faults.retries += 1;
+                if self.submit(id).is_ok() {
+                    return;
+                }
+            }
+            if let Some(f) = self.flights.remove(&id) {
+                self.by_key.remove(&key);
+                if f.prefetched {
+                    self.prefetch_in_flight -= 1;
+                }
+                self.free.push(f.buf);
+            }
+            if demanded {
+                tracing::error!("{detail}");
+                self.faults.failed_records += 1;
+                self.failure.get_or_insert(ReadFault { layer: key.0, expert: key.1, kind, detail });
+            } else {
+                // A prefetch is only a guess: its fault costs nothing but the read.
+                tracing::warn!("prefetch: {detail}");
+            }
+            return;
+        }
+        let Some(f) = self.flights.remove(&id) else { return };
+        self.by_key.remove(&f.key);
+        if f.prefetched {
+            self.prefetch_in_flight -= 1;
+        }
+        let demand_idx = self.demand.as_ref().and_then(|d| {
+            (d.layer == f.key.0 && f.demanded)
+                .then(|| d.experts.iter().enumerate().position(|(i, &e)| e == f.key.1 && d.ready[i].is_none()))
+                .flatten()
+        });
+        match demand_idx {
+            Some(i) => {
+                if let Some(d) = self.demand.as_mut() {
+                    d.ready[i] = Some(f.buf);
+                }
+                ready.push((i, f.buf));
+            }
+            None => {
+                // A prefetch finished: keep it as a probationary cache entry.
+                let cache = self.caches.entry(f.key.0).or_insert_with(|| LayerCache::new(0, self.opts.policy));
+                match cache.insert(f.key.1, f.buf, &mut self.free) {
+                    Ok(()) => self.prefetched_unused[f.buf] = true,
+                    Err(b) => self.free.push(b),
+                }
+            }
+        }
+    }
+
+    /// Nothing in flight, no demand, and every buffer free, cached or (after a back-end failure)
+    /// retired: the state between steps. For tests and checks after a fault.
+    pub fn check_idle(&self) -> Result<()> {
+        anyhow::ensure!(self.demand.is_none(), "a demand is still open");
+        anyhow::ensure!(
+            self.flights.is_empty() && self.tags.is_empty() && self.by_key.is_empty(),
+            "{} reads are still tracked",
+            self.flights.len()
+        );
+        anyhow::ensure!(self.backend.in_flight() == 0, "{} reads are in flight", self.backend.in_flight());
+        let cached: usize = self.caches.values().map(|c| c.len()).sum();
+        anyhow::ensure!(
+            self.free.len() + cached + self.lost == self.bufs.len(),
+            "buffers unaccounted for: {} free + {cached} cached + {} retired of {}",
+            self.free.len(),
+            self.lost,
+            self.bufs.len()
+        );
         Ok(())
+    }
+
+    /// Let every prefetch in flight land in the cache (between steps; a warm-up or a test
+    /// that needs a settled state).
+    pub fn finish_prefetches(&mut self) -> Result<()> {
+        anyhow::ensure!(self.demand.is_none(), "a step is open");
+        let mut ready = Vec::new();
+        while !self.flights.is_empty() && self.backend.in_flight() > 0 {
+            self.reap(&mut ready)?;
+        }
+        Ok(())
+    }
+
+    /// Whether (layer, expert) is in the cache.
+    pub fn is_cached(&self, layer: usize, expert: usize) -> bool {
+        self.caches.get(&layer).is_some_and(|c| c.contains(expert))
+    }
+
+    /// Back to the state between steps after a failed one (see [`ExpertSource::reset`]).
+    fn reset_state(&mut self) {
+        // Every read in flight must land before its buffer can be used again.
+        let mut done = std::mem::take(&mut self.done_buf);
+        while self.backend.in_flight() > 0 {
+            done.clear();
+            if self.backend.wait(&mut done).is_err() {
+                break;
+            }
+        }
+        done.clear();
+        self.done_buf = done;
+        let landed = self.backend.in_flight() == 0;
+        for (_, f) in self.flights.drain() {
+            if landed {
+                self.free.push(f.buf);
+            } else {
+                self.lost += 1;
+            }
+        }
+        self.tags.clear();
+        self.by_key.clear();
+        self.pending_prefetch.clear();
+        self.prefetch_in_flight = 0;
+        if let Some(d) = self.demand.take() {
+            let cache = self.caches.entry(d.layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
+            for i in (0..d.experts.len()).filter(|&i| !d.delivered[i]) {
+                match (d.cached[i], d.ready[i]) {
+                    (true, _) => cache.unpin(d.experts[i]),
+                    (false, Some(b)) => self.free.push(b),
+                    (false, None) => {}
+                }
+            }
+            self.spare_demand = Some(d);
+        }
+        self.failure = None;
+        self.faults.resets += 1;
     }
 
     /// Submit queued prefetches while prefetch buffers are available.
@@ -312,7 +489,11 @@ impl StreamingExperts {
             if cached || self.by_key.contains_key(&key) {
                 continue;
             }
-            self.start_read(key, false)?;
+            if let Err(e) = self.start_read(key, false) {
+                // A prefetch is only a guess: a read that cannot start costs nothing else.
+                tracing::warn!("prefetch of layer {} expert {} not started: {e:#}", key.0, key.1);
+                break;
+            }
         }
         Ok(())
     }
@@ -360,8 +541,60 @@ impl StreamingExperts {
 
 impl ExpertSource for StreamingExperts {
     fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        let began = self.begin_demand(layer, experts);
+        if began.is_err() {
+            self.reset_state();
+        }
+        began
+    }
+
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        let drained = self.drain_demand(f);
+        if drained.is_err() {
+            self.reset_state();
+        }
+        drained
+    }
+
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        if self.opts.prefetch_buffers == 0 {
+            return Ok(());
+        }
+        for &e in experts {
+            self.location(layer, e)?;
+            let key = (layer, e);
+            let cached = self.caches.get(&layer).is_some_and(|c| c.contains(e));
+            if !cached && !self.by_key.contains_key(&key) && !self.pending_prefetch.contains(&key) {
+                self.pending_prefetch.push_back(key);
+            }
+        }
+        self.pump_prefetch()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    fn reset(&mut self) {
+        self.reset_state();
+    }
+
+    fn faults(&self) -> FaultStats {
+        self.faults
+    }
+}
+
+impl StreamingExperts {
+    /// Announce `layer`'s demand: hits are pinned, misses start reading at once (or queue for a
+    /// buffer).
+    fn begin_demand(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
         if self.demand.is_some() {
             bail!("expert source: begin() called twice without drain()");
+        }
+        for (i, e) in experts.iter().enumerate() {
+            if experts[..i].contains(e) {
+                bail!("expert {e} of layer {layer} requested twice in one step");
+            }
         }
         // Speculation for this layer or earlier ones is stale now: drop what was not submitted.
         self.pending_prefetch.retain(|&(l, _)| l > layer);
@@ -389,7 +622,7 @@ impl ExpertSource for StreamingExperts {
                 d.ready[i] = Some(b);
                 d.cached[i] = true;
                 st.hits += 1;
-                if self.prefetched_unused.remove(&(layer, e)) {
+                if std::mem::take(&mut self.prefetched_unused[b]) {
                     st.prefetch_used += 1;
                 }
             } else if let Some(&id) = self.by_key.get(&(layer, e)) {
@@ -417,8 +650,10 @@ impl ExpertSource for StreamingExperts {
         Ok(())
     }
 
-    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+    /// Hand every demanded record to `f` as it becomes available.
+    fn drain_demand(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
         let Some(d) = self.demand.as_ref() else { bail!("expert source: drain() without begin()") };
+        let layer = d.layer;
         let rb = self.record_bytes;
         // Records already in memory first, in order, while the reads are in flight.
         let mut queue = std::mem::take(&mut self.queue_buf);
@@ -434,29 +669,15 @@ impl ExpertSource for StreamingExperts {
             if all {
                 break;
             }
+            if self.backend.in_flight() == 0 {
+                // Waiting would return at once forever: a demand that nothing is reading.
+                self.queue_buf = queue;
+                bail!("expert source: layer {layer} waits for records that no read will deliver");
+            }
             self.reap(&mut queue)?;
         }
         self.queue_buf = queue;
         self.spare_demand = self.demand.take();
         self.pump_prefetch()
-    }
-
-    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
-        if self.opts.prefetch_buffers == 0 {
-            return Ok(());
-        }
-        for &e in experts {
-            self.location(layer, e)?;
-            let key = (layer, e);
-            let cached = self.caches.get(&layer).is_some_and(|c| c.contains(e));
-            if !cached && !self.by_key.contains_key(&key) && !self.pending_prefetch.contains(&key) {
-                self.pending_prefetch.push_back(key);
-            }
-        }
-        self.pump_prefetch()
-    }
-
-    fn bytes_read(&self) -> u64 {
-        self.bytes_read
     }
 }

@@ -1,0 +1,342 @@
+//! Fault injection through the real reader: a failed or corrupt expert read costs one request,
+//! never the source. Faults come from a decorator around the real back-end (EIO on chosen reads)
+//! or from the files themselves (corrupted or truncated on disk between requests). For each
+//! fault: the request fails with a `ReadFault` naming layer and expert (or succeeds after one
+//! retry), the source is back in its idle state (no read tracked, every buffer accounted for),
+//! the next request gives the same tokens as a fault-free run, and nothing hangs (a watchdog
+//! ends the test binary if a scenario does not finish).
+
+mod common;
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use deltafin_engine::experts::{ExpertSource, StoreExperts};
+use deltafin_engine::fault::{FaultKind, ReadFault};
+use deltafin_engine::generate::generate_greedy;
+use deltafin_engine::k3::{K3Model, RunConfig};
+use deltafin_engine::stream::cache::Policy;
+use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq, io_uring_available};
+use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
+use deltafin_store::{ExpertLayout, SpineDtype, Store};
+
+/// Which completions the decorator turns into EIO.
+#[derive(Default)]
+struct Rules {
+    /// Fail the read submitted as number N (0-based, counting every read), once.
+    nth: Option<usize>,
+    /// Fail every demand read while set.
+    all_urgent: bool,
+    /// Fail every prefetch read while set.
+    all_prefetch: bool,
+    submitted: usize,
+    /// Completions failed so far.
+    failed: usize,
+}
+
+/// The real back-end, with some completions replaced by EIO (the read itself still happens).
+struct Faulty {
+    inner: Box<dyn ReadBackend>,
+    rules: Arc<Mutex<Rules>>,
+    doomed: Vec<u64>,
+}
+
+impl ReadBackend for Faulty {
+    fn kind(&self) -> BackendKind {
+        self.inner.kind()
+    }
+    fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
+        let mut r = self.rules.lock().unwrap();
+        for q in reqs {
+            let n = r.submitted;
+            r.submitted += 1;
+            let fail = r.nth == Some(n) || (q.urgent && r.all_urgent) || (!q.urgent && r.all_prefetch);
+            if fail {
+                self.doomed.push(q.tag);
+            }
+        }
+        drop(r);
+        self.inner.submit(reqs)
+    }
+    fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        let from = out.len();
+        self.inner.wait(out)?;
+        for (tag, res) in &mut out[from..] {
+            if let Some(i) = self.doomed.iter().position(|t| t == tag) {
+                self.doomed.swap_remove(i);
+                *res = Err(io::Error::from_raw_os_error(libc_eio()));
+                self.rules.lock().unwrap().failed += 1;
+            }
+        }
+        Ok(())
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}
+
+fn libc_eio() -> i32 {
+    5 // EIO on every Unix
+}
+
+fn backends() -> Vec<BackendKind> {
+    let mut v = vec![BackendKind::Pread];
+    if io_uring_available() {
+        v.push(BackendKind::IoUring);
+    } else {
+        println!("SKIPPED io_uring: this kernel refuses io_uring rings");
+    }
+    v
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    store: Store,
+    model: K3Model,
+    prompt: Vec<u32>,
+    /// Greedy tokens of a fault-free run (plain checked reads).
+    reference: Vec<u32>,
+}
+
+fn fixture(prefetch: bool) -> Fixture {
+    let dir = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefetch, ..Default::default() }).unwrap();
+    let prompt = reference("k3-small").prompts.iter().map(|p| p.tokens.clone()).max_by_key(|t| t.len()).unwrap();
+    let reference = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt, 6, None).unwrap().tokens;
+    Fixture { dir, store, model, prompt, reference }
+}
+
+fn source(
+    f: &Fixture,
+    backend: BackendKind,
+    slots: usize,
+    prefetch: bool,
+    rules: &Arc<Mutex<Rules>>,
+) -> StreamingExperts {
+    let k = f.model.config.num_experts_per_token;
+    let opts = StreamOptions {
+        cache_slots_per_layer: slots,
+        policy: Policy::Slru,
+        backend: Some(backend),
+        direct: true,
+        queue_depth: 8,
+        io_buffers: 2 * k,
+        prefetch_buffers: if prefetch { k } else { 0 },
+    };
+    let rules = rules.clone();
+    StreamingExperts::with_backend(&f.store, opts, move |inner| Box::new(Faulty { inner, rules, doomed: Vec::new() }))
+        .unwrap()
+}
+
+/// Ends the test binary if a scenario hangs.
+struct Watchdog(Arc<AtomicBool>);
+
+impl Watchdog {
+    fn start(what: &'static str) -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        std::thread::spawn(move || {
+            for _ in 0..1200 {
+                std::thread::sleep(Duration::from_millis(100));
+                if d.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
+            eprintln!("{what}: a request hung for 120 s");
+            std::process::exit(101);
+        });
+        Watchdog(done)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+fn run(f: &Fixture, src: &mut StreamingExperts) -> anyhow::Result<Vec<u32>> {
+    Ok(generate_greedy(&f.model, src, &f.prompt, 6, None)?.tokens)
+}
+
+fn fault_of(e: &anyhow::Error) -> &ReadFault {
+    e.chain().find_map(|c| c.downcast_ref::<ReadFault>()).unwrap_or_else(|| panic!("not a read fault: {e:#}"))
+}
+
+/// The request after a fault is served normally, and the source is idle between requests.
+fn recovers(f: &Fixture, src: &mut StreamingExperts, what: &str) {
+    src.check_idle().unwrap_or_else(|e| panic!("{what}: after the fault: {e:#}"));
+    let tokens = run(f, src).unwrap_or_else(|e| panic!("{what}: the next request failed: {e:#}"));
+    assert_eq!(tokens, f.reference, "{what}: the next request's tokens differ from a fault-free run");
+    src.check_idle().unwrap_or_else(|e| panic!("{what}: after the next request: {e:#}"));
+}
+
+#[test]
+fn a_transient_read_error_is_retried_and_costs_nothing() {
+    let _w = Watchdog::start("transient");
+    let f = fixture(false);
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules { nth: Some(3), ..Default::default() }));
+        let mut src = source(&f, backend, 0, false, &rules);
+        let tokens = run(&f, &mut src).unwrap();
+        assert_eq!(tokens, f.reference, "{backend:?}");
+        let s = src.faults();
+        assert_eq!(rules.lock().unwrap().failed, 1);
+        assert_eq!((s.read_errors, s.retries, s.failed_records), (1, 1, 0), "{backend:?}: {s:?}");
+        src.check_idle().unwrap();
+    }
+}
+
+#[test]
+fn a_persistent_read_error_fails_one_request_and_the_next_is_served() {
+    let _w = Watchdog::start("persistent");
+    let f = fixture(false);
+    for backend in backends() {
+        for slots in [0, 2] {
+            let rules = Arc::new(Mutex::new(Rules { all_urgent: true, ..Default::default() }));
+            let mut src = source(&f, backend, slots, false, &rules);
+            let err = run(&f, &mut src).unwrap_err();
+            let fault = fault_of(&err);
+            assert_eq!(fault.kind, FaultKind::Io, "{backend:?}");
+            let msg = err.to_string();
+            assert!(msg.contains(&format!("layer {} expert {}", fault.layer, fault.expert)), "{msg}");
+            let dir = f.dir.path().to_string_lossy();
+            assert!(!msg.contains(&*dir) && !msg.contains("layer-"), "the message must not carry a path: {msg}");
+            // The log detail names the file that failed.
+            assert!(fault.detail.contains("experts/layer-"), "{}", fault.detail);
+            let s = src.faults();
+            assert!(s.retries >= 1 && s.failed_records >= 1 && s.resets >= 1, "{backend:?}: {s:?}");
+            rules.lock().unwrap().all_urgent = false;
+            recovers(&f, &mut src, &format!("{backend:?} slots {slots}"));
+        }
+    }
+}
+
+#[test]
+fn a_failed_prefetch_costs_only_its_read() {
+    let _w = Watchdog::start("prefetch");
+    let f = fixture(true);
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules { all_prefetch: true, ..Default::default() }));
+        let mut src = source(&f, backend, 2, true, &rules);
+        let tokens = run(&f, &mut src).unwrap();
+        assert_eq!(tokens, f.reference, "{backend:?}");
+        let s = src.faults();
+        assert!(rules.lock().unwrap().failed > 0, "{backend:?}: no prefetch read was failed");
+        assert_eq!(s.failed_records, 0, "{backend:?}: {s:?}");
+        src.finish_prefetches().unwrap();
+        src.check_idle().unwrap();
+    }
+}
+
+/// Flip bytes of every record of one packed layer file; returns the original bytes.
+fn corrupt_layer(f: &Fixture, layer: usize) -> (std::path::PathBuf, Vec<u8>) {
+    let path = f.dir.path().join(format!("experts/layer-{layer:03}.bin"));
+    let orig = std::fs::read(&path).unwrap();
+    let mut bad = orig.clone();
+    for b in bad.iter_mut().step_by(61) {
+        *b ^= 0x5A;
+    }
+    std::fs::write(&path, &bad).unwrap();
+    (path, orig)
+}
+
+#[test]
+fn a_record_corrupted_on_disk_between_requests_is_caught_and_never_cached() {
+    let _w = Watchdog::start("corrupt");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[1];
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        // One slot per layer: a corrupt record would stay for the next request if it were cached.
+        let mut src = source(&f, backend, 1, false, &rules);
+        assert_eq!(run(&f, &mut src).unwrap(), f.reference);
+        let (path, orig) = corrupt_layer(&f, layer);
+        // The cached record of this layer may serve the first token; the rest must be read.
+        let err = run(&f, &mut src).unwrap_err();
+        let fault = fault_of(&err);
+        assert_eq!((fault.kind, fault.layer), (FaultKind::Checksum, layer), "{backend:?}: {err:#}");
+        assert!(!src.is_cached(fault.layer, fault.expert), "a record that failed its checksum was cached");
+        let s = src.faults();
+        assert!(s.checksum_failures >= 2 && s.retries >= 1, "{backend:?}: {s:?}");
+        std::fs::write(&path, orig).unwrap();
+        recovers(&f, &mut src, &format!("{backend:?}"));
+    }
+}
+
+#[test]
+fn a_file_truncated_while_serving_fails_the_request_cleanly() {
+    let _w = Watchdog::start("truncated");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        let mut src = source(&f, backend, 0, false, &rules);
+        let path = f.dir.path().join(format!("experts/layer-{layer:03}.bin"));
+        let orig = std::fs::read(&path).unwrap();
+        // Keep the first record only: every other record of the layer reads past the end.
+        let record = f.store.manifest.experts.record_bytes as usize;
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(record as u64 / 2).unwrap();
+        let err = run(&f, &mut src).unwrap_err();
+        let fault = fault_of(&err);
+        assert_eq!((fault.kind, fault.layer), (FaultKind::Io, layer), "{backend:?}: {err:#}");
+        std::fs::write(&path, orig).unwrap();
+        recovers(&f, &mut src, &format!("{backend:?}"));
+    }
+}
+
+#[test]
+fn duplicate_experts_in_one_step_are_refused_and_the_source_stays_usable() {
+    let _w = Watchdog::start("duplicates");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        let mut src = source(&f, backend, 2, false, &rules);
+        let err = src.begin(layer, &[3, 1, 3]).unwrap_err();
+        assert!(format!("{err:#}").contains("requested twice"), "{err:#}");
+        recovers(&f, &mut src, &format!("{backend:?}"));
+    }
+}
+
+#[test]
+fn an_error_in_the_compute_callback_does_not_poison_the_source() {
+    let _w = Watchdog::start("callback");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        let mut src = source(&f, backend, 2, false, &rules);
+        src.begin(layer, &[0, 1, 2, 3]).unwrap();
+        let err = src.drain(&mut |_, _| anyhow::bail!("compute failed")).unwrap_err();
+        assert!(format!("{err}").contains("compute failed"));
+        recovers(&f, &mut src, &format!("{backend:?}"));
+    }
+}
+
+/// A prefetched record evicted before any use is not counted as used when the expert is later
+/// read and hit the ordinary way.
+#[test]
+fn prefetch_statistics_forget_evicted_records() {
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 1, true, &rules);
+    let step = |src: &mut StreamingExperts, e: usize| {
+        src.begin(layer, &[e]).unwrap();
+        src.drain(&mut |_, _| Ok(())).unwrap();
+    };
+    src.prefetch(layer, &[5]).unwrap();
+    src.finish_prefetches().unwrap();
+    assert!(src.is_cached(layer, 5));
+    step(&mut src, 7); // evicts the unused prefetch of 5
+    assert!(!src.is_cached(layer, 5));
+    step(&mut src, 5); // a plain miss
+    step(&mut src, 5); // a plain hit
+    assert_eq!(src.total_stats().prefetch_used, 0, "an evicted prefetch was counted as used");
+    src.check_idle().unwrap();
+}
