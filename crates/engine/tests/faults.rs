@@ -340,3 +340,50 @@ fn prefetch_statistics_forget_evicted_records() {
     assert_eq!(src.total_stats().prefetch_used, 0, "an evicted prefetch was counted as used");
     src.check_idle().unwrap();
 }
+
+/// A record stored as more than 256 ranges (a checkpoint that scatters an expert's bytes) reads
+/// back exactly: every range's read has its own tag (they once collided with the next record's).
+#[test]
+fn records_of_many_ranges_read_back_exactly() {
+    let _w = Watchdog::start("ranges");
+    let f = fixture(false);
+    let mut m = f.store.manifest.clone();
+    let layer = m.experts.layers[0].layer;
+    // Cut experts 0 and 1 of the first MoE layer into 300 ranges each (same bytes, same order).
+    for e in 0..2 {
+        let loc = &mut m.experts.layers[0].experts[e];
+        let [file, off, len] = loc.ranges[0];
+        assert_eq!(loc.ranges.len(), 1, "the packed fixture keeps a record in one range");
+        let n = 300u64;
+        let piece = len.div_ceil(n);
+        loc.ranges = (0..n)
+            .map(|i| [file, off + i * piece, piece.min(len.saturating_sub(i * piece))])
+            .filter(|r| r[2] > 0)
+            .collect();
+        assert!(loc.ranges.len() > 256);
+    }
+    m.save(f.dir.path()).unwrap();
+    let store = Store::open(f.dir.path(), None).unwrap();
+    for backend in backends() {
+        let k = f.model.config.num_experts_per_token;
+        let opts = StreamOptions {
+            cache_slots_per_layer: 0,
+            policy: Policy::Lru,
+            backend: Some(backend),
+            direct: true,
+            queue_depth: 8,
+            io_buffers: 2 * k,
+            prefetch_buffers: 0,
+        };
+        let mut src = StreamingExperts::new(&store, opts).unwrap();
+        let mut plain = StoreExperts::new(&store);
+        let mut want: Vec<Vec<u8>> = vec![Vec::new(); 3];
+        plain.begin(layer, &[0, 1, 2]).unwrap();
+        plain.drain(&mut |i, r| Ok(want[i] = r.to_vec())).unwrap();
+        let mut got: Vec<Vec<u8>> = vec![Vec::new(); 3];
+        src.begin(layer, &[0, 1, 2]).unwrap();
+        src.drain(&mut |i, r| Ok(got[i] = r.to_vec())).unwrap();
+        assert_eq!(got, want, "{backend:?}");
+        src.check_idle().unwrap();
+    }
+}
