@@ -379,10 +379,19 @@ fn records_of_many_ranges_read_back_exactly() {
         let mut plain = StoreExperts::new(&store);
         let mut want: Vec<Vec<u8>> = vec![Vec::new(); 3];
         plain.begin(layer, &[0, 1, 2]).unwrap();
-        plain.drain(&mut |i, r| Ok(want[i] = r.to_vec())).unwrap();
+        plain
+            .drain(&mut |i, r| {
+                want[i] = r.to_vec();
+                Ok(())
+            })
+            .unwrap();
         let mut got: Vec<Vec<u8>> = vec![Vec::new(); 3];
         src.begin(layer, &[0, 1, 2]).unwrap();
-        src.drain(&mut |i, r| Ok(got[i] = r.to_vec())).unwrap();
+        src.drain(&mut |i, r| {
+            got[i] = r.to_vec();
+            Ok(())
+        })
+        .unwrap();
         assert_eq!(got, want, "{backend:?}");
         src.check_idle().unwrap();
     }
