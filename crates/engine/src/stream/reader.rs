@@ -455,11 +455,9 @@ mod tests {
         (f, Arc::new(vec![file]))
     }
 
-    /// Eight prefetch reads, then one demand read, on a back-end of depth 1: the demand read is
-    /// served first or second (the first prefetch may already be in the device's hands), never
-    /// behind the other prefetches. Returns the completion order.
-    fn demand_goes_first(be: &mut dyn ReadBackend, bufs: &mut [AlignedBuf]) -> Vec<u64> {
-        let mut req = |i: usize, urgent: bool| ReadReq {
+    /// A read of block `i` into `bufs[i]`, tagged `i`.
+    fn block_req(bufs: &mut [AlignedBuf], i: usize, urgent: bool) -> ReadReq {
+        ReadReq {
             file: 0,
             offset: (i * 4096) as u64,
             len: 4096,
@@ -467,9 +465,15 @@ mod tests {
             buf: bufs[i].as_mut_ptr(),
             tag: i as u64,
             urgent,
-        };
-        let prefetch: Vec<ReadReq> = (0..8).map(|i| req(i, false)).collect();
-        let demand = req(8, true);
+        }
+    }
+
+    /// Eight prefetch reads, then one demand read, on a back-end of depth 1: the demand read is
+    /// served first or second (the first prefetch may already be in the device's hands), never
+    /// behind the other prefetches. Returns the completion order.
+    fn demand_goes_first(be: &mut dyn ReadBackend, bufs: &mut [AlignedBuf]) -> Vec<u64> {
+        let prefetch: Vec<ReadReq> = (0..8).map(|i| block_req(bufs, i, false)).collect();
+        let demand = block_req(bufs, 8, true);
         be.submit(&prefetch).unwrap();
         be.submit(&[demand]).unwrap();
         let (mut order, mut out) = (Vec::new(), Vec::new());
@@ -507,16 +511,7 @@ mod tests {
         let (_f, files) = blocks_file(9);
         let mut bufs: Vec<AlignedBuf> = (0..9).map(|_| AlignedBuf::new(4096)).collect();
         let mut ring = Uring::new(files.clone(), 1).unwrap();
-        let mut req = |i: usize| ReadReq {
-            file: 0,
-            offset: (i * 4096) as u64,
-            len: 4096,
-            need: 4096,
-            buf: bufs[i].as_mut_ptr(),
-            tag: i as u64,
-            urgent: false,
-        };
-        let reqs: Vec<ReadReq> = (0..6).map(&mut req).collect();
+        let reqs: Vec<ReadReq> = (0..6).map(|i| block_req(&mut bufs, i, false)).collect();
         ring.submit(&reqs).unwrap();
         assert_eq!(ring.submitted, 1, "io_uring took more reads than its depth");
         let mut out = Vec::new();
