@@ -170,3 +170,45 @@ fn bad_manifest_is_a_clear_error() {
     let msg = Store::open(&store_dir, None).err().unwrap().to_string();
     assert!(msg.contains("manifest.json"), "{msg}");
 }
+
+/// Each file of `dir` and its bytes, to show a refused command wrote nothing.
+fn snapshot(dir: &Path) -> Vec<(std::ffi::OsString, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn converting_a_checkpoint_onto_itself_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    std::os::unix::fs::symlink(&hf, tmp.path().join("link")).unwrap();
+    let before = snapshot(&hf);
+    // The same directory: as given, spelt differently, and through a symbolic link.
+    for to in [hf.clone(), hf.join("..").join("hf"), hf.join("."), tmp.path().join("link")] {
+        let err = convert(&hf, &to, &opts(ExpertLayout::InPlace)).err().expect("converting onto itself must fail");
+        let msg = err.to_string();
+        assert!(msg.contains("same directory") && msg.contains("--to"), "{}: {msg}", to.display());
+        assert!(snapshot(&hf) == before, "{}: the checkpoint directory was modified", to.display());
+    }
+}
+
+#[test]
+fn an_index_with_an_empty_weight_map_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    std::fs::write(hf.join("model.safetensors.index.json"), r#"{"metadata": {}, "weight_map": {}}"#).unwrap();
+    let msg = deltafin_store::checkpoint::Checkpoint::open(&hf).err().expect("empty weight_map must fail").to_string();
+    assert!(
+        msg.contains("model.safetensors.index.json") && msg.contains("weight_map") && msg.contains("empty"),
+        "{msg}"
+    );
+}
