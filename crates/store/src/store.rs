@@ -152,6 +152,7 @@ impl Store {
             files.push(File::open(&p).map_err(io_err(&p))?);
             paths.push(p);
         }
+        check_ranges_in_files(ex, &files, &paths, &dir.join(MANIFEST_FILE))?;
         let layers = ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
         let experts = ExpertFiles { files, paths, layers, record_bytes: ex.record_bytes };
         Ok(Store { dir: dir.to_path_buf(), manifest, spine_file, spine_index, experts })
@@ -330,6 +331,38 @@ fn decode_spine_tensor(
         }
     };
     Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data })
+}
+
+/// Every expert byte range lies inside its file, so a read never runs off the end of a file
+/// (`Manifest::load` has checked the indices, the overflow and the record length).
+fn check_ranges_in_files(
+    ex: &ExpertsInfo,
+    files: &[File],
+    paths: &[PathBuf],
+    manifest: &Path,
+) -> Result<(), StoreError> {
+    let mut sizes = Vec::with_capacity(files.len());
+    for (f, p) in files.iter().zip(paths) {
+        sizes.push(f.metadata().map_err(io_err(p))?.len());
+    }
+    for layer in &ex.layers {
+        for (e, loc) in layer.experts.iter().enumerate() {
+            for (i, &[f, off, len]) in loc.ranges.iter().enumerate() {
+                let size = sizes.get(f as usize).copied().unwrap_or(0);
+                if off.checked_add(len).is_none_or(|end| end > size) {
+                    return Err(StoreError::Store {
+                        path: manifest.to_path_buf(),
+                        msg: format!(
+                            "experts.layers: layer {} expert {e}: range {i} [{f}, {off}, {len}] runs past the end of {} ({size} bytes)",
+                            layer.layer,
+                            paths.get(f as usize).map(|p| p.display().to_string()).unwrap_or_default()
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Check a source shard is still the file we converted: same size, same header.

@@ -212,3 +212,95 @@ fn an_index_with_an_empty_weight_map_is_an_error() {
         "{msg}"
     );
 }
+
+/// Edit `manifest.json` of `store_dir` through its JSON, returning the original text.
+fn edit_manifest(store_dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let path = store_dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    text
+}
+
+#[test]
+fn manifest_file_names_outside_the_store_are_refused() {
+    let (t, _hf, store_dir) = setup(ExpertLayout::Pack);
+    // Real files wherever the names point, so only the names themselves can be objected to.
+    std::fs::copy(store_dir.join("spine.bin"), t.path().join("spine.bin")).unwrap();
+    std::fs::copy(store_dir.join("tiktoken.model"), t.path().join("tiktoken.model")).unwrap();
+    let abs_pack = store_dir.join("experts/layer-001.bin").to_string_lossy().into_owned();
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "../spine.bin".into())),
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "experts/../../spine.bin".into())),
+        ("experts.files[0]", Box::new(move |v| v["experts"]["files"][0] = abs_pack.clone().into())),
+        ("experts.files[1]", Box::new(|v| v["experts"]["files"][1] = "experts/../experts/layer-002.bin".into())),
+        ("tokenizer.files[0]", Box::new(|v| v["tokenizer"]["files"][0] = "../tiktoken.model".into())),
+        ("source.shards[0].file", Box::new(|v| v["source"]["shards"][0]["file"] = "../x.safetensors".into())),
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "".into())),
+    ];
+    for (field, edit) in cases {
+        let original = edit_manifest(&store_dir, edit);
+        let msg = Store::open(&store_dir, None).err().map(|e| e.to_string());
+        std::fs::write(store_dir.join("manifest.json"), original).unwrap();
+        let msg = msg.unwrap_or_else(|| panic!("{field}: a name leaving the store must be refused"));
+        assert!(msg.contains(field) && msg.contains("manifest.json"), "{field}: {msg}");
+    }
+    Store::open(&store_dir, None).unwrap();
+}
+
+#[test]
+fn expert_table_is_checked_against_the_files() {
+    for layout in [ExpertLayout::Pack, ExpertLayout::InPlace] {
+        let (_t, _hf, store_dir) = setup(layout);
+        let store = Store::open(&store_dir, None).unwrap();
+        let (l, e) = (3usize, 9usize);
+        let li = store.manifest.experts.layers.iter().position(|x| x.layer == l).unwrap();
+        let r0 = store.experts.location(l, e).unwrap().ranges[0];
+        let file_len = std::fs::metadata(&store.experts.paths()[r0[0] as usize]).unwrap().len();
+        let record = store.manifest.experts.record_bytes;
+        drop(store);
+        type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+        let at = move |v: &mut serde_json::Value| -> serde_json::Value {
+            v["experts"]["layers"][li]["experts"][e]["ranges"][0].clone()
+        };
+        let set = move |v: &mut serde_json::Value, r: serde_json::Value| {
+            v["experts"]["layers"][li]["experts"][e]["ranges"][0] = r
+        };
+        let cases: Vec<(&str, Edit)> = vec![
+            // Past the end of its file.
+            ("past the end", Box::new(move |v| set(v, serde_json::json!([r0[0], file_len - r0[2] + 1, r0[2]])))),
+            // offset + len overflows u64.
+            ("past the end", Box::new(move |v| set(v, serde_json::json!([r0[0], u64::MAX - 1, r0[2]])))),
+            // A file index the table does not have.
+            ("file 99", Box::new(move |v| set(v, serde_json::json!([99, r0[1], r0[2]])))),
+            // Ranges that do not add up to the record.
+            ("cover", Box::new(move |v| set(v, serde_json::json!([r0[0], r0[1], r0[2] - 1])))),
+            (
+                "cover",
+                Box::new(move |v| {
+                    let r = at(v);
+                    v["experts"]["layers"][li]["experts"][e]["ranges"].as_array_mut().unwrap().push(r);
+                }),
+            ),
+            (
+                "no byte ranges",
+                Box::new(move |v| v["experts"]["layers"][li]["experts"][e]["ranges"] = serde_json::json!([])),
+            ),
+            // A record size that disagrees with the config.
+            ("record_bytes", Box::new(move |v| v["experts"]["record_bytes"] = serde_json::json!(record * 1000))),
+        ];
+        for (what, edit) in cases {
+            let original = edit_manifest(&store_dir, edit);
+            let msg = Store::open(&store_dir, None).err().map(|e| e.to_string());
+            std::fs::write(store_dir.join("manifest.json"), original).unwrap();
+            let msg = msg.unwrap_or_else(|| panic!("{layout:?} {what}: a bad expert table must be refused at open"));
+            assert!(msg.contains(what) && msg.contains("manifest.json"), "{layout:?} {what}: {msg}");
+            if what != "record_bytes" {
+                assert!(msg.contains(&format!("layer {l} expert {e}")), "{layout:?} {what}: {msg}");
+            }
+        }
+        Store::open(&store_dir, None).unwrap();
+    }
+}
