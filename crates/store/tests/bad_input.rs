@@ -304,3 +304,59 @@ fn expert_table_is_checked_against_the_files() {
         Store::open(&store_dir, None).unwrap();
     }
 }
+
+#[test]
+fn absurd_configs_are_refused_at_load() {
+    let text = std::fs::read_to_string(fixture_hf().join("config.json")).unwrap();
+    let base: serde_json::Value = serde_json::from_str(&text).unwrap();
+    deltafin_store::K3Config::from_hf_json(&text, "config.json").unwrap();
+    let cases: &[(&str, serde_json::Value, &str)] = &[
+        ("hidden_size", serde_json::json!(1u64 << 40), "hidden_size"),
+        ("vocab_size", serde_json::json!(u64::MAX), "vocab_size"),
+        ("num_hidden_layers", serde_json::json!(1u64 << 30), "num_hidden_layers"),
+        ("num_experts", serde_json::json!(0), "num_experts_per_token"),
+        ("num_experts_per_token", serde_json::json!(17), "num_experts_per_token"),
+        ("num_experts", serde_json::json!(1u64 << 40), "num_experts"),
+        ("moe_intermediate_size", serde_json::json!(0), "moe_intermediate_size"),
+        ("moe_intermediate_size", serde_json::json!(1u64 << 20), "moe_intermediate_size"),
+        ("routed_expert_hidden_size", serde_json::json!(0), "routed_expert_hidden_size"),
+        ("kv_lora_rank", serde_json::json!(0), "kv_lora_rank"),
+        ("num_attention_heads", serde_json::json!(0), "num_attention_heads"),
+        ("q_lora_rank", serde_json::json!(0), "q_lora_rank"),
+        ("rms_norm_eps", serde_json::json!(-1.0), "rms_norm_eps"),
+        ("rms_norm_eps", serde_json::json!(1e300), "rms_norm_eps"),
+        ("routed_scaling_factor", serde_json::json!(1e300), "routed_scaling_factor"),
+        ("vocab_size", serde_json::json!(-5), "vocab_size"),
+        ("num_shared_experts", serde_json::json!(1u64 << 20), "num_shared_experts"),
+    ];
+    let lac: &[(&str, serde_json::Value, &str)] = &[
+        ("head_dim", serde_json::json!(1u64 << 18), "elements"),
+        ("head_dim", serde_json::json!(1u64 << 30), "head_dim"),
+        ("short_conv_kernel_size", serde_json::json!(1u64 << 40), "short_conv_kernel_size"),
+        ("kda_layers", serde_json::json!(vec![1; 100]), "kda_layers"),
+        ("full_attn_layers", serde_json::json!([9]), "full_attn_layers"),
+    ];
+    let mut all = Vec::new();
+    for (k, v, want) in cases {
+        let mut c = base.clone();
+        c["text_config"][*k] = v.clone();
+        all.push((format!("{k} = {v}"), c, *want));
+    }
+    // Widths each within bounds whose expert record is not (54 GB).
+    let mut c = base.clone();
+    c["text_config"]["moe_intermediate_size"] = serde_json::json!(1u64 << 18);
+    c["text_config"]["routed_expert_hidden_size"] = serde_json::json!(1u64 << 17);
+    all.push(("a huge expert record".into(), c, "expert record"));
+    for (k, v, want) in lac {
+        let mut c = base.clone();
+        c["text_config"]["linear_attn_config"][*k] = v.clone();
+        all.push((format!("linear_attn_config.{k} = {v}"), c, *want));
+    }
+    for (what, c, want) in all {
+        let msg = deltafin_store::K3Config::from_hf_json(&c.to_string(), "x/config.json")
+            .err()
+            .unwrap_or_else(|| panic!("{what}: must be refused"))
+            .to_string();
+        assert!(msg.contains("x/config.json") && msg.contains(want), "{what}: {msg}");
+    }
+}
