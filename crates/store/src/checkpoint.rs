@@ -43,12 +43,20 @@ impl Checkpoint {
                 file: index_path.display().to_string(),
                 msg: "missing object 'weight_map'".into(),
             })?;
+            // An empty map names no shard: there would be nothing to open (and no shard 0 to
+            // fall back on).
+            if wm.is_empty() {
+                return Err(StoreError::Config {
+                    file: index_path.display().to_string(),
+                    msg: "'weight_map' is empty: the index lists no tensors".into(),
+                });
+            }
             for (name, file) in wm {
                 let file = file.as_str().ok_or_else(|| StoreError::Config {
                     file: index_path.display().to_string(),
                     msg: format!("weight_map['{name}'] is not a file name"),
                 })?;
-                if file.contains('/') || file.contains("..") {
+                if file.is_empty() || file == "." || file.contains('/') || file.contains("..") {
                     return Err(StoreError::Config {
                         file: index_path.display().to_string(),
                         msg: format!("weight_map['{name}'] names '{file}', outside the checkpoint directory"),
@@ -74,11 +82,13 @@ impl Checkpoint {
         }
         let mut weight_map = BTreeMap::new();
         if map_by_file.is_empty() {
-            for t in &shards[0].tensors {
+            // Only a lone `model.safetensors` gets here (an index lists at least one tensor).
+            for t in shards.iter().take(1).flat_map(|s| &s.tensors) {
                 weight_map.insert(t.name.clone(), 0);
             }
         } else {
             for (name, file) in &map_by_file {
+                // Every file of the map was pushed onto `files` above.
                 let si = files.iter().position(|f| f == file).unwrap_or(0);
                 if shards[si].get(name).is_none() {
                     return Err(StoreError::Tensor {

@@ -143,6 +143,7 @@ pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertP
 pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertReport, StoreError> {
     let src = Source::open(from)?;
     std::fs::create_dir_all(to).map_err(io_err(to))?;
+    refuse_same_dir(from, to)?;
     let spine_plan = plan_spine(&src, opts)?;
     let expert_plan = ExpertPlan::new(&src.ck.config);
     let bar = byte_progress(spine_plan.src_bytes + expert_plan.src_bytes(), opts.progress);
@@ -158,6 +159,30 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     };
     write_manifest(from, to, &src, spine, experts, tokenizer)?;
     Ok(report)
+}
+
+/// Whether two paths name the same file or directory (same device and inode), whatever their
+/// spelling: `d`, `d/.`, `d/../d` and a symbolic link to `d` are all `d`.
+fn same_file(a: &Path, b: &Path) -> Result<bool, StoreError> {
+    use std::os::unix::fs::MetadataExt;
+    let (ma, mb) = (std::fs::metadata(a).map_err(io_err(a))?, std::fs::metadata(b).map_err(io_err(b))?);
+    Ok(ma.dev() == mb.dev() && ma.ino() == mb.ino())
+}
+
+/// A store written into its own checkpoint directory would copy the tokenizer files onto
+/// themselves (truncating them) and mix `spine.bin` and `manifest.json` into the checkpoint, so
+/// converting onto the source is refused before anything is written.
+fn refuse_same_dir(from: &Path, to: &Path) -> Result<(), StoreError> {
+    if same_file(from, to)? {
+        return Err(StoreError::Store {
+            path: to.to_path_buf(),
+            msg: format!(
+                "is the same directory as the checkpoint {}; give --to a directory of its own",
+                from.display()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The opened checkpoint, its text model's tensor prefix and its shard file names.
@@ -575,7 +600,16 @@ fn copy_tokenizer(from: &Path, to: &Path) -> Result<Option<TokenizerInfo>, Store
     for name in TOKENIZER_FILES {
         let src = from.join(name);
         if src.exists() {
-            std::fs::copy(&src, to.join(name)).map_err(io_err(&src))?;
+            let dst = to.join(name);
+            // Copying a file onto itself truncates it (a link in the store pointing back into
+            // the checkpoint would do that even when the directories differ).
+            if dst.exists() && same_file(&src, &dst)? {
+                return Err(StoreError::Store {
+                    path: dst,
+                    msg: format!("is the checkpoint's own {name}; refusing to copy it onto itself"),
+                });
+            }
+            std::fs::copy(&src, &dst).map_err(io_err(&src))?;
             files.push(name.to_string());
         }
     }

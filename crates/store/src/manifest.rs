@@ -1,6 +1,6 @@
 //! The store's self-describing manifest (`manifest.json`), replaced atomically by rename.
 
-use std::path::Path;
+use std::path::{Component, Path};
 
 use serde::{Deserialize, Serialize};
 
@@ -170,7 +170,83 @@ impl Manifest {
             });
         }
         m.config.validate(&path.display().to_string())?;
+        m.check_file_names().map_err(|msg| StoreError::Store { path: path.clone(), msg })?;
+        m.check_expert_table().map_err(|msg| StoreError::Store { path: path.clone(), msg })?;
         Ok(m)
+    }
+
+    /// Every file name is joined to a directory (the store, or the checkpoint for shards), so
+    /// each must stay inside it: a hand-edited or hostile manifest must not make the store read
+    /// (or the tokenizer load) files elsewhere.
+    fn check_file_names(&self) -> Result<(), String> {
+        check_inside("spine.file", &self.spine.file)?;
+        for (i, f) in self.experts.files.iter().enumerate() {
+            check_inside(&format!("experts.files[{i}]"), f)?;
+        }
+        for (i, s) in self.source.shards.iter().enumerate() {
+            check_inside(&format!("source.shards[{i}].file"), &s.file)?;
+        }
+        for (i, f) in self.tokenizer.iter().flat_map(|t| t.files.iter()).enumerate() {
+            check_inside(&format!("tokenizer.files[{i}]"), f)?;
+        }
+        Ok(())
+    }
+
+    /// The routed-expert table against the config and itself (file sizes are checked by
+    /// `Store::open`): the record layout is the one the config implies, every MoE layer has one
+    /// location per expert, and every location's ranges name a listed file, do not overflow and
+    /// add up to exactly one record. Readers then size buffers and slice records without
+    /// re-checking.
+    fn check_expert_table(&self) -> Result<(), String> {
+        let ex = &self.experts;
+        let (parts, record_bytes) = crate::convert::record_parts(&crate::schema::expert_parts(&self.config));
+        if ex.record_bytes != record_bytes {
+            return Err(format!(
+                "experts.record_bytes is {} but the config's MXFP4 expert record is {record_bytes} bytes",
+                ex.record_bytes
+            ));
+        }
+        if ex.parts != parts {
+            return Err("experts.parts is not the record layout the config implies".into());
+        }
+        let listed: Vec<usize> = ex.layers.iter().map(|l| l.layer).collect();
+        let moe = self.config.moe_layers();
+        if listed != moe {
+            return Err(format!("experts.layers lists layers {listed:?}; the config's MoE layers are {moe:?}"));
+        }
+        let n = self.config.num_experts;
+        for layer in &ex.layers {
+            let l = layer.layer;
+            if layer.experts.len() != n {
+                return Err(format!(
+                    "experts.layers: layer {l} has {} experts; the config has {n}",
+                    layer.experts.len()
+                ));
+            }
+            for (e, loc) in layer.experts.iter().enumerate() {
+                let at = |msg: String| format!("experts.layers: layer {l} expert {e}: {msg}");
+                if loc.ranges.is_empty() {
+                    return Err(at("has no byte ranges".into()));
+                }
+                let mut total = 0u64;
+                for (i, &[f, off, len]) in loc.ranges.iter().enumerate() {
+                    if f >= ex.files.len() as u64 {
+                        return Err(at(format!(
+                            "range {i} names file {f}, but experts.files has {} files",
+                            ex.files.len()
+                        )));
+                    }
+                    if off.checked_add(len).is_none() {
+                        return Err(at(format!("range {i} [{f}, {off}, {len}] runs past the end of any file")));
+                    }
+                    total = total.saturating_add(len);
+                }
+                if total != record_bytes {
+                    return Err(at(format!("byte ranges cover {total} bytes; a record is {record_bytes}")));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Write to a temporary file, sync, then rename over the old manifest: readers see the old or
@@ -188,5 +264,18 @@ impl Manifest {
         }
         std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
         Ok(())
+    }
+}
+
+/// A manifest file name must be a plain relative path: not empty, not absolute, only normal
+/// components (no `..`, no `.`), so joining it to its directory stays inside that directory.
+fn check_inside(field: &str, name: &str) -> Result<(), String> {
+    let plain = !name.is_empty() && Path::new(name).components().all(|c| matches!(c, Component::Normal(_)));
+    if plain {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} '{name}' is not a relative path inside its directory (empty, absolute, or with '.' or '..')"
+        ))
     }
 }

@@ -152,6 +152,7 @@ impl Store {
             files.push(File::open(&p).map_err(io_err(&p))?);
             paths.push(p);
         }
+        check_ranges_in_files(ex, &files, &paths, &dir.join(MANIFEST_FILE))?;
         let layers = ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
         let experts = ExpertFiles { files, paths, layers, record_bytes: ex.record_bytes };
         Ok(Store { dir: dir.to_path_buf(), manifest, spine_file, spine_index, experts })
@@ -165,12 +166,11 @@ impl Store {
     pub fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
         let spine_path = self.dir.join(&self.manifest.spine.file);
         let t = self.spine_info_or_err(name)?;
-        let mut data = vec![0u8; t.len as usize];
-        self.spine_file.read_exact_at(&mut data, t.offset).map_err(io_err(&spine_path))?;
         let mut scales = vec![0u8; t.scales_len as usize];
         if t.scales_len > 0 {
             self.spine_file.read_exact_at(&mut scales, t.scales_offset).map_err(io_err(&spine_path))?;
         }
+        let data = TensorBytes::File { file: &self.spine_file, path: &spine_path };
         decode_spine_tensor(t, data, &scales, &spine_path)
     }
 
@@ -266,29 +266,115 @@ impl SpineSource for SpineImage<'_> {
             msg: format!("spine tensor '{name}' is not in the loaded layer image's table"),
         })?;
         let slice = |off: u64, len: u64| -> Result<&[u8], StoreError> {
-            let start = off.checked_sub(self.base).map(|s| s as usize);
-            start.and_then(|s| self.bytes.get(s..s + len as usize)).ok_or_else(|| StoreError::Store {
+            let start = off.checked_sub(self.base).and_then(|s| usize::try_from(s).ok());
+            let range = start.and_then(|s| Some(s..s.checked_add(usize::try_from(len).ok()?)?));
+            range.and_then(|r| self.bytes.get(r)).ok_or_else(|| StoreError::Store {
                 path: path.clone(),
                 msg: format!("spine tensor '{name}' is outside the loaded layer image"),
             })
         };
         let data = slice(t.offset, t.len)?;
         let scales = if t.scales_len > 0 { slice(t.scales_offset, t.scales_len)? } else { &[] };
-        decode_spine_tensor(t, data.to_vec(), scales, path)
+        decode_spine_tensor(t, TensorBytes::Image(data), scales, path)
     }
 }
 
-/// Verify a spine tensor's checksum and decode it into its in-memory form. Takes `data` by value
-/// so the int8 case reuses its allocation: loading a 1.2 GB embedding must not double the peak.
+/// Where a spine tensor's bytes are: in the spine file (at the tensor's offset), or already in
+/// memory (a streamed layer's image, exactly the tensor's bytes).
+#[derive(Clone, Copy)]
+enum TensorBytes<'a> {
+    File { file: &'a File, path: &'a Path },
+    Image(&'a [u8]),
+}
+
+/// Bytes read and converted per step when decoding from the file: the only memory a load holds
+/// besides the decoded tensor. A multiple of every element size.
+const DECODE_CHUNK: usize = 1 << 20;
+
+impl TensorBytes<'_> {
+    /// Hand the tensor's `len` bytes at `offset` to `f` in order, in pieces of at most
+    /// [`DECODE_CHUNK`] bytes (each a whole number of elements).
+    fn for_each_chunk(&self, offset: u64, len: usize, mut f: impl FnMut(&[u8])) -> Result<(), StoreError> {
+        match self {
+            TensorBytes::Image(bytes) => bytes.chunks(DECODE_CHUNK).for_each(f),
+            TensorBytes::File { file, path } => {
+                let mut buf = vec![0u8; DECODE_CHUNK.min(len)];
+                let mut done = 0usize;
+                while done < len {
+                    let n = DECODE_CHUNK.min(len - done);
+                    file.read_exact_at(&mut buf[..n], offset + done as u64).map_err(io_err(*path))?;
+                    f(&buf[..n]);
+                    done += n;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decode a spine tensor into its in-memory form, verifying its checksum. The bytes are read
+/// (or taken from the image) chunk by chunk straight into the result, so a load holds the
+/// decoded tensor plus one [`DECODE_CHUNK`], never the raw bytes and the result together: a
+/// 2.3 GB bf16 embedding peaks at 2.3 GB + 1 MB, not 4.6 GB. Lengths are checked against the
+/// shape before anything is allocated; nothing is returned unless the checksum matches.
 fn decode_spine_tensor(
     t: &SpineTensor,
-    data: Vec<u8>,
+    data: TensorBytes,
     scales_raw: &[u8],
     spine_path: &Path,
 ) -> Result<LoadedTensor, StoreError> {
     let name = &t.name;
+    let bad =
+        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
+    let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
+    let esize = match t.dtype {
+        SpineDtype::F32 => 4,
+        SpineDtype::Bf16 => 2,
+        SpineDtype::Int8 => 1,
+    };
+    let len = usize::try_from(t.len).map_err(|_| bad("length does not match shape"))?;
+    if numel.checked_mul(esize) != Some(len) {
+        return Err(bad("length does not match shape"));
+    }
+    if let TensorBytes::Image(b) = data
+        && b.len() != len
+    {
+        return Err(bad("image slice does not match the tensor's length"));
+    }
+    if t.dtype == SpineDtype::Int8 {
+        let cols = *t.shape.last().unwrap_or(&0);
+        if t.group == 0 || !cols.is_multiple_of(t.group) || Some(scales_raw.len()) != (numel / t.group).checked_mul(4) {
+            return Err(bad("int8 length, group or scales do not match shape"));
+        }
+    }
     let mut h = Xxh3::new();
-    h.update(&data);
+    let decoded = match t.dtype {
+        SpineDtype::F32 => {
+            let mut v = Vec::with_capacity(numel);
+            data.for_each_chunk(t.offset, len, |c| {
+                h.update(c);
+                v.extend(c.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            })?;
+            SpineData::F32(v)
+        }
+        SpineDtype::Bf16 => {
+            let mut v = Vec::with_capacity(numel);
+            data.for_each_chunk(t.offset, len, |c| {
+                h.update(c);
+                v.extend(c.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
+            })?;
+            SpineData::Bf16(v)
+        }
+        SpineDtype::Int8 => {
+            let mut q = Vec::with_capacity(numel);
+            data.for_each_chunk(t.offset, len, |c| {
+                h.update(c);
+                q.extend(c.iter().map(|&b| b as i8));
+            })?;
+            let scales = scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            SpineData::Int8 { q, scales, group: t.group }
+        }
+    };
     h.update(scales_raw);
     if h.digest() != t.xxh3 {
         return Err(StoreError::Store {
@@ -296,40 +382,39 @@ fn decode_spine_tensor(
             msg: format!("spine tensor '{name}' fails its checksum: the spine file is corrupt"),
         });
     }
-    let numel: usize = t.shape.iter().product();
-    let bad =
-        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
-    let data = match t.dtype {
-        SpineDtype::F32 => {
-            if data.len() != numel * 4 {
-                return Err(bad("length does not match shape"));
+    Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data: decoded })
+}
+
+/// Every expert byte range lies inside its file, so a read never runs off the end of a file
+/// (`Manifest::load` has checked the indices, the overflow and the record length).
+fn check_ranges_in_files(
+    ex: &ExpertsInfo,
+    files: &[File],
+    paths: &[PathBuf],
+    manifest: &Path,
+) -> Result<(), StoreError> {
+    let mut sizes = Vec::with_capacity(files.len());
+    for (f, p) in files.iter().zip(paths) {
+        sizes.push(f.metadata().map_err(io_err(p))?.len());
+    }
+    for layer in &ex.layers {
+        for (e, loc) in layer.experts.iter().enumerate() {
+            for (i, &[f, off, len]) in loc.ranges.iter().enumerate() {
+                let size = sizes.get(f as usize).copied().unwrap_or(0);
+                if off.checked_add(len).is_none_or(|end| end > size) {
+                    return Err(StoreError::Store {
+                        path: manifest.to_path_buf(),
+                        msg: format!(
+                            "experts.layers: layer {} expert {e}: range {i} [{f}, {off}, {len}] runs past the end of {} ({size} bytes)",
+                            layer.layer,
+                            paths.get(f as usize).map(|p| p.display().to_string()).unwrap_or_default()
+                        ),
+                    });
+                }
             }
-            SpineData::F32(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
         }
-        SpineDtype::Bf16 => {
-            if data.len() != numel * 2 {
-                return Err(bad("length does not match shape"));
-            }
-            SpineData::Bf16(data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
-        }
-        SpineDtype::Int8 => {
-            let cols = *t.shape.last().unwrap_or(&0);
-            if data.len() != numel
-                || t.group == 0
-                || !cols.is_multiple_of(t.group)
-                || scales_raw.len() != numel / t.group * 4
-            {
-                return Err(bad("int8 length, group or scales do not match shape"));
-            }
-            SpineData::Int8 {
-                // Same size and alignment: collected in place, no second buffer.
-                q: data.into_iter().map(|b| b as i8).collect(),
-                scales: scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-                group: t.group,
-            }
-        }
-    };
-    Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data })
+    }
+    Ok(())
 }
 
 /// Check a source shard is still the file we converted: same size, same header.
@@ -356,4 +441,65 @@ fn verify_source_shard(path: &Path, recorded: Option<&SourceShard>) -> Result<()
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bf16 tensor of `rows x cols` spanning several decode chunks, with its table entry.
+    fn bf16_tensor(rows: usize, cols: usize, offset: u64) -> (SpineTensor, Vec<u8>, Vec<f32>) {
+        let values: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin() * 100.0).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+        let t = SpineTensor {
+            name: "t".into(),
+            layer: Some(0),
+            dtype: SpineDtype::Bf16,
+            shape: vec![rows, cols],
+            offset,
+            len: bytes.len() as u64,
+            scales_offset: 0,
+            scales_len: 0,
+            group: 0,
+            xxh3: xxh3_64(&bytes),
+        };
+        (t, bytes, values)
+    }
+
+    #[test]
+    fn bf16_tensors_decode_from_file_and_image() {
+        // 2.5 decode chunks, at an odd offset, so chunk edges fall mid-row.
+        let (rows, cols) = (5, DECODE_CHUNK / 4);
+        let (t, bytes, values) = bf16_tensor(rows, cols, 3);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spine.bin");
+        let mut file_bytes = vec![0xEEu8; 3];
+        file_bytes.extend_from_slice(&bytes);
+        std::fs::write(&path, &file_bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        let from_file = decode_spine_tensor(&t, TensorBytes::File { file: &file, path: &path }, &[], &path).unwrap();
+        let from_image = decode_spine_tensor(&t, TensorBytes::Image(&bytes), &[], &path).unwrap();
+        for loaded in [from_file, from_image] {
+            assert_eq!(loaded.shape, vec![rows, cols]);
+            let SpineData::Bf16(bits) = &loaded.data else { panic!("not bf16") };
+            assert_eq!(bits.len(), rows * cols);
+            let expect: Vec<u16> = values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            assert!(bits == &expect);
+            assert_eq!(loaded.to_f32(), values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect::<Vec<_>>());
+        }
+        // A flipped byte is a checksum error, whichever chunk it is in.
+        let mut bad = bytes.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 1;
+        let e = decode_spine_tensor(&t, TensorBytes::Image(&bad), &[], &path).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        // A shape that disagrees with the length, or overflows, is refused before any read.
+        let mut t2 = t.clone();
+        t2.shape = vec![usize::MAX, 3];
+        let e = decode_spine_tensor(&t2, TensorBytes::Image(&bytes), &[], &path).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
+        t2.shape = vec![rows, cols + 1];
+        let e = decode_spine_tensor(&t2, TensorBytes::Image(&bytes), &[], &path).unwrap_err().to_string();
+        assert!(e.contains("does not match"), "{e}");
+    }
 }

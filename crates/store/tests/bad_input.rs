@@ -170,3 +170,193 @@ fn bad_manifest_is_a_clear_error() {
     let msg = Store::open(&store_dir, None).err().unwrap().to_string();
     assert!(msg.contains("manifest.json"), "{msg}");
 }
+
+/// Each file of `dir` and its bytes, to show a refused command wrote nothing.
+fn snapshot(dir: &Path) -> Vec<(std::ffi::OsString, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn converting_a_checkpoint_onto_itself_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    std::os::unix::fs::symlink(&hf, tmp.path().join("link")).unwrap();
+    let before = snapshot(&hf);
+    // The same directory: as given, spelt differently, and through a symbolic link.
+    for to in [hf.clone(), hf.join("..").join("hf"), hf.join("."), tmp.path().join("link")] {
+        let err = convert(&hf, &to, &opts(ExpertLayout::InPlace)).err().expect("converting onto itself must fail");
+        let msg = err.to_string();
+        assert!(msg.contains("same directory") && msg.contains("--to"), "{}: {msg}", to.display());
+        assert!(snapshot(&hf) == before, "{}: the checkpoint directory was modified", to.display());
+    }
+}
+
+#[test]
+fn an_index_with_an_empty_weight_map_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    copy_dir(&fixture_hf(), &hf);
+    std::fs::write(hf.join("model.safetensors.index.json"), r#"{"metadata": {}, "weight_map": {}}"#).unwrap();
+    let msg = deltafin_store::checkpoint::Checkpoint::open(&hf).err().expect("empty weight_map must fail").to_string();
+    assert!(
+        msg.contains("model.safetensors.index.json") && msg.contains("weight_map") && msg.contains("empty"),
+        "{msg}"
+    );
+}
+
+/// Edit `manifest.json` of `store_dir` through its JSON, returning the original text.
+fn edit_manifest(store_dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let path = store_dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    text
+}
+
+#[test]
+fn manifest_file_names_outside_the_store_are_refused() {
+    let (t, _hf, store_dir) = setup(ExpertLayout::Pack);
+    // Real files wherever the names point, so only the names themselves can be objected to.
+    std::fs::copy(store_dir.join("spine.bin"), t.path().join("spine.bin")).unwrap();
+    std::fs::copy(store_dir.join("tiktoken.model"), t.path().join("tiktoken.model")).unwrap();
+    let abs_pack = store_dir.join("experts/layer-001.bin").to_string_lossy().into_owned();
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "../spine.bin".into())),
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "experts/../../spine.bin".into())),
+        ("experts.files[0]", Box::new(move |v| v["experts"]["files"][0] = abs_pack.clone().into())),
+        ("experts.files[1]", Box::new(|v| v["experts"]["files"][1] = "experts/../experts/layer-002.bin".into())),
+        ("tokenizer.files[0]", Box::new(|v| v["tokenizer"]["files"][0] = "../tiktoken.model".into())),
+        ("source.shards[0].file", Box::new(|v| v["source"]["shards"][0]["file"] = "../x.safetensors".into())),
+        ("spine.file", Box::new(|v| v["spine"]["file"] = "".into())),
+    ];
+    for (field, edit) in cases {
+        let original = edit_manifest(&store_dir, edit);
+        let msg = Store::open(&store_dir, None).err().map(|e| e.to_string());
+        std::fs::write(store_dir.join("manifest.json"), original).unwrap();
+        let msg = msg.unwrap_or_else(|| panic!("{field}: a name leaving the store must be refused"));
+        assert!(msg.contains(field) && msg.contains("manifest.json"), "{field}: {msg}");
+    }
+    Store::open(&store_dir, None).unwrap();
+}
+
+#[test]
+fn expert_table_is_checked_against_the_files() {
+    for layout in [ExpertLayout::Pack, ExpertLayout::InPlace] {
+        let (_t, _hf, store_dir) = setup(layout);
+        let store = Store::open(&store_dir, None).unwrap();
+        let (l, e) = (3usize, 9usize);
+        let li = store.manifest.experts.layers.iter().position(|x| x.layer == l).unwrap();
+        let r0 = store.experts.location(l, e).unwrap().ranges[0];
+        let file_len = std::fs::metadata(&store.experts.paths()[r0[0] as usize]).unwrap().len();
+        let record = store.manifest.experts.record_bytes;
+        drop(store);
+        type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+        let at = move |v: &mut serde_json::Value| -> serde_json::Value {
+            v["experts"]["layers"][li]["experts"][e]["ranges"][0].clone()
+        };
+        let set = move |v: &mut serde_json::Value, r: serde_json::Value| {
+            v["experts"]["layers"][li]["experts"][e]["ranges"][0] = r
+        };
+        let cases: Vec<(&str, Edit)> = vec![
+            // Past the end of its file.
+            ("past the end", Box::new(move |v| set(v, serde_json::json!([r0[0], file_len - r0[2] + 1, r0[2]])))),
+            // offset + len overflows u64.
+            ("past the end", Box::new(move |v| set(v, serde_json::json!([r0[0], u64::MAX - 1, r0[2]])))),
+            // A file index the table does not have.
+            ("file 99", Box::new(move |v| set(v, serde_json::json!([99, r0[1], r0[2]])))),
+            // Ranges that do not add up to the record.
+            ("cover", Box::new(move |v| set(v, serde_json::json!([r0[0], r0[1], r0[2] - 1])))),
+            (
+                "cover",
+                Box::new(move |v| {
+                    let r = at(v);
+                    v["experts"]["layers"][li]["experts"][e]["ranges"].as_array_mut().unwrap().push(r);
+                }),
+            ),
+            (
+                "no byte ranges",
+                Box::new(move |v| v["experts"]["layers"][li]["experts"][e]["ranges"] = serde_json::json!([])),
+            ),
+            // A record size that disagrees with the config.
+            ("record_bytes", Box::new(move |v| v["experts"]["record_bytes"] = serde_json::json!(record * 1000))),
+        ];
+        for (what, edit) in cases {
+            let original = edit_manifest(&store_dir, edit);
+            let msg = Store::open(&store_dir, None).err().map(|e| e.to_string());
+            std::fs::write(store_dir.join("manifest.json"), original).unwrap();
+            let msg = msg.unwrap_or_else(|| panic!("{layout:?} {what}: a bad expert table must be refused at open"));
+            assert!(msg.contains(what) && msg.contains("manifest.json"), "{layout:?} {what}: {msg}");
+            if what != "record_bytes" {
+                assert!(msg.contains(&format!("layer {l} expert {e}")), "{layout:?} {what}: {msg}");
+            }
+        }
+        Store::open(&store_dir, None).unwrap();
+    }
+}
+
+#[test]
+fn absurd_configs_are_refused_at_load() {
+    let text = std::fs::read_to_string(fixture_hf().join("config.json")).unwrap();
+    let base: serde_json::Value = serde_json::from_str(&text).unwrap();
+    deltafin_store::K3Config::from_hf_json(&text, "config.json").unwrap();
+    let cases: &[(&str, serde_json::Value, &str)] = &[
+        ("hidden_size", serde_json::json!(1u64 << 40), "hidden_size"),
+        ("vocab_size", serde_json::json!(u64::MAX), "vocab_size"),
+        ("num_hidden_layers", serde_json::json!(1u64 << 30), "num_hidden_layers"),
+        ("num_experts", serde_json::json!(0), "num_experts_per_token"),
+        ("num_experts_per_token", serde_json::json!(17), "num_experts_per_token"),
+        ("num_experts", serde_json::json!(1u64 << 40), "num_experts"),
+        ("moe_intermediate_size", serde_json::json!(0), "moe_intermediate_size"),
+        ("moe_intermediate_size", serde_json::json!(1u64 << 20), "moe_intermediate_size"),
+        ("routed_expert_hidden_size", serde_json::json!(0), "routed_expert_hidden_size"),
+        ("kv_lora_rank", serde_json::json!(0), "kv_lora_rank"),
+        ("num_attention_heads", serde_json::json!(0), "num_attention_heads"),
+        ("q_lora_rank", serde_json::json!(0), "q_lora_rank"),
+        ("rms_norm_eps", serde_json::json!(-1.0), "rms_norm_eps"),
+        ("rms_norm_eps", serde_json::json!(1e300), "rms_norm_eps"),
+        ("routed_scaling_factor", serde_json::json!(1e300), "routed_scaling_factor"),
+        ("vocab_size", serde_json::json!(-5), "vocab_size"),
+        ("num_shared_experts", serde_json::json!(1u64 << 20), "num_shared_experts"),
+    ];
+    let lac: &[(&str, serde_json::Value, &str)] = &[
+        ("head_dim", serde_json::json!(1u64 << 18), "elements"),
+        ("head_dim", serde_json::json!(1u64 << 30), "head_dim"),
+        ("short_conv_kernel_size", serde_json::json!(1u64 << 40), "short_conv_kernel_size"),
+        ("kda_layers", serde_json::json!(vec![1; 100]), "kda_layers"),
+        ("full_attn_layers", serde_json::json!([9]), "full_attn_layers"),
+    ];
+    let mut all = Vec::new();
+    for (k, v, want) in cases {
+        let mut c = base.clone();
+        c["text_config"][*k] = v.clone();
+        all.push((format!("{k} = {v}"), c, *want));
+    }
+    // Widths each within bounds whose expert record is not (54 GB).
+    let mut c = base.clone();
+    c["text_config"]["moe_intermediate_size"] = serde_json::json!(1u64 << 18);
+    c["text_config"]["routed_expert_hidden_size"] = serde_json::json!(1u64 << 17);
+    all.push(("a huge expert record".into(), c, "expert record"));
+    for (k, v, want) in lac {
+        let mut c = base.clone();
+        c["text_config"]["linear_attn_config"][*k] = v.clone();
+        all.push((format!("linear_attn_config.{k} = {v}"), c, *want));
+    }
+    for (what, c, want) in all {
+        let msg = deltafin_store::K3Config::from_hf_json(&c.to_string(), "x/config.json")
+            .err()
+            .unwrap_or_else(|| panic!("{what}: must be refused"))
+            .to_string();
+        assert!(msg.contains("x/config.json") && msg.contains(want), "{what}: {msg}");
+    }
+}

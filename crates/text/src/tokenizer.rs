@@ -62,6 +62,11 @@ impl Tokenizer {
                 bail!("{}:{}: token bytes appear twice", model_path.display(), ln + 1);
             }
         }
+        // The byte-pair encoder falls back to single bytes and indexes its table with them: a
+        // byte without a token would panic there on the first text containing it.
+        if let Some(b) = (0..=255u8).find(|&b| !encoder.contains_key(&[b][..])) {
+            bail!("{}: byte 0x{b:02x} has no token (byte-level BPE needs all 256 single bytes)", model_path.display());
+        }
         let mut specials: HashMap<String, u32> = HashMap::new();
         let cfg_path = dir.join("tokenizer_config.json");
         if cfg_path.exists() {
@@ -75,9 +80,19 @@ impl Tokenizer {
                         .and_then(|c| c.as_str())
                         .with_context(|| format!("{}: token {id} has no content", cfg_path.display()))?;
                     if decoder.contains_key(&id) {
-                        bail!("{}: special token {id} collides with an ordinary rank", cfg_path.display());
+                        bail!(
+                            "{}: special token {id} collides with an ordinary rank or another special",
+                            cfg_path.display()
+                        );
                     }
-                    specials.insert(content.to_string(), id);
+                    // An empty special matches everywhere: the encoder's special-token search
+                    // would never advance.
+                    if content.is_empty() {
+                        bail!("{}: special token {id} has empty content", cfg_path.display());
+                    }
+                    if specials.insert(content.to_string(), id).is_some() {
+                        bail!("{}: special token content {content:?} appears twice", cfg_path.display());
+                    }
                     decoder.insert(id, content.as_bytes().to_vec());
                 }
             }
@@ -86,10 +101,16 @@ impl Tokenizer {
         let eos_id = if gen_path.exists() {
             let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&gen_path)?)
                 .with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
-            match v.get("eos_token_id") {
-                Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32),
-                Some(serde_json::Value::Array(a)) => a.first().and_then(|n| n.as_u64()).map(|n| n as u32),
+            let id = match v.get("eos_token_id") {
+                Some(serde_json::Value::Number(n)) => n.as_u64(),
+                Some(serde_json::Value::Array(a)) => a.first().and_then(|n| n.as_u64()),
                 _ => None,
+            };
+            // Token ids are u32: a larger id names no token (truncating it would name another).
+            match id.map(u32::try_from) {
+                Some(Ok(id)) => Some(id),
+                Some(Err(_)) => bail!("{}: eos_token_id {} is not a token id", gen_path.display(), id.unwrap_or(0)),
+                None => None,
             }
         } else {
             None

@@ -57,3 +57,42 @@ fn bad_tokenizer_files_are_errors() {
     let msg = Tokenizer::load(tmp.path()).err().unwrap().to_string();
     assert!(msg.contains("rank"), "{msg}");
 }
+
+/// Files that loaded before but made `encode` panic (a byte without a token), loop forever (an
+/// empty special token) or misread ids; found by the fuzzer (fixtures/fuzz/tokenizer_load).
+#[test]
+fn tokenizer_files_that_would_break_encoding_are_errors() {
+    let hf = fixture_dir("k3-tiny").join("hf");
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(&hf, tmp.path());
+    let model = std::fs::read_to_string(hf.join("tiktoken.model")).unwrap();
+    let config = std::fs::read_to_string(hf.join("tokenizer_config.json")).unwrap();
+    let load_err = |file: &str, text: &str| {
+        std::fs::write(tmp.path().join(file), text).unwrap();
+        let msg = Tokenizer::load(tmp.path()).err().map(|e| format!("{e:#}"));
+        copy_dir(&hf, tmp.path());
+        msg.unwrap_or_else(|| panic!("{file} {text:?} must be refused"))
+    };
+    let without_a: String = model.lines().filter(|l| !l.starts_with("YQ== ")).map(|l| format!("{l}\n")).collect();
+    let msg = load_err("tiktoken.model", &without_a);
+    assert!(msg.contains("byte 0x61 has no token"), "{msg}");
+    let msg = load_err("tokenizer_config.json", r#"{"added_tokens_decoder": {"300": {"content": ""}}}"#);
+    assert!(msg.contains("empty content"), "{msg}");
+    let msg = load_err(
+        "tokenizer_config.json",
+        r#"{"added_tokens_decoder": {"300": {"content": "[A]"}, "0300": {"content": "[B]"}}}"#,
+    );
+    assert!(msg.contains("special token 300 collides"), "{msg}");
+    let msg = load_err(
+        "tokenizer_config.json",
+        r#"{"added_tokens_decoder": {"300": {"content": "[A]"}, "301": {"content": "[A]"}}}"#,
+    );
+    assert!(msg.contains("appears twice"), "{msg}");
+    let msg = load_err("generation_config.json", r#"{"eos_token_id": 4294967598}"#);
+    assert!(msg.contains("eos_token_id 4294967598"), "{msg}");
+    // The fixture itself still loads, and a tokenizer without special tokens encodes.
+    assert!(config.contains("<|open|>"));
+    std::fs::remove_file(tmp.path().join("tokenizer_config.json")).unwrap();
+    let tok = Tokenizer::load(tmp.path()).unwrap();
+    assert_eq!(tok.decode(&tok.encode("<|open|> text")), "<|open|> text");
+}

@@ -192,6 +192,11 @@ impl OutputParser {
             "response" => Element::Response,
             "tools" => Element::Tools,
             "call" => {
+                // Calls do not nest: a call opened inside another ends that one first, so
+                // argument fragments always belong to the last call begun.
+                if self.stack.contains(&Element::Call) {
+                    self.close("call", out);
+                }
                 let tool = attr(&attrs, "tool").unwrap_or_default();
                 out.push(OutputEvent::ToolCallBegin { index: self.calls, name: tool });
                 self.calls += 1;
@@ -199,7 +204,10 @@ impl OutputParser {
                 self.raw_args = false;
                 Element::Call
             }
-            "argument" if self.stack.last() == Some(&Element::Call) => {
+            // Once a call's arguments came as one JSON text they are complete: a later
+            // `argument` or `json` in the same call is ignored (as an unknown element), or the
+            // call's fragments would no longer concatenate to one JSON object.
+            "argument" if self.stack.last() == Some(&Element::Call) && !self.raw_args => {
                 self.value.clear();
                 let key = attr(&attrs, "key").unwrap_or_default();
                 let ty = attr(&attrs, "type").unwrap_or_else(|| "string".into());
@@ -217,7 +225,7 @@ impl OutputParser {
                 }
                 Element::Argument { key, ty }
             }
-            "json" if self.stack.last() == Some(&Element::Call) && self.args_in_call == 0 => {
+            "json" if self.stack.last() == Some(&Element::Call) && self.args_in_call == 0 && !self.raw_args => {
                 self.value.clear();
                 Element::Json
             }
@@ -539,5 +547,33 @@ mod tests {
         assert_eq!(attr(&attrs, "tool").unwrap(), "a\"b&c");
         assert_eq!(typed_value("not json", "integer"), "\"not json\"");
         assert_eq!(typed_value(" 7 ", "integer"), "7");
+    }
+
+    /// Found by the fuzzer (fixtures/fuzz/token_ids/bug-*): each call's fragments must still
+    /// make one JSON object when the model repeats arguments after a `json` element or opens a
+    /// call inside a call.
+    #[test]
+    fn malformed_calls_still_give_one_object_per_call() {
+        let cases = [
+            (
+                "<|open|>call tool=\"f\"<|sep|><|open|>json type=\"object\"<|sep|>{\"a\": 1}<|close|>json<|sep|>\
+                 <|open|>argument key=\"late\" type=\"string\"<|sep|>x<|close|>argument<|sep|>\
+                 <|open|>json type=\"object\"<|sep|>{\"b\": 2}<|close|>json<|sep|><|close|>call<|sep|>",
+                vec![("f", "{\"a\": 1}")],
+            ),
+            (
+                "<|open|>call tool=\"a\"<|sep|><|open|>call tool=\"b\"<|sep|>\
+                 <|open|>argument key=\"k\" type=\"string\"<|sep|>v<|close|>call<|sep|>\
+                 <|open|>argument key=\"k2\" type=\"array\"<|sep|>[1<|close|>argument<|sep|>",
+                vec![("a", "{}"), ("b", "{\"k\": \"v\"}")],
+            ),
+        ];
+        for (text, want) in cases {
+            for piece in [1, 3, 64] {
+                let (turn, _) = parse(text, piece);
+                let got: Vec<(&str, &str)> = turn.tool_calls.iter().map(|(n, a)| (n.as_str(), a.as_str())).collect();
+                assert_eq!(got, want, "{text}");
+            }
+        }
     }
 }
