@@ -185,7 +185,7 @@ def _find_binary() -> Path:
 
 def _instruments_hint(stderr: str) -> str:
     """A pointer to the cargo feature when the binary refused a test-instrument flag."""
-    if any(f"unexpected argument '{flag}'" in stderr for flag in ("--script", "--token-delay-ms")):
+    if any(f"unexpected argument '{flag}'" in stderr for flag in ("--script", "--token-delay-ms", "--inject-faults")):
         return (
             "\nthis binary was built without the test instruments; build it with "
             "`cargo build --features deltafin/test-instruments` (or set DELTAFIN_BIN)"

@@ -160,8 +160,9 @@ fn dispatch(cli: Cli) -> Result<()> {
 mod tests {
     use clap::CommandFactory;
 
-    /// The test instruments' flags (`serve --script`, `serve --token-delay-ms`).
-    const INSTRUMENT_FLAGS: [&str; 2] = ["script", "token-delay-ms"];
+    /// The test instruments' flags (`serve --script`, `serve --token-delay-ms`,
+    /// `serve --inject-faults`).
+    const INSTRUMENT_FLAGS: [&str; 3] = ["script", "token-delay-ms", "inject-faults"];
 
     /// `serve`'s arguments that are test instruments, by id or long flag.
     fn instrument_args() -> Vec<clap::Arg> {
@@ -188,7 +189,7 @@ mod tests {
         assert_eq!(err.map(|e| e.kind()), Some(clap::error::ErrorKind::UnknownArgument));
     }
 
-    /// The test suite's build has both flags, hidden from `--help` (and the lookup above finds
+    /// The test suite's build has all of them, hidden from `--help` (and the lookup above finds
     /// them, so its emptiness without the feature means something).
     #[cfg(feature = "test-instruments")]
     #[test]

@@ -22,7 +22,8 @@ pub struct ModelArgs {
     /// Checkpoint directory holding the in-place experts, if it moved since conversion.
     #[arg(long)]
     pub source: Option<PathBuf>,
-    /// Memory budget (e.g. 20G, 512M); default 85% of available memory.
+    /// Memory budget (e.g. 20G, 512M); default 85% of available memory, or of the headroom under
+    /// this process' cgroup memory limit when that is smaller.
     #[arg(long, value_parser = parse_size)]
     pub memory_budget: Option<u64>,
     /// Context length the plan reserves attention cache for.

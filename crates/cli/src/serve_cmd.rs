@@ -59,6 +59,10 @@ pub struct InstrumentArgs {
     /// sampled tokens when the last user text contains `when`.
     #[arg(long, hide = true)]
     pub script: Option<std::path::PathBuf>,
+    /// Test instrument: prompts containing `inject-read-fault` / `inject-engine-error` fail in
+    /// the engine with a read fault / another engine error (see the server's instruments).
+    #[arg(long, hide = true)]
+    pub inject_faults: bool,
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -102,6 +106,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         instruments: deltafin_server::instruments::Options {
             step_delay: Duration::from_millis(a.instruments.token_delay_ms),
             script: a.instruments.script,
+            inject_faults: a.instruments.inject_faults,
         },
     };
     serve(opts, model, tokenizer, move || {

@@ -7,14 +7,15 @@ use deltafin_store::Store;
 use serde::Serialize;
 
 use crate::k3::{K3Model, RunConfig};
-use crate::plan::{Plan, default_budget, make_plan};
+use crate::plan::{Budget, Plan, default_budget, make_plan};
 use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
-    /// Bytes; `None` = 85% of available memory.
+    /// Bytes; `None` = 85% of what this process may use (MemAvailable, or the headroom under
+    /// its cgroup's memory limit when that is smaller; see [`default_budget`]).
     pub memory_budget: Option<u64>,
     /// Context length the plan reserves MLA cache for.
     pub context_tokens: usize,
@@ -88,10 +89,10 @@ impl Session {
         // Demand reads for one layer, plus as many for the next layer's prefetch.
         let prefetch_buffers = if opts.prefetch { k } else { 0 };
         let io_buffers = k + prefetch_buffers;
-        let budget = opts.memory_budget.unwrap_or_else(default_budget);
+        let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
         let plan = make_plan(
             &store.manifest,
-            budget,
+            &budget,
             opts.context_tokens,
             k,
             io_buffers,

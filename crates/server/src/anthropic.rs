@@ -371,8 +371,7 @@ impl Translator for StreamState {
                 emit(out, "message_stop", json!({"type": "message_stop"}));
                 true
             }
-            Some(Update::Failed(msg)) => {
-                let e = ApiError::internal(format!("generation failed: {msg}"));
+            Some(Update::Failed(e)) => {
                 emit(out, "error", e.anthropic_body());
                 true
             }

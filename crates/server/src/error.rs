@@ -3,7 +3,17 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use deltafin_engine::fault::ReadFault;
 use serde_json::json;
+
+/// What a client is told of an engine error that is not a read fault. Engine errors name files
+/// (the store's spine, a shard), and a server's file system is none of its clients' business.
+pub const ENGINE_FAILED: &str = "generation failed: the engine failed on this request; details are in the server log";
+
+/// The read fault that ended a generation, wherever in the error's chain it sits.
+pub fn read_fault(e: &anyhow::Error) -> Option<&ReadFault> {
+    e.chain().find_map(|c| c.downcast_ref::<ReadFault>())
+}
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -97,6 +107,17 @@ impl ApiError {
         e
     }
 
+    pub fn tokenizer_busy(running: usize, waiting: usize) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            format!("the tokenizer endpoints are busy ({running} running, {waiting} waiting); retry later"),
+        );
+        e.code = Some("rate_limit_exceeded");
+        e.retry_after = Some(1);
+        e
+    }
+
     pub fn not_found(path: &str) -> Self {
         let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("no route for {path}"));
         e.code = Some("not_found");
@@ -109,6 +130,25 @@ impl ApiError {
 
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    /// The one mapping of a failed generation's error to what its client sees. A read fault is
+    /// reported as its own message (layer and expert, never a path: see
+    /// `deltafin_engine::fault`); anything else as [`ENGINE_FAILED`]. The whole error, paths and
+    /// all, goes to the server's log.
+    pub fn from_engine(e: &anyhow::Error) -> Self {
+        match read_fault(e) {
+            Some(f) => {
+                tracing::error!(layer = f.layer, expert = f.expert, kind = ?f.kind, detail = %f.detail, "generation failed: {e:#}");
+                let mut err = Self::internal(format!("generation failed: {f}"));
+                err.code = Some("expert_read_failed");
+                err
+            }
+            None => {
+                tracing::error!("generation failed: {e:#}");
+                Self::internal(ENGINE_FAILED)
+            }
+        }
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
@@ -161,5 +201,58 @@ impl From<ApiError> for AnthropicError {
 impl IntoResponse for AnthropicError {
     fn into_response(self) -> Response {
         self.0.respond(self.0.anthropic_body())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context as _;
+    use deltafin_engine::fault::FaultKind;
+
+    const PATH: &str = "/srv/models/secret-store";
+
+    /// Every text a client could receive for `e`: both wire formats' bodies.
+    fn client_texts(e: &ApiError) -> String {
+        format!("{} {}", e.openai_body(), e.anthropic_body())
+    }
+
+    #[test]
+    fn read_faults_name_layer_and_expert_and_no_path() {
+        let fault = ReadFault {
+            layer: 3,
+            expert: 17,
+            kind: FaultKind::Checksum,
+            detail: format!("{PATH}/experts/layer-003.bin at 0x1000: checksum mismatch"),
+        };
+        // As the engine returns it: wrapped in context that itself names a file.
+        let e = Err::<(), _>(anyhow::Error::new(fault))
+            .with_context(|| format!("MoE layer 3 (store {PATH})"))
+            .context("generating token 5")
+            .unwrap_err();
+        assert!(format!("{e:#}").contains(PATH), "the test needs a path in the chain");
+        let api = ApiError::from_engine(&e);
+        assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(api.code, Some("expert_read_failed"));
+        assert!(api.message.contains("layer 3 expert 17") && api.message.contains("checksum"), "{}", api.message);
+        let texts = client_texts(&api);
+        assert!(!texts.contains(PATH) && !texts.contains("/srv") && !texts.contains(".bin"), "{texts}");
+        // Both shapes are kept.
+        assert_eq!(api.openai_body()["error"]["type"], "server_error");
+        assert_eq!(api.anthropic_body()["error"]["type"], "api_error");
+        assert!(read_fault(&e).is_some());
+    }
+
+    #[test]
+    fn other_engine_errors_become_a_generic_message() {
+        let e = Err::<(), _>(std::io::Error::other("Input/output error (os error 5)"))
+            .with_context(|| format!("reading spine layer 3 from {PATH}/spine.bin"))
+            .unwrap_err();
+        let api = ApiError::from_engine(&e);
+        assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(api.message, ENGINE_FAILED);
+        let texts = client_texts(&api);
+        assert!(!texts.contains(PATH) && !texts.contains("spine.bin") && !texts.contains("os error"), "{texts}");
+        assert!(read_fault(&e).is_none());
     }
 }

@@ -134,7 +134,7 @@ impl Turn {
                     self.logprobs.extend(logprob);
                 }
                 Update::Done(s) => return Ok(s),
-                Update::Failed(msg) => return Err(ApiError::internal(format!("generation failed: {msg}"))),
+                Update::Failed(e) => return Err(e),
             }
         }
         Err(ApiError::internal("the engine dropped the request"))

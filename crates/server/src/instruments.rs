@@ -7,11 +7,18 @@
 //!   sampler (parsing, streaming, both wire formats) is the production path.
 //! - A step delay (`--token-delay-ms N`): the engine sleeps after every model step, holding it
 //!   busy long enough for the concurrency tests to observe queueing deterministically.
+//! - Injected faults (`--inject-faults`): a prompt containing [`READ_FAULT_TRIGGER`] fails at its
+//!   first MoE layer with a `ReadFault`, one containing [`ENGINE_ERROR_TRIGGER`] with a plain
+//!   engine error; both carry a made-up server path ([`INJECTED_PATH`]) that must never reach
+//!   the client. The real expert source is left untouched, so what follows (error mapping,
+//!   reset, health, metrics) is the production path.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use deltafin_engine::experts::ExpertSource;
+use deltafin_engine::fault::{FaultKind, FaultStats, ReadFault};
 use deltafin_text::tokenizer::Tokenizer;
 
 /// What the test flags asked for.
@@ -21,6 +28,8 @@ pub struct Options {
     pub step_delay: Duration,
     /// Scripted replies file (see [`load_script`]).
     pub script: Option<PathBuf>,
+    /// Fail requests whose prompt holds a fault trigger.
+    pub inject_faults: bool,
 }
 
 /// A scripted reply: when the last user text contains `when`, the model's sampled tokens are
@@ -49,4 +58,75 @@ pub fn load_script(path: &Path, tok: &Tokenizer) -> Result<Vec<ScriptedReply>> {
 /// The tokens of the first reply whose trigger `text` contains.
 pub fn scripted(script: &[ScriptedReply], text: &str) -> Option<Vec<u32>> {
     script.iter().find(|s| text.contains(&s.when)).map(|s| s.tokens.clone())
+}
+
+/// A prompt containing this fails with a checksum `ReadFault`.
+pub const READ_FAULT_TRIGGER: &str = "inject-read-fault";
+/// A prompt containing this fails with an engine error that is not a read fault.
+pub const ENGINE_ERROR_TRIGGER: &str = "inject-engine-error";
+/// The path injected errors name: the client must never see it.
+pub const INJECTED_PATH: &str = "/srv/deltafin-injected/store";
+
+/// Which fault a prompt asks for.
+#[derive(Debug, Clone, Copy)]
+pub enum Injected {
+    ReadFault,
+    EngineError,
+}
+
+/// The fault a prompt's text triggers, if any.
+pub fn injected_fault(tok: &Tokenizer, prompt: &[u32]) -> Option<Injected> {
+    let text = tok.decode(prompt);
+    if text.contains(READ_FAULT_TRIGGER) {
+        Some(Injected::ReadFault)
+    } else if text.contains(ENGINE_ERROR_TRIGGER) {
+        Some(Injected::EngineError)
+    } else {
+        None
+    }
+}
+
+/// The real expert source with one injected fault at the first layer the model asks for, before
+/// the real source sees that request.
+pub struct FaultyExperts<'a> {
+    pub inner: &'a mut dyn ExpertSource,
+    pub fault: Option<Injected>,
+}
+
+impl ExpertSource for FaultyExperts<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        match self.fault.take() {
+            Some(Injected::ReadFault) => Err(anyhow::Error::new(ReadFault {
+                layer,
+                expert: experts.first().copied().unwrap_or(0),
+                kind: FaultKind::Checksum,
+                detail: format!("{INJECTED_PATH}/experts/layer-{layer:03}.bin: injected checksum mismatch"),
+            })
+            .context(format!("MoE layer {layer} of {INJECTED_PATH}"))),
+            Some(Injected::EngineError) => {
+                Err(anyhow::anyhow!("reading spine layer {layer} from {INJECTED_PATH}/spine.bin: injected I/O error"))
+            }
+            None => self.inner.begin(layer, experts),
+        }
+    }
+
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        self.inner.drain(f)
+    }
+
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.inner.prefetch(layer, experts)
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+
+    fn faults(&self) -> FaultStats {
+        self.inner.faults()
+    }
 }

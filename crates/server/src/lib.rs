@@ -44,6 +44,9 @@ pub struct ServeOptions {
     pub prefix_cache: bool,
 }
 
+/// Threads of the async runtime's blocking pool (request preparation, tokenizer jobs).
+const BLOCKING_THREADS: usize = 8;
+
 /// How long a shutdown waits for responses in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -71,6 +74,8 @@ pub fn serve(
             prefix_cache: opts.prefix_cache,
             #[cfg(feature = "test-instruments")]
             step_delay: opts.instruments.step_delay,
+            #[cfg(feature = "test-instruments")]
+            inject_faults: opts.instruments.inject_faults,
         },
     )?;
     let state = Arc::new(AppState {
@@ -85,9 +90,15 @@ pub fn serve(
         #[cfg(feature = "test-instruments")]
         script,
         keep_alive: opts.keep_alive,
+        tokenizer_gate: Default::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // Tokio's default of 512 blocking threads would let a burst of large requests each
+        // parse and tokenise its body at once. What runs there is bounded anyway (request
+        // preparation by admission, tokenizer jobs by their gate); this bounds the threads too,
+        // and the rest wait in tokio's queue.
+        .max_blocking_threads(BLOCKING_THREADS)
         .thread_name("deltafin-http")
         .enable_all()
         .build()

@@ -1,10 +1,12 @@
-//! Counters for `GET /metrics`, in Prometheus' text exposition format.
+//! Counters for `GET /metrics`, in Prometheus' text exposition format, and the health rule of
+//! `GET /health`.
 
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_engine::experts::ExpertSource;
+use deltafin_engine::fault::FaultStats;
 use deltafin_engine::session::Session;
 use deltafin_text::textgen::{Finish, Summary};
 
@@ -30,6 +32,43 @@ pub struct Metrics {
     expert_bytes: AtomicU64,
     cache_accesses: AtomicU64,
     cache_hits: AtomicU64,
+    faults: Mutex<FaultStats>,
+    health: Mutex<Health>,
+}
+
+/// How a generation that the engine ran ended, for the health rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Ended normally (stop, length, tool calls).
+    Completed,
+    /// Stopped by its client: says nothing about the storage either way.
+    Cancelled,
+    /// Failed with an expert read fault (its client-facing message).
+    ReadFault(String),
+    /// Failed otherwise (another engine error, a panic).
+    OtherFailure,
+}
+
+/// Generations in a row that must fail with a read fault for the server to report itself
+/// degraded. One fault can be a bad sector under one record; three in a row with nothing
+/// succeeding between them means the storage under the model is failing, and a load balancer
+/// should send work elsewhere.
+pub const DEGRADED_AFTER: u64 = 3;
+
+/// The read-fault streak behind `/health`.
+#[derive(Debug, Default)]
+struct Health {
+    /// Generations that failed with a read fault since the last completed one.
+    read_fault_streak: u64,
+    /// The latest read fault's message (layer and expert).
+    last_fault: String,
+}
+
+/// Why the server is degraded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Degraded {
+    pub consecutive_read_faults: u64,
+    pub reason: String,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -71,6 +110,39 @@ impl Metrics {
         self.expert_bytes.store(session.experts.bytes_read(), Ordering::Relaxed);
         self.cache_accesses.store(t.accesses, Ordering::Relaxed);
         self.cache_hits.store(t.hits, Ordering::Relaxed);
+        self.set_faults(ExpertSource::faults(&session.experts));
+    }
+
+    fn set_faults(&self, f: FaultStats) {
+        *lock(&self.faults) = f;
+    }
+
+    /// The health rule: a read fault extends the streak, a completed generation ends it, and a
+    /// cancelled one or a failure of another kind leaves it as it is (neither says whether the
+    /// storage reads well).
+    pub fn record_outcome(&self, o: Outcome) {
+        let mut h = lock(&self.health);
+        match o {
+            Outcome::Completed => h.read_fault_streak = 0,
+            Outcome::ReadFault(msg) => {
+                h.read_fault_streak += 1;
+                h.last_fault = msg;
+            }
+            Outcome::Cancelled | Outcome::OtherFailure => {}
+        }
+    }
+
+    /// `Some` while the last [`DEGRADED_AFTER`] generations (cancelled ones and other failures
+    /// aside) failed with read faults.
+    pub fn degraded(&self) -> Option<Degraded> {
+        let h = lock(&self.health);
+        (h.read_fault_streak >= DEGRADED_AFTER).then(|| Degraded {
+            consecutive_read_faults: h.read_fault_streak,
+            reason: format!(
+                "the last {} generations failed reading routed experts from storage (latest: {}); the next one that completes clears this",
+                h.read_fault_streak, h.last_fault
+            ),
+        })
     }
 
     pub fn render(&self, queue_length: usize, running: bool) -> String {
@@ -144,6 +216,45 @@ impl Metrics {
             "Hits over lookups since start (0 before any).",
             if acc == 0 { 0.0 } else { hits as f64 / acc as f64 },
         );
+        let f = *lock(&self.faults);
+        counter(
+            &mut out,
+            "deltafin_expert_read_errors_total",
+            "Routed-expert reads that failed (each attempt counts).",
+            f.read_errors,
+        );
+        counter(
+            &mut out,
+            "deltafin_expert_checksum_failures_total",
+            "Routed-expert records whose bytes failed their checksum (each attempt counts).",
+            f.checksum_failures,
+        );
+        counter(
+            &mut out,
+            "deltafin_expert_read_retries_total",
+            "Routed-expert records read again after a fault.",
+            f.retries,
+        );
+        counter(
+            &mut out,
+            "deltafin_expert_failed_records_total",
+            "Routed-expert read faults that failed a request (the retry failed too).",
+            f.failed_records,
+        );
+        counter(
+            &mut out,
+            "deltafin_expert_source_resets_total",
+            "Times the expert source was returned to a clean state after a failed request.",
+            f.resets,
+        );
+        gauge(
+            &mut out,
+            "deltafin_degraded",
+            &format!(
+                "1 while the last {DEGRADED_AFTER} generations failed with read faults (GET /health answers 503), else 0."
+            ),
+            self.degraded().is_some() as u8 as f64,
+        );
         gauge(&mut out, "deltafin_queue_length", "Requests waiting for the engine.", queue_length as f64);
         gauge(&mut out, "deltafin_running", "Generations running (0 or 1).", running as u8 as f64);
         out
@@ -169,7 +280,14 @@ mod tests {
             decode_s: 2.0,
             stop_string: None,
         });
+        m.set_faults(FaultStats { read_errors: 4, checksum_failures: 3, retries: 5, failed_records: 2, resets: 2 });
         let text = m.render(2, true);
+        assert!(text.contains("deltafin_expert_read_errors_total 4\n"));
+        assert!(text.contains("deltafin_expert_checksum_failures_total 3\n"));
+        assert!(text.contains("deltafin_expert_read_retries_total 5\n"));
+        assert!(text.contains("deltafin_expert_failed_records_total 2\n"));
+        assert!(text.contains("deltafin_expert_source_resets_total 2\n"));
+        assert!(text.contains("deltafin_degraded 0\n"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/completions\",status=\"429\"} 1"));
         assert!(text.contains("deltafin_prompt_tokens_total 7\n"));
@@ -183,5 +301,32 @@ mod tests {
             let base = name.trim_end_matches("_sum").trim_end_matches("_count");
             assert!(text.contains(&format!("# TYPE {base} ")), "{line}");
         }
+    }
+
+    #[test]
+    fn three_read_faults_in_a_row_degrade_until_a_completion() {
+        let m = Metrics::default();
+        let fault = || Outcome::ReadFault("reading layer 3 expert 17 failed (checksum mismatch) after a retry".into());
+        m.record_outcome(fault());
+        m.record_outcome(fault());
+        assert_eq!(m.degraded(), None);
+        // Cancellations and other failures neither count nor clear.
+        m.record_outcome(Outcome::Cancelled);
+        m.record_outcome(Outcome::OtherFailure);
+        assert_eq!(m.degraded(), None);
+        m.record_outcome(fault());
+        let d = m.degraded().expect("three read faults in a row");
+        assert_eq!(d.consecutive_read_faults, 3);
+        assert!(d.reason.contains("layer 3 expert 17"), "{}", d.reason);
+        assert!(m.render(0, false).contains("deltafin_degraded 1\n"));
+        m.record_outcome(fault());
+        assert_eq!(m.degraded().map(|d| d.consecutive_read_faults), Some(4));
+        // One completed generation clears it, and the streak starts over.
+        m.record_outcome(Outcome::Completed);
+        assert_eq!(m.degraded(), None);
+        assert!(m.render(0, false).contains("deltafin_degraded 0\n"));
+        m.record_outcome(fault());
+        m.record_outcome(fault());
+        assert_eq!(m.degraded(), None);
     }
 }

@@ -576,8 +576,8 @@ impl Translator for StreamState {
                 out.push_back(Event::default().data("[DONE]"));
                 true
             }
-            Some(Update::Failed(msg)) => {
-                out.push_back(error_event(&ApiError::internal(format!("generation failed: {msg}"))));
+            Some(Update::Failed(e)) => {
+                out.push_back(error_event(&e));
                 out.push_back(Event::default().data("[DONE]"));
                 true
             }

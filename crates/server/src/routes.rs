@@ -76,8 +76,8 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The body as JSON, within the size limit.
-async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+/// The body's bytes, within the size limit.
+async fn body_bytes(state: &Shared, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
     let limit = state.max_body_bytes;
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
@@ -96,11 +96,45 @@ async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Va
     if bytes.is_empty() {
         return Err(ApiError::bad_request("the request has no body; send a JSON object"));
     }
-    serde_json::from_slice(&bytes).map_err(ApiError::malformed_json)
+    Ok(bytes)
+}
+
+/// A refusal decided before the body is read (429). The body is read and dropped first, one
+/// chunk at a time, so that a client still sending it gets the answer instead of a broken pipe;
+/// memory stays one chunk. A body declared or found over the limit is not read further.
+async fn refuse(state: &Shared, headers: &HeaderMap, body: Body, e: ApiError) -> ApiError {
+    use futures_util::StreamExt as _;
+    let limit = state.max_body_bytes;
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return e;
+    }
+    let mut chunks = body.into_data_stream();
+    let mut seen = 0usize;
+    while let Some(Ok(chunk)) = chunks.next().await {
+        seen += chunk.len();
+        if seen > limit {
+            break;
+        }
+    }
+    e
+}
+
+fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes).map_err(ApiError::malformed_json)
+}
+
+/// The body as JSON, within the size limit.
+async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+    parse_json(&body_bytes(state, headers, body).await?)
 }
 
 async fn chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let admitted = state.admit()?;
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await),
+    };
     let v = json_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || openai::prepare_chat(&s, &v)).await?;
@@ -108,7 +142,10 @@ async fn chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Re
 }
 
 async fn completions(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let admitted = state.admit()?;
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await),
+    };
     let v = json_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || openai::prepare_completion(&s, &v)).await?;
@@ -116,21 +153,36 @@ async fn completions(State(state): State<Shared>, headers: HeaderMap, body: Body
 }
 
 async fn messages(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
-    let admitted = state.admit()?;
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
+    };
     let v = json_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || anthropic::prepare(&s, &v)).await?;
     Ok(anthropic::respond(state, admitted, p).await?)
 }
 
+/// Tokenizer endpoints skip the engine's admission, so they pass a gate of their own
+/// ([`crate::state::TokenizerGate`]): a place before the body is read (429 beyond it), then
+/// parsing and tokenising on the blocking pool, at most two at a time.
 async fn count_tokens(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
-    let mut v = json_body(&state, &headers, body).await?;
-    // Counting needs no max_tokens.
-    if let Some(o) = v.as_object_mut() {
-        o.entry("max_tokens").or_insert(json!(1));
-    }
+    let place = match state.tokenizer_place() {
+        Ok(p) => p,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
+    };
+    let bytes = body_bytes(&state, &headers, body).await?;
     let s = state.clone();
-    let n = off_runtime(move || anthropic::prompt_tokens(&s, &v)).await?;
+    let n = state
+        .tokenizer_job(place, move || {
+            let mut v = parse_json(&bytes)?;
+            // Counting needs no max_tokens.
+            if let Some(o) = v.as_object_mut() {
+                o.entry("max_tokens").or_insert(json!(1));
+            }
+            anthropic::prompt_tokens(&s, &v)
+        })
+        .await?;
     Ok(axum::Json(json!({"input_tokens": n})).into_response())
 }
 
@@ -159,9 +211,22 @@ async fn model(
     }
 }
 
+/// 200 `{"status": "ok", ...}`, or 503 `{"status": "degraded", "reason", ...}` while the last
+/// three generations failed reading experts (the rule: [`crate::metrics::Metrics::degraded`]).
 async fn health(State(state): State<Shared>) -> Response {
     let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
-    axum::Json(json!({"status": "ok", "running": running, "queue_length": state.admission.waiting()})).into_response()
+    let queue_length = state.admission.waiting();
+    match state.metrics.degraded() {
+        None => axum::Json(json!({"status": "ok", "running": running, "queue_length": queue_length})).into_response(),
+        Some(d) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({
+                "status": "degraded", "reason": d.reason, "consecutive_read_faults": d.consecutive_read_faults,
+                "running": running, "queue_length": queue_length,
+            })),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
@@ -174,11 +239,28 @@ async fn metrics(State(state): State<Shared>) -> Response {
 /// `{"messages": [...], "tools"?, "reasoning_effort"?}` (the chat encoding with the generation
 /// prompt).
 async fn tokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let v = json_body(&state, &headers, body).await?;
+    let place = match state.tokenizer_place() {
+        Ok(p) => p,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await),
+    };
+    let bytes = body_bytes(&state, &headers, body).await?;
     let s = state.clone();
-    let tokens = off_runtime(move || tokens_of(&s, &v)).await?;
-    Ok(axum::Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": state.model.context}))
-        .into_response())
+    let body = state
+        .tokenizer_job(place, move || {
+            let tokens = tokens_of(&s, &parse_json(&bytes)?)?;
+            // Written here, under the job's place, and straight from the ids: a JSON `Value`
+            // per token would cost some 20 times the ids' memory.
+            #[derive(serde::Serialize)]
+            struct Tokenized<'a> {
+                tokens: &'a [u32],
+                count: usize,
+                max_model_len: usize,
+            }
+            let out = Tokenized { tokens: &tokens, count: tokens.len(), max_model_len: s.model.context };
+            serde_json::to_vec(&out).map_err(|_| ApiError::internal("writing the tokens failed"))
+        })
+        .await?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 fn tokens_of(state: &Shared, v: &Value) -> Result<Vec<u32>, ApiError> {
@@ -204,8 +286,18 @@ fn tokens_of(state: &Shared, v: &Value) -> Result<Vec<u32>, ApiError> {
 }
 
 async fn detokenize(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let v = json_body(&state, &headers, body).await?;
-    let o = object(&v)?;
+    let place = match state.tokenizer_place() {
+        Ok(p) => p,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await),
+    };
+    let bytes = body_bytes(&state, &headers, body).await?;
+    let s = state.clone();
+    let text = state.tokenizer_job(place, move || text_of(&s, &parse_json(&bytes)?)).await?;
+    Ok(axum::Json(json!({"prompt": text})).into_response())
+}
+
+fn text_of(state: &Shared, v: &Value) -> Result<String, ApiError> {
+    let o = object(v)?;
     let Some(Value::Array(list)) = field(o, "tokens") else {
         return Err(ApiError::invalid("tokens", "'tokens' must be an array of token ids"));
     };
@@ -221,7 +313,7 @@ async fn detokenize(State(state): State<Shared>, headers: HeaderMap, body: Body)
             }
         }
     }
-    Ok(axum::Json(json!({"prompt": state.tokenizer.decode(&ids)})).into_response())
+    Ok(state.tokenizer.decode(&ids))
 }
 
 async fn fallback(req: Request) -> Response {

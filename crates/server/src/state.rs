@@ -5,8 +5,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use deltafin_text::textgen::TextRequest;
 use deltafin_text::tokenizer::Tokenizer;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::ApiError;
+use crate::generation::off_runtime;
 use crate::metrics::Metrics;
 use crate::worker::{Admission, Admitted, EngineHandle, JobHandle};
 
@@ -35,9 +37,40 @@ pub struct AppState {
     pub script: Vec<crate::instruments::ScriptedReply>,
     /// Interval of SSE keep-alive comments.
     pub keep_alive: std::time::Duration,
+    pub tokenizer_gate: TokenizerGate,
 }
 
 pub type Shared = Arc<AppState>;
+
+/// Tokenizer jobs (`/tokenize`, `/detokenize`, `/v1/messages/count_tokens`) that run at once.
+/// These endpoints skip the engine's admission, and each job holds a parsed body of up to
+/// `--max-body-bytes` and its tokens: two bound that memory and leave the blocking pool's other
+/// threads to request preparation.
+pub const TOKENIZER_JOBS: usize = 2;
+/// Tokenizer requests that may wait (body read, not yet parsed) for a running place; more get
+/// 429 with `Retry-After`, as busy generations do.
+pub const TOKENIZER_QUEUE: usize = 8;
+
+/// Admission for tokenizer jobs: running plus waiting are bounded, and so is running alone.
+pub struct TokenizerGate {
+    places: Arc<Semaphore>,
+    running: Arc<Semaphore>,
+}
+
+impl Default for TokenizerGate {
+    fn default() -> Self {
+        TokenizerGate {
+            places: Arc::new(Semaphore::new(TOKENIZER_JOBS + TOKENIZER_QUEUE)),
+            running: Arc::new(Semaphore::new(TOKENIZER_JOBS)),
+        }
+    }
+}
+
+/// A tokenizer request's place (running or waiting); dropped when the request ends or its
+/// client leaves.
+pub struct TokenizerPlace {
+    _permit: OwnedSemaphorePermit,
+}
 
 impl AppState {
     /// A place for a generation (running or waiting), taken before any work on the request;
@@ -47,6 +80,37 @@ impl AppState {
             self.metrics.rejected_busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ApiError::busy(self.queue)
         })
+    }
+
+    /// A place for a tokenizer request, taken before its body is read; 429 when running plus
+    /// waiting ones are at [`TOKENIZER_JOBS`] + [`TOKENIZER_QUEUE`].
+    pub fn tokenizer_place(&self) -> Result<TokenizerPlace, ApiError> {
+        self.tokenizer_gate.places.clone().try_acquire_owned().map(|p| TokenizerPlace { _permit: p }).map_err(|_| {
+            self.metrics.rejected_busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            ApiError::tokenizer_busy(TOKENIZER_JOBS, TOKENIZER_QUEUE)
+        })
+    }
+
+    /// Run a tokenizer job (parsing included) on the blocking pool once one of the
+    /// [`TOKENIZER_JOBS`] running places is free. The places travel with the job, so a client
+    /// that leaves mid-job frees them only when the job is really done.
+    pub async fn tokenizer_job<T: Send + 'static>(
+        &self,
+        place: TokenizerPlace,
+        f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let running = self
+            .tokenizer_gate
+            .running
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::internal("the tokenizer gate is closed"))?;
+        off_runtime(move || {
+            let _held = (place, running);
+            f()
+        })
+        .await
     }
 
     /// Hand an admitted generation to the engine; dropping the handle cancels it.

@@ -7,18 +7,25 @@
 //! that stops reading costs at most one generation's updates in memory and never blocks the
 //! engine. Dropping the receiving side (client gone) cancels a running generation at its next
 //! token or prompt chunk, and frees a waiting one's place in the queue at once.
+//!
+//! A failed generation costs that request and nothing more: the client gets an error that names
+//! no server path ([`ApiError::from_engine`]), and before the next job the expert source is
+//! reset and the prefix snapshot dropped, so no half-finished read or state reaches the next
+//! request.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use deltafin_engine::experts::ExpertSource;
 use deltafin_engine::session::Session;
 use deltafin_text::chat::parse::OutputEvent;
-use deltafin_text::textgen::{PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
+use deltafin_text::textgen::{Finish, PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
 use deltafin_text::tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
-use crate::metrics::Metrics;
+use crate::error::{ApiError, read_fault};
+use crate::metrics::{Metrics, Outcome};
 
 /// What a running job reports.
 #[derive(Debug)]
@@ -31,7 +38,8 @@ pub enum Update {
         logprob: Option<TokenLogprob>,
     },
     Done(Summary),
-    Failed(String),
+    /// The generation failed; the error is fit for the client (no server paths).
+    Failed(ApiError),
 }
 
 /// Running plus waiting requests, bounded.
@@ -134,6 +142,9 @@ pub struct EngineOptions {
     /// Test instrument: sleep after every model step.
     #[cfg(feature = "test-instruments")]
     pub step_delay: Duration,
+    /// Test instrument: fail requests whose prompt holds a fault trigger.
+    #[cfg(feature = "test-instruments")]
+    pub inject_faults: bool,
 }
 
 impl EngineOptions {
@@ -172,7 +183,7 @@ pub fn spawn(
         metrics.set_expert_stats(&session);
         let mut cache = opts.prefix_cache.then(|| PrefixCache::new(&session.model));
         while let Ok(job) = jobs_rx.recv() {
-            run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, opts.step_delay(), job);
+            run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, job);
         }
     })?;
     ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;
@@ -185,7 +196,7 @@ fn run_job(
     tokenizer: &Tokenizer,
     admission: &Admission,
     metrics: &Metrics,
-    step_delay: Duration,
+    opts: &EngineOptions,
     job: Job,
 ) {
     let Job { req, updates, ticket } = job;
@@ -196,32 +207,43 @@ fn run_job(
     }
     admission.running.store(true, Ordering::Release);
     let _ = updates.send(Update::Started);
-    let generator = TextGenerator { model: &session.model, tokenizer, step_delay };
+    let generator = TextGenerator { model: &session.model, tokenizer, step_delay: opts.step_delay() };
     let mut sink = ChannelSink { updates: &updates };
     let mut cache = cache;
+    #[cfg(feature = "test-instruments")]
+    let injected = opts.inject_faults.then(|| crate::instruments::injected_fault(tokenizer, &req.prompt)).flatten();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        #[cfg(feature = "test-instruments")]
+        if let Some(fault) = injected {
+            let mut faulty = crate::instruments::FaultyExperts { inner: &mut session.experts, fault: Some(fault) };
+            return generator.run_cached(&mut faulty, &req, &mut sink, cache.as_deref_mut());
+        }
         generator.run_cached(&mut session.experts, &req, &mut sink, cache.as_deref_mut())
     }));
-    let last = match result {
+    let (last, outcome) = match result {
         Ok(Ok(summary)) => {
             metrics.record_generation(&summary);
-            Update::Done(summary)
+            let outcome = if summary.finish == Finish::Cancelled { Outcome::Cancelled } else { Outcome::Completed };
+            (Update::Done(summary), outcome)
         }
         Ok(Err(e)) => {
-            metrics.failed.fetch_add(1, Ordering::Relaxed);
-            Update::Failed(format!("{e:#}"))
+            let outcome = match read_fault(&e) {
+                Some(f) => Outcome::ReadFault(f.to_string()),
+                None => Outcome::OtherFailure,
+            };
+            (Update::Failed(ApiError::from_engine(&e)), outcome)
         }
         Err(_) => {
-            // A bug, not an input error: this request's state and the prefix snapshot are
-            // discarded and the server keeps serving (the expert cache only holds checksummed
-            // records).
-            if let Some(c) = cache {
-                c.clear();
-            }
-            metrics.failed.fetch_add(1, Ordering::Relaxed);
-            Update::Failed("internal error in the engine".into())
+            // A bug, not an input error: logged, and cleaned up like any failure below.
+            tracing::error!("the engine panicked on a request; its state is discarded");
+            (Update::Failed(ApiError::internal("internal error in the engine")), Outcome::OtherFailure)
         }
     };
+    if matches!(outcome, Outcome::ReadFault(_) | Outcome::OtherFailure) {
+        metrics.failed.fetch_add(1, Ordering::Relaxed);
+        clean_up_after_failure(session, cache);
+    }
+    metrics.record_outcome(outcome);
     metrics.set_expert_stats(session);
     // Free the place before the last update, so a client that sends its next request as soon as
     // this one completes is never refused.
@@ -230,6 +252,22 @@ fn run_job(
         ticket.release();
     }
     let _ = updates.send(last);
+}
+
+/// After a failed generation, whatever it left half done must not reach the next request: the
+/// expert source waits for its reads in flight and drops anything unverified
+/// ([`ExpertSource::reset`]), and the prefix snapshot, possibly half written, is forgotten.
+/// The next job starts from a clean source and a full prompt.
+fn clean_up_after_failure(session: &mut Session, cache: Option<&mut PrefixCache>) {
+    if let Some(c) = cache {
+        c.clear();
+    }
+    // A panic in the reset itself must not take the engine thread down with it: the server
+    // keeps serving, and the log says what happened.
+    let reset = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ExpertSource::reset(&mut session.experts)));
+    if reset.is_err() {
+        tracing::error!("resetting the expert source after a failed request panicked");
+    }
 }
 
 struct ChannelSink<'a> {
