@@ -70,6 +70,8 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
             prefix_cache: false,
             #[cfg(feature = "test-instruments")]
             step_delay: Duration::ZERO,
+            #[cfg(feature = "test-instruments")]
+            inject_faults: false,
         },
     )
     .unwrap();
@@ -92,6 +94,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
         #[cfg(feature = "test-instruments")]
         script: Vec::new(),
         keep_alive: Duration::from_secs(15),
+        tokenizer_gate: Default::default(),
     });
     Served { state, _store: dir }
 });
