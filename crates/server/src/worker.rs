@@ -239,10 +239,11 @@ fn run_job(
             (Update::Failed(ApiError::internal("internal error in the engine")), Outcome::OtherFailure)
         }
     };
-    if matches!(outcome, Outcome::ReadFault(_) | Outcome::OtherFailure) {
+    let failed = matches!(outcome, Outcome::ReadFault(_) | Outcome::OtherFailure);
+    if failed {
         metrics.failed.fetch_add(1, Ordering::Relaxed);
-        clean_up_after_failure(session, cache);
     }
+    // Health and counters first: a client that reads them right after its answer sees them.
     metrics.record_outcome(outcome);
     metrics.set_expert_stats(session);
     // Free the place before the last update, so a client that sends its next request as soon as
@@ -252,6 +253,13 @@ fn run_job(
         ticket.release();
     }
     let _ = updates.send(last);
+    // The clean-up may wait for reads in flight on a failing drive: the client has its answer
+    // already, and the next job, taken by this same thread, only starts after it.
+    if failed {
+        clean_up_after_failure(session, cache);
+        // The reset is counted in the source's fault statistics.
+        metrics.set_expert_stats(session);
+    }
 }
 
 /// After a failed generation, whatever it left half done must not reach the next request: the
