@@ -58,20 +58,19 @@ fn check_shard(path: &Path, bytes: &[u8]) -> Result<(), TestCaseError> {
 fn assembled_shard() -> impl Strategy<Value = Vec<u8>> {
     const KEYS: &[&str] = &["dtype", "shape", "data_offsets", "__metadata__", "a", "b", "format"];
     const STRINGS: &[&str] = &["F32", "BF16", "U8", "F16", "I64", "F8_E4M3", "Q9", "pt", ""];
-    let header =
-        prop_oneof![
-            json_value(KEYS, STRINGS).prop_map(|v| v.to_string()),
-            ".{0,64}",
-            (
-                prop::sample::select(STRINGS),
-                prop::collection::vec(interesting_u64(), 0..4),
-                interesting_u64(),
-                interesting_u64()
-            )
-                .prop_map(|(d, shape, b, e)| {
-                    json!({"t": {"dtype": d, "shape": shape, "data_offsets": [b, e]}}).to_string()
-                }),
-        ];
+    let header = prop_oneof![
+        json_value(KEYS, STRINGS).prop_map(|v| v.to_string()),
+        ".{0,64}",
+        (
+            prop::sample::select(STRINGS),
+            prop::collection::vec(interesting_u64(), 0..4),
+            interesting_u64(),
+            interesting_u64()
+        )
+            .prop_map(|(d, shape, b, e)| {
+                json!({"t": {"dtype": d, "shape": shape, "data_offsets": [b, e]}}).to_string()
+            }),
+    ];
     (header, prop::option::of(interesting_u64()), prop::collection::vec(any::<u8>(), 0..256)).prop_map(
         |(h, len, data)| {
             let mut b = len.unwrap_or(h.len() as u64).to_le_bytes().to_vec();
