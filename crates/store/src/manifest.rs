@@ -268,7 +268,8 @@ impl Manifest {
 }
 
 /// A manifest file name must be a plain relative path: not empty, not absolute, only normal
-/// components (no `..`, no `.`), so joining it to its directory stays inside that directory.
+/// components (no `..`, no leading `.`; `Path` drops inner ones), so joining it to its directory
+/// stays inside that directory.
 fn check_inside(field: &str, name: &str) -> Result<(), String> {
     let plain = !name.is_empty() && Path::new(name).components().all(|c| matches!(c, Component::Normal(_)));
     if plain {
