@@ -18,6 +18,8 @@ cargo test --locked -p deltafin --bin deltafin 2>&1 | tee "$log"
 cargo test --locked --workspace --features deltafin/test-instruments 2>&1 | tee -a "$log"
 # The NEON kernels, cross-built for aarch64 and run under qemu.
 . scripts/test-neon.sh
+# The I/O error paths under valgrind (reads in flight never land in freed buffers).
+. scripts/test-valgrind.sh
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
 # using the binary cargo test just built (with the test instruments).
 . scripts/ensure-client-venv.sh
