@@ -10,12 +10,13 @@ rustup component add llvm-tools >/dev/null 2>&1 || true
 bin=$(dirname "$(find "$(rustc --print sysroot)" -name llvm-profdata -type f | head -1)")
 rm -rf "$out"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 export CARGO_TARGET_DIR=target/coverage RUSTFLAGS="-C instrument-coverage"
 for spec in deltafin-store:store deltafin-text:text deltafin-server:server; do
   pkg=${spec%%:*}
   name=${spec##*:}
   mkdir -p "$out/$name"
-  LLVM_PROFILE_FILE="$PWD/$out/$name/%p-%m.profraw" DELTAFIN_FUZZ_CASES=${DELTAFIN_FUZZ_CASES:-2000} \
+  LLVM_PROFILE_FILE="$out/$name/%p-%m.profraw" DELTAFIN_FUZZ_CASES=${DELTAFIN_FUZZ_CASES:-2000} \
     cargo test -q -p "$pkg" --test fuzz 2>&1 | grep -E "test result" || true
   exe=$(cargo test -p "$pkg" --test fuzz --no-run 2>&1 | grep -o 'target/coverage/debug/deps/fuzz-[0-9a-f]*' | head -1)
   "$bin/llvm-profdata" merge -sparse "$out/$name"/*.profraw -o "$out/$name.profdata"
