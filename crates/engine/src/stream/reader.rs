@@ -279,12 +279,13 @@ impl Uring {
 
     /// Move waiting requests into the ring while fewer than `depth` are in the kernel's hands,
     /// demand reads first.
-    fn push_backlog(&mut self) -> io::Result<()> {
+    fn push_backlog(&mut self) {
         let mut pushed = false;
         while self.submitted < self.depth
             && let Some(r) = self.urgent.front().or(self.backlog.front()).copied()
         {
-            let f = self.files.get(r.file).ok_or_else(|| io::Error::other("bad file index"))?;
+            // Checked in `submit` before the request was accepted.
+            let Some(f) = self.files.get(r.file) else { break };
             let entry = io_uring::opcode::Read::new(io_uring::types::Fd(f.as_raw_fd()), r.buf, r.len as u32)
                 .offset(r.offset)
                 .build()
@@ -300,10 +301,12 @@ impl Uring {
             self.submitted += 1;
             pushed = true;
         }
-        if pushed {
-            self.ring.submit()?;
+        if pushed && let Err(e) = self.ring.submit() {
+            // The entries stay in the submission queue; the next `submit_and_wait` hands them
+            // to the kernel. Reporting the error here would make the caller believe the reads
+            // were never taken and reuse their buffers while they may still be written.
+            tracing::debug!("io_uring submit: {e}; the reads go with the next wait");
         }
-        Ok(())
     }
 }
 
@@ -313,14 +316,21 @@ impl ReadBackend for Uring {
     }
 
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
+        // All or nothing: an error means no request of this call was taken.
         for r in reqs {
             if r.len > u32::MAX as usize {
                 return Err(io::Error::other("read too large for one io_uring request"));
             }
+            if self.files.get(r.file).is_none() {
+                return Err(io::Error::other("bad file index"));
+            }
+        }
+        for r in reqs {
             self.pending.insert(r.tag, *r);
             if r.urgent { self.urgent.push_back(*r) } else { self.backlog.push_back(*r) }
         }
-        self.push_backlog()
+        self.push_backlog();
+        Ok(())
     }
 
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
@@ -328,7 +338,7 @@ impl ReadBackend for Uring {
             return Ok(());
         }
         if self.submitted == 0 {
-            self.push_backlog()?;
+            self.push_backlog();
         }
         let mut got = std::mem::take(&mut self.cqes);
         loop {
@@ -374,7 +384,7 @@ impl ReadBackend for Uring {
                 out.push((tag, r));
             }
             self.cqes = got;
-            self.push_backlog()?;
+            self.push_backlog();
             return Ok(());
         }
     }
@@ -517,7 +527,15 @@ mod tests {
             ring.wait(&mut out).unwrap();
             assert!(ring.submitted <= 1, "io_uring took more reads than its depth");
         }
-        let mut ring = Uring::new(files, 1).unwrap();
+        let mut ring = Uring::new(files.clone(), 1).unwrap();
         demand_goes_first(&mut ring, &mut bufs);
+        // All or nothing: a refused call takes none of its requests, so the caller may reuse
+        // their buffers at once.
+        let mut ring = Uring::new(files, 4).unwrap();
+        let mut bad = block_req(&mut bufs, 1, true);
+        bad.file = 7;
+        let reqs = [block_req(&mut bufs, 0, true), bad];
+        assert!(ring.submit(&reqs).is_err());
+        assert_eq!((ring.in_flight(), ring.submitted), (0, 0), "a refused submit kept some reads");
     }
 }

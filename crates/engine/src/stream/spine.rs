@@ -69,7 +69,11 @@ impl<T> Loader<T> {
             tag: l as u64,
             urgent: true,
         };
-        self.backend.submit(&[req])?;
+        if let Err(e) = self.backend.submit(&[req]) {
+            // Not taken (back-ends take all or nothing): the buffer is free again.
+            self.spare.push(b);
+            return Err(e.into());
+        }
         self.in_flight = Some((l, b));
         Ok(())
     }
@@ -101,7 +105,12 @@ impl<T> Loader<T> {
         // Keep the drive busy: read the next streamed layer while this one decodes.
         let pos = self.ranges.iter().position(|(x, _)| *x == got).unwrap_or(0);
         let next = self.ranges[(pos + 1) % self.ranges.len()].0;
-        let started = if next != got { self.start(next) } else { Ok(()) };
+        if next != got
+            && let Err(e) = self.start(next)
+        {
+            // Only the read ahead is lost: the next load starts its own read.
+            tracing::warn!("spine read ahead of layer {next} not started: {e:#}");
+        }
         let decoded = (|| -> Result<T> {
             res.map_err(|e| anyhow!("reading spine layer {got} from {}: {e}", self.table.path().display()))?;
             let (lo, hi) = self.range(got)?;
@@ -111,7 +120,6 @@ impl<T> Loader<T> {
             (self.decode)(&image, got)
         })();
         self.spare.push(b);
-        started?;
         decoded
     }
 }

@@ -514,8 +514,16 @@ impl StreamingExperts {
             }
             (false, None) => {}
         }
+        self.start_queued()
+    }
+
+    /// Start the demand's misses that wait for a buffer, while buffers are free.
+    fn start_queued(&mut self) -> Result<()> {
         while !self.free.is_empty() {
-            let Some(next) = self.demand.as_mut().and_then(|d| d.queued.pop_front()) else { break };
+            let Some((layer, next)) = self.demand.as_mut().and_then(|d| d.queued.pop_front().map(|e| (d.layer, e)))
+            else {
+                break;
+            };
             self.start_read((layer, next), true)?;
         }
         Ok(())
@@ -561,7 +569,10 @@ impl ExpertSource for StreamingExperts {
             return Ok(());
         }
         for &e in experts {
-            self.location(layer, e)?;
+            if self.location(layer, e).is_err() {
+                // A hint about an expert the store does not have: nothing to read.
+                continue;
+            }
             let key = (layer, e);
             let cached = self.caches.get(&layer).is_some_and(|c| c.contains(e));
             if !cached && !self.by_key.contains_key(&key) && !self.pending_prefetch.contains(&key) {
@@ -591,10 +602,12 @@ impl StreamingExperts {
         if self.demand.is_some() {
             bail!("expert source: begin() called twice without drain()");
         }
+        // Checked before anything is pinned or read, so a refusal leaves nothing behind.
         for (i, e) in experts.iter().enumerate() {
             if experts[..i].contains(e) {
                 bail!("expert {e} of layer {layer} requested twice in one step");
             }
+            self.location(layer, *e)?;
         }
         // Speculation for this layer or earlier ones is stale now: drop what was not submitted.
         self.pending_prefetch.retain(|&(l, _)| l > layer);
@@ -669,6 +682,8 @@ impl StreamingExperts {
             if all {
                 break;
             }
+            // Buffers freed by prefetches that landed let waiting misses start.
+            self.start_queued()?;
             if self.backend.in_flight() == 0 {
                 // Waiting would return at once forever: a demand that nothing is reading.
                 self.queue_buf = queue;
