@@ -17,15 +17,6 @@ use crate::sse::keep_alive;
 use crate::state::{Shared, new_id};
 use crate::worker::{JobHandle, Update};
 
-/// Run request preparation (JSON walking, chat rendering, tokenisation: CPU work proportional
-/// to the body) on the blocking pool, so that a large or hostile request never stalls the async
-/// workers; a panic there (a bug) becomes a 500 instead of a dropped connection.
-pub async fn off_runtime<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|_| ApiError::internal("preparing the request failed"))?
-}
-
 /// Generation settings of a chat request, in either wire format.
 pub struct ChatSettings {
     /// Requested output length, and the field it came from.

@@ -5,6 +5,7 @@
 //! queue in front of it and 429 beyond that.
 
 pub mod anthropic;
+pub mod blocking;
 pub mod error;
 pub mod generation;
 #[cfg(feature = "test-instruments")]

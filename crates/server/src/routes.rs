@@ -11,8 +11,8 @@ use axum::routing::{get, post};
 use deltafin_text::chat::Conversation;
 use serde_json::{Value, json};
 
+use crate::blocking::off_runtime;
 use crate::error::{AnthropicError, ApiError};
-use crate::generation::off_runtime;
 use crate::params::{field, object, opt_str};
 use crate::state::Shared;
 use crate::{anthropic, openai};

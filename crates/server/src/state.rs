@@ -7,8 +7,8 @@ use deltafin_text::textgen::TextRequest;
 use deltafin_text::tokenizer::Tokenizer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::blocking::off_runtime;
 use crate::error::ApiError;
-use crate::generation::off_runtime;
 use crate::metrics::Metrics;
 use crate::worker::{Admission, Admitted, EngineHandle, JobHandle};
 

@@ -125,18 +125,6 @@ pub(crate) fn byte_progress(total: u64, show: bool) -> indicatif::ProgressBar {
     b
 }
 
-/// Where each of the six tensors sits in a canonical record, and the record's size.
-pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertPart>, u64) {
-    let mut meta = Vec::with_capacity(parts.len());
-    let mut off = 0u64;
-    for (name, shape) in parts {
-        let len = (shape[0] * shape[1]) as u64;
-        meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
-        off += len;
-    }
-    (meta, off)
-}
-
 /// Convert the checkpoint in `from` into a store in `to`, step by step: open the checkpoint,
 /// resolve, check and lay out the spine, write it, locate (or pack) the experts, copy the
 /// tokenizer, and write the manifest last, atomically, from what the steps produced.

@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod config;
+mod config_check;
 pub mod convert;
 pub mod error;
 pub mod manifest;

@@ -199,7 +199,7 @@ impl Manifest {
     /// re-checking.
     fn check_expert_table(&self) -> Result<(), String> {
         let ex = &self.experts;
-        let (parts, record_bytes) = crate::convert::record_parts(&crate::schema::expert_parts(&self.config));
+        let (parts, record_bytes) = record_parts(&crate::schema::expert_parts(&self.config));
         if ex.record_bytes != record_bytes {
             return Err(format!(
                 "experts.record_bytes is {} but the config's MXFP4 expert record is {record_bytes} bytes",
@@ -279,4 +279,16 @@ fn check_inside(field: &str, name: &str) -> Result<(), String> {
             "{field} '{name}' is not a relative path inside its directory (empty, absolute, or with '.' or '..')"
         ))
     }
+}
+
+/// Where each of the six tensors sits in a canonical record, and the record's size.
+pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertPart>, u64) {
+    let mut meta = Vec::with_capacity(parts.len());
+    let mut off = 0u64;
+    for (name, shape) in parts {
+        let len = (shape[0] * shape[1]) as u64;
+        meta.push(ExpertPart { name: name.to_string(), shape: *shape, offset: off, len });
+        off += len;
+    }
+    (meta, off)
 }

@@ -12,8 +12,9 @@ use rand::{Rng, RngCore, SeedableRng};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::config::{K3Config, LinearAttnConfig};
-use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress, record_parts};
+use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress};
 use crate::error::{StoreError, io_err};
+use crate::manifest::record_parts;
 use crate::manifest::*;
 use crate::schema::{Role, ShapeRule, expert_parts, spine_specs};
 
