@@ -1,0 +1,95 @@
+//! One commit's files: a flat directory, hashed once so that every request can answer with
+//! sizes, ETags and LFS object ids without reading the files again.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+/// A file of a commit as the Hub describes it.
+#[derive(Debug, Clone)]
+pub(crate) struct FileEntry {
+    pub path: PathBuf,
+    pub size: u64,
+    pub sha256: String,
+    /// The git blob id of what the repo stores: the file itself, or its LFS pointer.
+    pub blob_id: String,
+    /// `Some(pointer size)` for LFS files, which the Hub redirects to its CDN.
+    pub lfs_pointer_size: Option<u64>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+impl Snapshot {
+    /// Hashes every regular file of `dir` (subdirectories are skipped: fixtures are flat).
+    pub(crate) fn scan(dir: &Path) -> io::Result<Snapshot> {
+        let mut files = BTreeMap::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            // `fs::metadata` follows symlinks, so a directory of links to a big checkpoint works.
+            if !fs::metadata(&path)?.is_file() {
+                continue;
+            }
+            let Ok(name) = entry.file_name().into_string() else {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{path:?}: not UTF-8")));
+            };
+            let (size, sha256) = hash_file(&path)?;
+            // Like the Hub's default .gitattributes for our fixtures: weights go through LFS.
+            let lfs = name.ends_with(".safetensors");
+            let (blob_id, lfs_pointer_size) = if lfs {
+                let pointer = lfs_pointer(&sha256, size);
+                (fake_blob_id(pointer.as_bytes()), Some(pointer.len() as u64))
+            } else {
+                (fake_blob_id(&fs::read(&path)?), None)
+            };
+            files.insert(name, FileEntry { path, size, sha256, blob_id, lfs_pointer_size });
+        }
+        Ok(Snapshot { files })
+    }
+}
+
+/// The pointer file git-lfs commits in place of the object (its length is `pointerSize`).
+fn lfs_pointer(sha256: &str, size: u64) -> String {
+    format!("version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n")
+}
+
+/// A stand-in for git's sha1 blob id: 40 hex digits that change with the content, which is all a
+/// client can rely on (it only compares them).
+fn fake_blob_id(content: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(format!("blob {}\0", content.len()).as_bytes());
+    h.update(content);
+    hex(&h.finalize())[..40].to_string()
+}
+
+/// Size and sha256 of a file, read in 1 MiB pieces (bench checkpoints are gigabytes).
+fn hash_file(path: &Path) -> io::Result<(u64, String)> {
+    let mut file = fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, hex(&h.finalize())))
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// sha256 of a string, hex: used for repeatable fake commit ids.
+pub(crate) fn sha256_hex(s: &str) -> String {
+    hex(&Sha256::digest(s.as_bytes()))
+}
