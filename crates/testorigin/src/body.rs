@@ -14,9 +14,14 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::Stats;
+use crate::state::lock;
 
 /// The largest chunk handed to hyper.
 const CHUNK: u64 = 64 * 1024;
+
+/// How much is read from a file at a time: each tokio file read is a trip to the blocking pool,
+/// so reading a chunk at a time caps a transfer well below what loopback carries.
+const READ_AHEAD: u64 = 1024 * 1024;
 
 /// How long a stream waits before its abort. hyper buffers written chunks and only flushes when
 /// the body is pending, so an error right after the last chunk would throw away the bytes the
@@ -63,7 +68,7 @@ impl BodyPlan {
     }
 
     pub(crate) fn into_body(self) -> Body {
-        let cursor = Cursor { plan: self, file: None, sent: 0, done: false };
+        let cursor = Cursor { plan: self, file: None, buffered: Bytes::new(), sent: 0, done: false };
         Body::from_stream(futures_util::stream::unfold(cursor, next_chunk))
     }
 }
@@ -71,6 +76,8 @@ impl BodyPlan {
 struct Cursor {
     plan: BodyPlan,
     file: Option<tokio::fs::File>,
+    /// Read from the source but not yet sent: it starts at `sent`.
+    buffered: Bytes,
     sent: u64,
     done: bool,
 }
@@ -90,6 +97,16 @@ impl Cursor {
             Some(BodyFault::Slow { bytes_per_sec }) => (bytes_per_sec / 10).clamp(1, CHUNK),
             _ => CHUNK,
         }
+    }
+
+    /// The next `len` bytes (at most what is left before the limit).
+    async fn take(&mut self, len: u64) -> io::Result<Bytes> {
+        if self.buffered.is_empty() {
+            let ahead = (self.limit() - self.sent).min(READ_AHEAD.max(len));
+            self.buffered = self.read(ahead).await?;
+        }
+        let len = (len as usize).min(self.buffered.len());
+        Ok(self.buffered.split_to(len))
     }
 
     async fn read(&mut self, len: u64) -> io::Result<Bytes> {
@@ -126,11 +143,7 @@ async fn next_chunk(mut c: Cursor) -> Option<(io::Result<Bytes>, Cursor)> {
             _ => None,
         };
     }
-    let len = (limit - c.sent).min(c.chunk_size());
-    if let Some(BodyFault::Slow { bytes_per_sec }) = c.plan.fault {
-        tokio::time::sleep(Duration::from_secs_f64(len as f64 / bytes_per_sec.max(1) as f64)).await;
-    }
-    let mut chunk = match c.read(len).await {
+    let mut chunk = match c.take((limit - c.sent).min(c.chunk_size())).await {
         Ok(chunk) => chunk,
         Err(e) => {
             // The file changed under us: abort rather than send a short body that looks whole.
@@ -138,6 +151,11 @@ async fn next_chunk(mut c: Cursor) -> Option<(io::Result<Bytes>, Cursor)> {
             return Some((Err(e), c));
         }
     };
+    // The last piece of a read-ahead may be shorter than a chunk.
+    let len = chunk.len() as u64;
+    if let Some(BodyFault::Slow { bytes_per_sec }) = c.plan.fault {
+        tokio::time::sleep(Duration::from_secs_f64(len as f64 / bytes_per_sec.max(1) as f64)).await;
+    }
     if c.plan.fault == Some(BodyFault::Corrupt) {
         let target = c.plan.len / 2;
         if (c.sent..c.sent + len).contains(&target) {
@@ -146,10 +164,8 @@ async fn next_chunk(mut c: Cursor) -> Option<(io::Result<Bytes>, Cursor)> {
             chunk = bytes.freeze();
         }
     }
-    if let Some(name) = &c.plan.count_as
-        && let Ok(mut stats) = c.plan.stats.lock()
-    {
-        *stats.body_bytes.entry(name.clone()).or_default() += len;
+    if let Some(name) = &c.plan.count_as {
+        *lock(&c.plan.stats).body_bytes.entry(name.clone()).or_default() += len;
     }
     c.sent += len;
     Some((Ok(chunk), c))

@@ -101,10 +101,14 @@ mod tests {
         let plain = Shape::Body { ranged: false };
         // The API rule does not match files, the file rule needs a 206, and nothing has a body.
         assert_eq!(take(&mut rules, Listener::Cdn, Target::File("m-00002"), Shape::NoBody), None);
-        assert_eq!(take(&mut rules, Listener::Hub, Target::File("m-00002"), Shape::Body { ranged: true }),
-            Some(FaultKind::Drop { after_bytes: 1 }));
-        assert_eq!(take(&mut rules, Listener::Cdn, Target::File("m-00002"), Shape::Body { ranged: true }),
-            Some(FaultKind::WrongRange));
+        assert_eq!(
+            take(&mut rules, Listener::Hub, Target::File("m-00002"), Shape::Body { ranged: true }),
+            Some(FaultKind::Drop { after_bytes: 1 })
+        );
+        assert_eq!(
+            take(&mut rules, Listener::Cdn, Target::File("m-00002"), Shape::Body { ranged: true }),
+            Some(FaultKind::WrongRange)
+        );
         assert_eq!(take(&mut rules, Listener::Cdn, Target::Api, plain), None);
         assert_eq!(take(&mut rules, Listener::Hub, Target::Api, Shape::NoBody), Some(FaultKind::Status(500)));
     }

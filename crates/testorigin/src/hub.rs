@@ -75,7 +75,9 @@ fn hub_answer(shared: &Shared, req: &Request) -> Response {
         ["api", "models", org, name, "revision", rev] => {
             api(shared, req.headers(), &format!("{org}/{name}"), rev, is_head)
         }
-        [org, name, "resolve", rev, file] => resolve(shared, req.headers(), &format!("{org}/{name}"), rev, file, is_head),
+        [org, name, "resolve", rev, file] => {
+            resolve(shared, req.headers(), &format!("{org}/{name}"), rev, file, is_head)
+        }
         _ => replies::not_found(),
     }
 }
@@ -101,47 +103,61 @@ struct Opened {
     snapshot: Arc<Snapshot>,
 }
 
-/// The Hub's checks, in its order: repo, credentials, gate, revision.
-fn open(shared: &Shared, headers: &HeaderMap, repo: &str, rev: &str) -> Result<Opened, Response> {
+/// Why a request may not read a revision, in the order the Hub checks.
+enum Refusal {
+    /// Unknown repo, or a private one without credentials: the Hub answers both alike, so as not
+    /// to tell a private repo from a missing one.
+    RepoNotFound,
+    BadCredentials,
+    Gated,
+    RevisionNotFound,
+}
+
+impl Refusal {
+    fn reply(self, repo: &str, rev: &str) -> Response {
+        match self {
+            Refusal::RepoNotFound => {
+                hub_error(StatusCode::UNAUTHORIZED, Some("RepoNotFound"), "Repository not found", None)
+            }
+            Refusal::BadCredentials => {
+                hub_error(StatusCode::UNAUTHORIZED, None, "Invalid credentials in Authorization header", None)
+            }
+            Refusal::Gated => {
+                let message =
+                    format!("Access to model {repo} is restricted. You must have access to it and be authenticated.");
+                hub_error(StatusCode::FORBIDDEN, Some("GatedRepo"), &message, None)
+            }
+            Refusal::RevisionNotFound => {
+                hub_error(StatusCode::NOT_FOUND, Some("RevisionNotFound"), &format!("Invalid rev id: {rev}"), None)
+            }
+        }
+    }
+}
+
+/// The Hub's checks: repo, credentials, gate, revision.
+fn open(shared: &Shared, headers: &HeaderMap, repo: &str, rev: &str) -> Result<Opened, Refusal> {
     let repos = lock(&shared.repos);
-    // The Hub answers 401 for a repo that does not exist, so as not to tell it from a private one.
-    let not_found = || hub_error(StatusCode::UNAUTHORIZED, Some("RepoNotFound"), "Repository not found", None);
-    let Some(r) = repos.get(repo) else { return Err(not_found()) };
+    let r = repos.get(repo).ok_or(Refusal::RepoNotFound)?;
     if let Some(token) = &r.token {
         let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
         match bearer {
-            // Without credentials a private repo looks like a missing one.
-            None => return Err(not_found()),
-            Some(given) if given.trim() != token => {
-                return Err(hub_error(
-                    StatusCode::UNAUTHORIZED,
-                    None,
-                    "Invalid credentials in Authorization header",
-                    None,
-                ));
-            }
+            None => return Err(Refusal::RepoNotFound),
+            Some(given) if given.trim() != token => return Err(Refusal::BadCredentials),
             Some(_) => {}
         }
     }
     if r.gated {
-        let message = format!("Access to model {repo} is restricted. You must have access to it and be authenticated.");
-        return Err(hub_error(StatusCode::FORBIDDEN, Some("GatedRepo"), &message, None));
+        return Err(Refusal::Gated);
     }
     let commit = match r.branches.get(rev) {
         Some(commit) => commit.clone(),
-        None if r.commits.contains_key(rev) => rev.to_string(),
-        None => {
-            let message = format!("Invalid rev id: {rev}");
-            return Err(hub_error(StatusCode::NOT_FOUND, Some("RevisionNotFound"), &message, None));
-        }
+        None => rev.to_string(),
     };
-    match r.commits.get(&commit) {
-        Some(snapshot) => Ok(Opened { commit, snapshot: snapshot.clone() }),
-        None => Err(hub_error(StatusCode::NOT_FOUND, Some("RevisionNotFound"), "unknown commit", None)),
-    }
+    let snapshot = r.commits.get(&commit).ok_or(Refusal::RevisionNotFound)?;
+    Ok(Opened { snapshot: snapshot.clone(), commit })
 }
 
 /// `GET /api/models/{repo}/revision/{rev}`: the commit and its files with sizes and hashes (as
@@ -150,7 +166,7 @@ fn api(shared: &Shared, headers: &HeaderMap, repo: &str, rev: &str, is_head: boo
     shared.stats().api_requests += 1;
     let opened = match open(shared, headers, repo, rev) {
         Ok(opened) => opened,
-        Err(resp) => return resp,
+        Err(refusal) => return refusal.reply(repo, rev),
     };
     let commit = Some(opened.commit.as_str());
     let shape = if is_head { Shape::NoBody } else { Shape::Body { ranged: false } };
@@ -203,7 +219,7 @@ fn model_info(repo: &str, opened: &Opened) -> Value {
 fn resolve(shared: &Shared, headers: &HeaderMap, repo: &str, rev: &str, file: &str, is_head: bool) -> Response {
     let opened = match open(shared, headers, repo, rev) {
         Ok(opened) => opened,
-        Err(resp) => return resp,
+        Err(refusal) => return refusal.reply(repo, rev),
     };
     let commit = Some(opened.commit.as_str());
     let Some(entry) = opened.snapshot.files.get(file) else {

@@ -97,7 +97,9 @@ fn common_headers(resp: &mut Response, f: &FileRequest<'_>) {
 /// at the last byte (a one-byte file cannot shift and is answered as asked).
 fn shifted(answer: RangeAnswer, size: u64) -> RangeAnswer {
     match answer {
-        RangeAnswer::Partial { start, end } if end + 1 < size => RangeAnswer::Partial { start: start + 1, end: end + 1 },
+        RangeAnswer::Partial { start, end } if end + 1 < size => {
+            RangeAnswer::Partial { start: start + 1, end: end + 1 }
+        }
         RangeAnswer::Partial { start, end } if start > 0 => RangeAnswer::Partial { start: start - 1, end: end - 1 },
         other => other,
     }

@@ -55,7 +55,8 @@ impl Shared {
             let snapshot = shared.scan(&spec.dir)?;
             let commits: HashMap<_, _> =
                 spec.branches.iter().map(|(_, commit)| (commit.clone(), snapshot.clone())).collect();
-            let repo = Repo { token: spec.token, gated: spec.gated, branches: spec.branches.into_iter().collect(), commits };
+            let repo =
+                Repo { token: spec.token, gated: spec.gated, branches: spec.branches.into_iter().collect(), commits };
             lock(&shared.repos).insert(spec.repo, repo);
         }
         Ok(shared)
@@ -67,9 +68,11 @@ impl Shared {
         let mut blobs = lock(&self.blobs);
         for (name, f) in &snapshot.files {
             if f.lfs_pointer_size.is_some() {
-                blobs
-                    .entry(f.sha256.clone())
-                    .or_insert_with(|| Blob { name: name.clone(), path: f.path.clone(), size: f.size });
+                blobs.entry(f.sha256.clone()).or_insert_with(|| Blob {
+                    name: name.clone(),
+                    path: f.path.clone(),
+                    size: f.size,
+                });
             }
         }
         Ok(Arc::new(snapshot))
