@@ -1,6 +1,7 @@
 //! `deltafin`: convert Hugging Face checkpoints into Deltafin stores and run them.
 
 mod bench;
+mod install_cmd;
 mod kernel_bench;
 mod run;
 mod serve_cmd;
@@ -75,6 +76,12 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Install a model from the Hugging Face Hub (or a Hub-compatible endpoint, or a plain
+    /// HTTP mirror of a snapshot): full (resumable, offline after) or streaming (the spine
+    /// first, each expert fetched on first use); or upgrade a streaming store to full.
+    Install(install_cmd::InstallArgs),
+    /// Fetch the experts recorded router traces chose most, into a streaming store.
+    Warmup(install_cmd::WarmupArgs),
     /// Router traces.
     #[command(subcommand)]
     Trace(trace_cmd::TraceCmd),
@@ -86,7 +93,10 @@ enum Cmd {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG")
+                .unwrap_or_else(|_| "warn,deltafin_hub=info".into()),
+        )
         .init();
     let cli = Cli::parse();
     match dispatch(cli) {
@@ -112,7 +122,13 @@ fn dispatch(cli: Cli) -> Result<()> {
     }
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, experts } => {
-            let opts = ConvertOptions { spine, int8_group, experts, progress: std::io::stderr().is_terminal() };
+            let opts = ConvertOptions {
+                spine,
+                int8_group,
+                experts,
+                progress: std::io::stderr().is_terminal(),
+                ..Default::default()
+            };
             let t0 = std::time::Instant::now();
             let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
             eprintln!(
@@ -135,6 +151,8 @@ fn dispatch(cli: Cli) -> Result<()> {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::ProbeDisk(a) => bench::probe(a),
         Cmd::Trace(t) => trace_cmd::run(t),
+        Cmd::Install(a) => install_cmd::install(a),
+        Cmd::Warmup(a) => install_cmd::warmup(a),
         Cmd::Synth { preset, layers, experts, spine, seed, out } => {
             if preset != "kimi-k3" {
                 bail!("unknown preset '{preset}' (only kimi-k3)");

@@ -3,6 +3,7 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use deltafin_engine::generate::{GenerateHooks, generate_with};
@@ -11,7 +12,9 @@ use deltafin_engine::session::{RunOptions, Session};
 use deltafin_engine::stream::cache::Policy;
 use deltafin_engine::study::routing::RoutingOverride;
 use deltafin_engine::study::trace::{TraceHeader, TraceWriter, read_trace};
+use deltafin_hub::fetcher::HubFetcher;
 use deltafin_store::Store;
+use deltafin_store::presence::ExpertFetcher;
 use deltafin_text::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Clone)]
@@ -55,6 +58,14 @@ pub struct ModelArgs {
     /// every output says so).
     #[arg(long)]
     pub approx: bool,
+    /// Never touch the network: on a streaming store (`install --mode stream`), an expert not
+    /// fetched yet is an error that says how to fetch it.
+    #[arg(long)]
+    pub offline: bool,
+    /// Where a streaming store fetches missing experts (default: HF_ENDPOINT for a Hub install,
+    /// else the origin it was installed from).
+    #[arg(long)]
+    pub endpoint: Option<String>,
 }
 
 impl ModelArgs {
@@ -81,7 +92,27 @@ impl ModelArgs {
             approx: self.approx,
             predict: false,
             state_copies: 1,
+            fetcher: None,
         })
+    }
+
+    /// The fetcher a streaming store uses for experts met for the first time: none for a full
+    /// store, or offline.
+    pub fn fetcher_for(&self, store: &Store) -> Result<Option<Arc<dyn ExpertFetcher>>> {
+        if store.manifest.streaming.is_none() {
+            return Ok(None);
+        }
+        let (present, all) = store.experts.presence().map(|p| p.count()).unwrap_or((0, 0));
+        if self.offline {
+            eprintln!("streaming store: {present} of {all} experts on disk; offline: a missing expert is an error");
+            return Ok(None);
+        }
+        let endpoint = crate::install_cmd::fetch_endpoint(store, self.endpoint.as_deref());
+        eprintln!(
+            "streaming store: {present} of {all} experts on disk; missing ones are fetched on first use from {endpoint}"
+        );
+        let f = HubFetcher::open(store, Some(&endpoint), deltafin_hub::install::env_http())?;
+        Ok(Some(Arc::new(f)))
     }
 
     pub fn open(&self) -> Result<(Store, Session)> {
@@ -93,7 +124,8 @@ impl ModelArgs {
         let path = self.store_path()?;
         let store =
             Store::open(path, self.source.as_deref()).with_context(|| format!("opening store {}", path.display()))?;
-        let session = Session::open(&store, opts)?;
+        let opts = RunOptions { fetcher: self.fetcher_for(&store)?, ..opts.clone() };
+        let session = Session::open(&store, &opts)?;
         eprintln!("{}", session.plan.describe());
         if session.modified_top_k() {
             eprintln!("note: {}", session.variant());

@@ -78,6 +78,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let tokenizer = Tokenizer::load(&store.dir)?;
     let mut run_opts = a.model.run_options()?;
     run_opts.state_copies = if a.no_prefix_cache { 1 } else { 2 };
+    run_opts.fetcher = a.model.fetcher_for(&store)?;
     let cfg = &store.manifest.config;
     let id = a.served_model_name.clone().unwrap_or_else(|| {
         std::fs::canonicalize(&path)

@@ -39,3 +39,20 @@ pub struct FaultStats {
     /// Times the source was returned to a clean state after a failed request.
     pub resets: u64,
 }
+
+/// Routed experts of a streaming store that could not be made present: fetching them from the
+/// origin failed, or the run is offline. The message names the layer, never a path or URL
+/// (those are in `detail`, for the log).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{}", match offline {
+    true => format!("layer {layer} expert {expert} is not in this streaming store yet, and this run is offline (run without --offline, or fill the store with `deltafin warmup --fetch` or `deltafin install --upgrade-to-full`)"),
+    false => format!("fetching {count} expert(s) of layer {layer} from the origin failed"),
+})]
+pub struct FetchFault {
+    pub layer: usize,
+    /// The first expert concerned.
+    pub expert: usize,
+    pub count: usize,
+    pub offline: bool,
+    pub detail: String,
+}

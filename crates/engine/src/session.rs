@@ -2,8 +2,11 @@
 //! place that turns run options into a plan, a model and an expert source, for every command
 //! that runs the model.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use deltafin_store::Store;
+use deltafin_store::presence::ExpertFetcher;
 use serde::Serialize;
 
 use crate::k3::{K3Model, RunConfig};
@@ -34,6 +37,9 @@ pub struct RunOptions {
     pub predict: bool,
     /// Sequence states the plan reserves: 1, or 2 when a server keeps a prefix snapshot.
     pub state_copies: usize,
+    /// Fills a streaming store's absent experts on first use; `None` = offline (an absent
+    /// expert is an error that says how to fetch it).
+    pub fetcher: Option<Arc<dyn ExpertFetcher>>,
 }
 
 impl Default for RunOptions {
@@ -51,6 +57,7 @@ impl Default for RunOptions {
             approx: false,
             predict: false,
             state_copies: 1,
+            fetcher: None,
         }
     }
 }
@@ -111,7 +118,7 @@ impl Session {
                 io_backend: opts.backend,
             },
         )?;
-        let experts = StreamingExperts::new(
+        let mut experts = StreamingExperts::new(
             store,
             StreamOptions {
                 cache_slots_per_layer: plan.cache_slots_per_layer,
@@ -123,6 +130,7 @@ impl Session {
                 prefetch_buffers,
             },
         )?;
+        experts.set_fetcher(opts.fetcher.clone());
         Ok(Session { model, experts, plan, default_top_k })
     }
 

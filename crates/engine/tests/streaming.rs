@@ -203,6 +203,7 @@ fn streamed_spine_works_with_a_moved_checkpoint() {
         int8_group: 0,
         experts: ExpertLayout::InPlace,
         progress: false,
+        ..Default::default()
     };
     deltafin_store::convert::convert(&hf, dir.path(), &opts).unwrap();
     let moved = src.path().join("moved");

@@ -137,6 +137,12 @@ impl ApiError {
     /// `deltafin_engine::fault`); anything else as [`ENGINE_FAILED`]. The whole error, paths and
     /// all, goes to the server's log.
     pub fn from_engine(e: &anyhow::Error) -> Self {
+        if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<deltafin_engine::fault::FetchFault>()) {
+            tracing::error!(layer = f.layer, expert = f.expert, detail = %f.detail, "generation failed: {f}");
+            let mut err = Self::unavailable(format!("generation failed: {f}"));
+            err.code = Some(if f.offline { "expert_not_fetched" } else { "expert_fetch_failed" });
+            return err;
+        }
         match read_fault(e) {
             Some(f) => {
                 tracing::error!(layer = f.layer, expert = f.expert, kind = ?f.kind, detail = %f.detail, "generation failed: {e:#}");

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use deltafin_engine::experts::ExpertSource;
 use deltafin_engine::fault::FaultStats;
 use deltafin_engine::session::Session;
+use deltafin_store::presence::FetchStats;
 use deltafin_text::textgen::{Finish, Summary};
 
 /// A Prometheus summary without quantiles: a sum and a count.
@@ -33,6 +34,8 @@ pub struct Metrics {
     cache_accesses: AtomicU64,
     cache_hits: AtomicU64,
     faults: Mutex<FaultStats>,
+    /// A streaming store's fetches, and its experts on disk (present, all).
+    streaming: Mutex<Option<StreamingTotals>>,
     health: Mutex<Health>,
 }
 
@@ -48,6 +51,9 @@ pub enum Outcome {
     /// Failed otherwise (another engine error, a panic).
     OtherFailure,
 }
+
+/// A streaming store's fetch totals, and its experts on disk (present, all).
+type StreamingTotals = (FetchStats, Option<(usize, usize)>);
 
 /// Generations in a row that must fail with a read fault for the server to report itself
 /// degraded. One fault can be a bad sector under one record; three in a row with nothing
@@ -111,6 +117,7 @@ impl Metrics {
         self.cache_accesses.store(t.accesses, Ordering::Relaxed);
         self.cache_hits.store(t.hits, Ordering::Relaxed);
         self.set_faults(ExpertSource::faults(&session.experts));
+        *lock(&self.streaming) = session.experts.fetch_stats().map(|f| (f, session.experts.presence_count()));
     }
 
     fn set_faults(&self, f: FaultStats) {
@@ -255,6 +262,41 @@ impl Metrics {
             ),
             self.degraded().is_some() as u8 as f64,
         );
+        if let Some((f, present)) = *lock(&self.streaming) {
+            counter(
+                &mut out,
+                "deltafin_stream_experts_fetched_total",
+                "Routed experts fetched from the origin on first use.",
+                f.experts,
+            );
+            counter(
+                &mut out,
+                "deltafin_stream_bytes_downloaded_total",
+                "Body bytes received from the origin by expert fetches.",
+                f.bytes_downloaded,
+            );
+            counter(
+                &mut out,
+                "deltafin_stream_bytes_written_total",
+                "Bytes written into the store by expert fetches (SSD endurance).",
+                f.bytes_written,
+            );
+            counter(
+                &mut out,
+                "deltafin_stream_fetch_failures_total",
+                "Layer fetches that failed (the request failed with them).",
+                f.failures,
+            );
+            gauge(&mut out, "deltafin_stream_fetch_seconds_total", "Wall time spent fetching experts.", f.seconds);
+            if let Some((p, all)) = present {
+                gauge(
+                    &mut out,
+                    "deltafin_stream_experts_present",
+                    &format!("Routed experts on disk (of {all})."),
+                    p as f64,
+                );
+            }
+        }
         gauge(&mut out, "deltafin_queue_length", "Requests waiting for the engine.", queue_length as f64);
         gauge(&mut out, "deltafin_running", "Generations running (0 or 1).", running as u8 as f64);
         out

@@ -40,11 +40,40 @@ pub struct ConvertOptions {
     pub int8_group: usize,
     pub experts: ExpertLayout,
     pub progress: bool,
+    /// Provenance recorded in the manifest (`deltafin install`).
+    pub origin: Option<OriginInfo>,
+    /// Recorded in the manifest: the store streams its experts (their checksums are in the
+    /// presence map).
+    pub streaming: Option<StreamingInfo>,
+    /// Where the experts' checksums come from.
+    pub expert_sums: ExpertSums,
+}
+
+/// How `convert` learns each routed expert's checksum.
+#[derive(Debug, Clone, Default)]
+pub enum ExpertSums {
+    /// Read every record (checking its scales) and hash it: the plain conversion.
+    #[default]
+    Read,
+    /// Not known: the shards do not hold the experts yet (a streaming install). Experts are
+    /// located from the shard headers alone, in place, with checksum 0.
+    Absent,
+    /// Computed already (by an install that hashed each shard as it verified it), by
+    /// (layer, expert); located from the headers, in place.
+    Given(std::collections::HashMap<(usize, usize), u64>),
 }
 
 impl Default for ConvertOptions {
     fn default() -> Self {
-        ConvertOptions { spine: SpineDtype::Int8, int8_group: 0, experts: ExpertLayout::InPlace, progress: false }
+        ConvertOptions {
+            spine: SpineDtype::Int8,
+            int8_group: 0,
+            experts: ExpertLayout::InPlace,
+            progress: false,
+            origin: None,
+            streaming: None,
+            expert_sums: ExpertSums::Read,
+        }
     }
 }
 
@@ -132,11 +161,23 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let src = Source::open(from)?;
     std::fs::create_dir_all(to).map_err(io_err(to))?;
     refuse_same_dir(from, to)?;
+    let read_experts = matches!(opts.expert_sums, ExpertSums::Read);
+    if !read_experts && opts.experts != ExpertLayout::InPlace {
+        return Err(StoreError::Store {
+            path: to.to_path_buf(),
+            msg: "experts located without reading them stay in place".into(),
+        });
+    }
     let spine_plan = plan_spine(&src, opts)?;
     let expert_plan = ExpertPlan::new(&src.ck.config);
-    let bar = byte_progress(spine_plan.src_bytes + expert_plan.src_bytes(), opts.progress);
+    let expert_src_bytes = if read_experts { expert_plan.src_bytes() } else { 0 };
+    let bar = byte_progress(spine_plan.src_bytes + expert_src_bytes, opts.progress);
     let spine = write_spine(&spine_plan, opts, &to.join(SPINE_FILE), &bar)?;
-    let (experts, expert_ranges) = locate_experts(&src, &expert_plan, opts.experts, to, &bar)?;
+    let (experts, expert_ranges) = if read_experts {
+        locate_experts(&src, &expert_plan, opts.experts, to, &bar)?
+    } else {
+        locate_experts_by_header(&src, &expert_plan, &opts.expert_sums)?
+    };
     bar.finish_and_clear();
     let tokenizer = copy_tokenizer(from, to)?;
     let report = ConvertReport {
@@ -145,7 +186,7 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
         record_bytes: expert_plan.record_bytes,
         expert_ranges,
     };
-    write_manifest(from, to, &src, spine, experts, tokenizer)?;
+    write_manifest(from, to, &src, spine, experts, tokenizer, opts)?;
     Ok(report)
 }
 
@@ -511,6 +552,40 @@ fn locate_experts(
     Ok((info, total_ranges))
 }
 
+/// Where expert `e` of layer `l` lives, from the shard headers alone: per part, its shard
+/// and tensor entry, in canonical order (shapes and dtype checked).
+fn record_parts_of<'a>(
+    src: &'a Source,
+    plan: &ExpertPlan,
+    l: usize,
+    e: usize,
+) -> Result<Vec<(usize, &'a Shard, &'a TensorEntry, String)>, StoreError> {
+    let ck = &src.ck;
+    let mut out = Vec::with_capacity(plan.parts.len());
+    for (name, shape) in &plan.parts {
+        let full = expert_tensor_name(src.prefix, l, e, name);
+        let si = *ck
+            .weight_map
+            .get(&full)
+            .ok_or_else(|| StoreError::MissingTensor { dir: ck.dir.clone(), tensor: full.clone() })?;
+        let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
+        out.push((si, shard, t, full));
+    }
+    Ok(out)
+}
+
+/// The source ranges `[shard, offset, len]` of a record's parts, adjacent ones merged.
+fn merged_ranges(parts: &[(usize, &Shard, &TensorEntry, String)]) -> Vec<[u64; 3]> {
+    let mut ranges: Vec<[u64; 3]> = Vec::new();
+    for (si, _, t, _) in parts {
+        match ranges.last_mut() {
+            Some(r) if r[0] == *si as u64 && r[1] + r[2] == t.offset => r[2] += t.len,
+            _ => ranges.push([*si as u64, t.offset, t.len]),
+        }
+    }
+    ranges
+}
+
 /// Read expert `e` of layer `l` into `record` in canonical order, refusing a NaN (0xFF) E8M0
 /// scale; produces its source ranges `[shard, offset, len]`, adjacent ones merged.
 fn read_record(
@@ -520,34 +595,59 @@ fn read_record(
     e: usize,
     record: &mut [u8],
 ) -> Result<Vec<[u64; 3]>, StoreError> {
-    let ck = &src.ck;
-    let mut ranges: Vec<[u64; 3]> = Vec::new();
+    let parts = record_parts_of(src, plan, l, e)?;
     let mut pos = 0usize;
-    for (name, shape) in &plan.parts {
-        let full = expert_tensor_name(src.prefix, l, e, name);
-        let si = *ck
-            .weight_map
-            .get(&full)
-            .ok_or_else(|| StoreError::MissingTensor { dir: ck.dir.clone(), tensor: full.clone() })?;
-        let (shard, t) = ck.expect(&full, shape, &[Dtype::U8])?;
+    for (name, (_, shard, t, full)) in plan.parts.iter().map(|p| p.0).zip(&parts) {
         let part = &mut record[pos..pos + t.len as usize];
         shard.read_at(t.offset, part)?;
         if name.ends_with("weight_scale")
-            && let Some(i) = part.iter().position(|&b| b == 0xFF)
+            && let Some(i) = crate::quant::nan_scale(part)
         {
             return Err(StoreError::Tensor {
                 path: shard.path.clone(),
-                tensor: full,
+                tensor: full.clone(),
                 msg: format!("layer {l} expert {e}: E8M0 scale byte {i} is 0xFF (NaN); the checkpoint is corrupt"),
             });
         }
         pos += t.len as usize;
-        match ranges.last_mut() {
-            Some(r) if r[0] == si as u64 && r[1] + r[2] == t.offset => r[2] += t.len,
-            _ => ranges.push([si as u64, t.offset, t.len]),
-        }
     }
-    Ok(ranges)
+    Ok(merged_ranges(&parts))
+}
+
+/// The experts section from the shard headers alone, nothing read: checksums from `sums`
+/// (`Given`), or 0 (`Absent`: a streaming store, whose presence map has each fetched record's).
+fn locate_experts_by_header(
+    src: &Source,
+    plan: &ExpertPlan,
+    sums: &ExpertSums,
+) -> Result<(ExpertsInfo, usize), StoreError> {
+    let mut layers = Vec::with_capacity(plan.moe_layers.len());
+    let mut total_ranges = 0usize;
+    for &l in &plan.moe_layers {
+        let mut experts = Vec::with_capacity(plan.num_experts);
+        for e in 0..plan.num_experts {
+            let ranges = merged_ranges(&record_parts_of(src, plan, l, e)?);
+            total_ranges += ranges.len();
+            let xxh3 = match sums {
+                ExpertSums::Given(m) => *m.get(&(l, e)).ok_or_else(|| StoreError::Store {
+                    path: src.ck.dir.clone(),
+                    msg: format!("no checksum was computed for layer {l} expert {e}"),
+                })?,
+                _ => 0,
+            };
+            experts.push(ExpertLocation { ranges, xxh3 });
+        }
+        layers.push(ExpertLayer { layer: l, experts });
+    }
+    let info = ExpertsInfo {
+        layout: ExpertLayout::InPlace,
+        format: "mxfp4".into(),
+        record_bytes: plan.record_bytes,
+        parts: plan.part_meta.clone(),
+        files: src.shard_files.clone(),
+        layers,
+    };
+    Ok((info, total_ranges))
 }
 
 /// One layer's packed expert file, `experts/layer-LLL.bin`, written record by record.
@@ -613,6 +713,7 @@ fn write_manifest(
     spine: SpineInfo,
     experts: ExpertsInfo,
     tokenizer: Option<TokenizerInfo>,
+    opts: &ConvertOptions,
 ) -> Result<(), StoreError> {
     let abs_dir = std::fs::canonicalize(from).map_err(io_err(from))?;
     let manifest = Manifest {
@@ -634,6 +735,8 @@ fn write_manifest(
         spine,
         experts,
         tokenizer,
+        origin: opts.origin.clone(),
+        streaming: opts.streaming.clone(),
     };
     manifest.save(to)
 }

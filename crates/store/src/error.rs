@@ -28,6 +28,11 @@ pub enum StoreError {
     )]
     Checksum { layer: usize, expert: usize, expected: u64, actual: u64 },
 
+    #[error(
+        "layer {layer} expert {expert} has not been fetched into this streaming store yet; fetching needs the network (run without --offline, or fill the store first with `deltafin warmup --fetch` or `deltafin install --upgrade-to-full`)"
+    )]
+    Absent { layer: usize, expert: usize },
+
     #[error("store {}: {msg}", path.display())]
     Store { path: PathBuf, msg: String },
 

@@ -4,6 +4,7 @@
 //! - [`checkpoint`]: a sharded K3 checkpoint directory with its config and index.
 //! - [`schema`]: the tensors a K3 model must have, with the shapes its config implies.
 //! - [`convert`]: checkpoint -> store (spine file, expert locations, manifest).
+//! - [`presence`]: which experts a streaming store holds yet, and their checksums.
 //! - [`store`]: opening a store; spine tensors and routed-expert records by (layer, expert).
 
 pub mod checkpoint;
@@ -12,6 +13,7 @@ mod config_check;
 pub mod convert;
 pub mod error;
 pub mod manifest;
+pub mod presence;
 pub mod quant;
 pub mod schema;
 pub mod shard;

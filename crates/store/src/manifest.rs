@@ -23,6 +23,48 @@ pub struct Manifest {
     pub experts: ExpertsInfo,
     #[serde(default)]
     pub tokenizer: Option<TokenizerInfo>,
+    /// Where the checkpoint came from, for stores made by `deltafin install`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<OriginInfo>,
+    /// Present while the store streams its experts from the origin (`install --mode stream`):
+    /// routed experts may be absent, and a present one's checksum is in the presence map, not
+    /// in `experts.layers` (whose `xxh3` fields are 0 until the store is full).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streaming: Option<StreamingInfo>,
+}
+
+/// The origin a store was installed from, pinned to one commit.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OriginInfo {
+    /// `hub` (the Hugging Face Hub API and URL layout) or `mirror` (a plain HTTP directory of a
+    /// snapshot's files).
+    pub kind: String,
+    /// The endpoint it was installed from (the default for later fetches).
+    pub endpoint: String,
+    pub repo: String,
+    /// The revision asked for (a branch, tag or commit).
+    pub revision: String,
+    /// The commit every file was fetched at.
+    pub commit: String,
+    pub files: Vec<OriginFile>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OriginFile {
+    pub name: String,
+    pub size: u64,
+    /// The origin's sha256 (LFS files on the Hub; a mirror's SHA256SUMS).
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// The Hub's blob id (the name of the file's blob in a Hub cache).
+    #[serde(default)]
+    pub blob: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StreamingInfo {
+    /// The presence map, relative to the store.
+    pub presence_file: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -188,6 +230,9 @@ impl Manifest {
         }
         for (i, f) in self.tokenizer.iter().flat_map(|t| t.files.iter()).enumerate() {
             check_inside(&format!("tokenizer.files[{i}]"), f)?;
+        }
+        if let Some(s) = &self.streaming {
+            check_inside("streaming.presence_file", &s.presence_file)?;
         }
         Ok(())
     }

@@ -33,6 +33,11 @@ pub fn effective_group(cols: usize, requested: usize) -> usize {
     if requested == 0 || !cols.is_multiple_of(requested) { cols } else { requested }
 }
 
+/// The first E8M0 scale byte that is 0xFF (NaN), if any: a corrupt MXFP4 scale.
+pub fn nan_scale(scales: &[u8]) -> Option<usize> {
+    scales.iter().position(|&b| b == 0xFF)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,53 +85,8 @@ impl Shard {
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
-        let text = std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-        // Parse entry by entry (rather than through safetensors' all-or-nothing validation) so an
-        // error can name the tensor it concerns.
-        let raw: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(text).map_err(|e| bad(format!("header is not a valid safetensors header: {e}")))?;
         let data_start = 8 + n;
-        let data_len = file_len - data_start;
-        let mut tensors = Vec::new();
-        for (name, value) in raw {
-            if name == "__metadata__" {
-                continue;
-            }
-            let tbad = |msg: String| StoreError::Tensor { path: path.to_path_buf(), tensor: name.clone(), msg };
-            let info: RawInfo =
-                serde_json::from_value(value).map_err(|e| tbad(format!("invalid header entry: {e}")))?;
-            let (b, e) = (info.data_offsets[0], info.data_offsets[1]);
-            if e < b {
-                return Err(tbad(format!("data_offsets [{b}, {e}] end before they begin")));
-            }
-            if e > data_len {
-                return Err(tbad(format!(
-                    "data_offsets [{b}, {e}] run past the end of the file (data section is {data_len} bytes)"
-                )));
-            }
-            let size = dtype_size(info.dtype).ok_or_else(|| tbad(format!("unsupported dtype {:?}", info.dtype)))?;
-            let numel = info
-                .shape
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| tbad("shape overflows".into()))?;
-            if (numel as u64).checked_mul(size as u64) != Some(e - b) {
-                return Err(tbad(format!(
-                    "shape {:?} x {:?} needs {} bytes but data_offsets span {}",
-                    info.shape,
-                    info.dtype,
-                    numel as u128 * size as u128,
-                    e - b
-                )));
-            }
-            tensors.push(TensorEntry {
-                name: name.clone(),
-                dtype: info.dtype,
-                shape: info.shape,
-                offset: data_start + b,
-                len: e - b,
-            });
-        }
+        let mut tensors = parse_header(path, &header, file_len)?;
         tensors.sort_by_key(|t| t.offset);
         let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(Shard {
@@ -160,6 +115,64 @@ impl Shard {
         self.read_at(t.offset, &mut buf)?;
         Ok(buf)
     }
+}
+
+/// The tensor entries of a safetensors header (`header` is the JSON after the 8-byte length)
+/// of a file of `file_len` bytes, with offsets made absolute; `path` names the file in errors.
+/// Works on a header fetched on its own, before the file exists locally.
+pub fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<Vec<TensorEntry>, StoreError> {
+    let bad = |msg: String| StoreError::Safetensors { path: path.to_path_buf(), msg };
+    let n = header.len() as u64;
+    if 8 + n > file_len {
+        return Err(bad(format!("header length {n} runs past the end of the {file_len}-byte file")));
+    }
+    let text = std::str::from_utf8(header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    // Parse entry by entry (rather than through safetensors' all-or-nothing validation) so an
+    // error can name the tensor it concerns.
+    let raw: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| bad(format!("header is not a valid safetensors header: {e}")))?;
+    let data_start = 8 + n;
+    let data_len = file_len - data_start;
+    let mut tensors = Vec::new();
+    for (name, value) in raw {
+        if name == "__metadata__" {
+            continue;
+        }
+        let tbad = |msg: String| StoreError::Tensor { path: path.to_path_buf(), tensor: name.clone(), msg };
+        let info: RawInfo = serde_json::from_value(value).map_err(|e| tbad(format!("invalid header entry: {e}")))?;
+        let (b, e) = (info.data_offsets[0], info.data_offsets[1]);
+        if e < b {
+            return Err(tbad(format!("data_offsets [{b}, {e}] end before they begin")));
+        }
+        if e > data_len {
+            return Err(tbad(format!(
+                "data_offsets [{b}, {e}] run past the end of the file (data section is {data_len} bytes)"
+            )));
+        }
+        let size = dtype_size(info.dtype).ok_or_else(|| tbad(format!("unsupported dtype {:?}", info.dtype)))?;
+        let numel = info
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| tbad("shape overflows".into()))?;
+        if (numel as u64).checked_mul(size as u64) != Some(e - b) {
+            return Err(tbad(format!(
+                "shape {:?} x {:?} needs {} bytes but data_offsets span {}",
+                info.shape,
+                info.dtype,
+                numel as u128 * size as u128,
+                e - b
+            )));
+        }
+        tensors.push(TensorEntry {
+            name: name.clone(),
+            dtype: info.dtype,
+            shape: info.shape,
+            offset: data_start + b,
+            len: e - b,
+        });
+    }
+    Ok(tensors)
 }
 
 #[cfg(test)]

@@ -5,12 +5,14 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use half::bf16;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;
+use crate::presence::Presence;
 use crate::shard::Shard;
 
 /// One spine tensor in memory, in the dtype the store keeps it.
@@ -60,12 +62,26 @@ pub struct ExpertFiles {
     /// layer -> locations, indexed by expert id.
     layers: HashMap<usize, Vec<ExpertLocation>>,
     pub record_bytes: u64,
+    /// A streaming store's presence map: which records are on disk, and their checksums.
+    presence: Option<Arc<Presence>>,
 }
 
 impl ExpertFiles {
     /// Read the canonical record of (layer, expert) into `buf` (resized to the record length) and
     /// verify its checksum. Corrupt bytes are reported, never returned.
     pub fn read(&self, layer: usize, expert: usize, buf: &mut Vec<u8>) -> Result<(), StoreError> {
+        let expected = self.checksum(layer, expert)?;
+        self.read_raw(layer, expert, buf)?;
+        let actual = xxh3_64(buf);
+        if actual != expected {
+            return Err(StoreError::Checksum { layer, expert, expected, actual });
+        }
+        Ok(())
+    }
+
+    /// Read the canonical record of (layer, expert) into `buf` without checking it (to compute
+    /// a checksum the store does not have yet).
+    pub fn read_raw(&self, layer: usize, expert: usize, buf: &mut Vec<u8>) -> Result<(), StoreError> {
         let loc = self.layers.get(&layer).and_then(|v| v.get(expert)).ok_or_else(|| StoreError::Store {
             path: PathBuf::new(),
             msg: format!("no routed expert {expert} in layer {layer}"),
@@ -90,11 +106,28 @@ impl ExpertFiles {
                 msg: format!("manifest ranges of layer {layer} expert {expert} cover {pos} of {} bytes", buf.len()),
             });
         }
-        let actual = xxh3_64(buf);
-        if actual != loc.xxh3 {
-            return Err(StoreError::Checksum { layer, expert, expected: loc.xxh3, actual });
-        }
         Ok(())
+    }
+
+    /// The checksum a record's bytes must have. In a streaming store a record not fetched yet
+    /// has none: it is [`StoreError::Absent`] (asked of the file, not only of this process's
+    /// view, so a record another process fetched counts).
+    pub fn checksum(&self, layer: usize, expert: usize) -> Result<u64, StoreError> {
+        match &self.presence {
+            None => self.location(layer, expert).map(|l| l.xxh3).ok_or_else(|| StoreError::Store {
+                path: PathBuf::new(),
+                msg: format!("no routed expert {expert} in layer {layer}"),
+            }),
+            Some(p) => match p.get(layer, expert) {
+                Some(v) => Ok(v),
+                None => p.refresh(layer, expert)?.ok_or(StoreError::Absent { layer, expert }),
+            },
+        }
+    }
+
+    /// The presence map, when this is a streaming store.
+    pub fn presence(&self) -> Option<&Arc<Presence>> {
+        self.presence.as_ref()
     }
 
     /// The files expert ranges point into, by the index the ranges use.
@@ -154,7 +187,15 @@ impl Store {
         }
         check_ranges_in_files(ex, &files, &paths, &dir.join(MANIFEST_FILE))?;
         let layers = ex.layers.iter().map(|l| (l.layer, l.experts.clone())).collect();
-        let experts = ExpertFiles { files, paths, layers, record_bytes: ex.record_bytes };
+        let presence = match &manifest.streaming {
+            None => None,
+            Some(st) => {
+                let moe: Vec<usize> = ex.layers.iter().map(|l| l.layer).collect();
+                let n = manifest.config.num_experts;
+                Some(Arc::new(Presence::open(&dir.join(&st.presence_file), &moe, n)?))
+            }
+        };
+        let experts = ExpertFiles { files, paths, layers, record_bytes: ex.record_bytes, presence };
         Ok(Store { dir: dir.to_path_buf(), manifest, spine_file, spine_index, experts })
     }
 

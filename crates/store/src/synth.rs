@@ -243,6 +243,8 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
             layers,
         },
         tokenizer: None,
+        origin: None,
+        streaming: None,
     };
     manifest.save(out)?;
     Ok(manifest)

@@ -114,6 +114,7 @@ fn check_index(dir: &Path, out: &Path, text: &[u8]) -> Result<(), TestCaseError>
                 int8_group: 0,
                 experts: ExpertLayout::InPlace,
                 progress: false,
+                ..Default::default()
             };
             let _ = convert(dir, out, &opts);
         }
@@ -237,7 +238,13 @@ fn store_dir(layout: ExpertLayout) -> StoreDir {
     let hf = tmp.path().join("hf");
     copy_dir(&fixture_hf(), &hf);
     let dir = tmp.path().join("store");
-    let opts = ConvertOptions { spine: SpineDtype::Bf16, int8_group: 0, experts: layout, progress: false };
+    let opts = ConvertOptions {
+        spine: SpineDtype::Bf16,
+        int8_group: 0,
+        experts: layout,
+        progress: false,
+        ..Default::default()
+    };
     convert(&hf, &dir, &opts).unwrap();
     let manifest = serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     StoreDir { _tmp: tmp, dir, manifest }

@@ -152,6 +152,13 @@ impl Origin {
         };
         let thread = std::thread::Builder::new().name("test-origin".into()).spawn(move || {
             runtime.block_on(async move {
+                use axum::serve::ListenerExt;
+                // No Nagle: a body sent in several writes would otherwise stall 40 ms per write
+                // on the client's delayed ACK, which no real CDN does.
+                let nodelay = |s: &mut tokio::net::TcpStream| {
+                    let _ = s.set_nodelay(true);
+                };
+                let (hub_listener, cdn_listener) = (hub_listener.tap_io(nodelay), cdn_listener.tap_io(nodelay));
                 tokio::spawn(async move { axum::serve(hub_listener, hub_app).await });
                 tokio::spawn(async move { axum::serve(cdn_listener, cdn_app).await });
                 // Both the sender's send and its drop (a panicking test) stop the server.

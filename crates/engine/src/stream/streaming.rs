@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow, bail};
 use deltafin_store::Store;
 use deltafin_store::manifest::ExpertLocation;
+use deltafin_store::presence::{ExpertFetcher, FetchStats, Presence};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -25,7 +26,7 @@ use super::cache::{LayerCache, Policy};
 use super::geometry;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
 use crate::experts::ExpertSource;
-use crate::fault::{FaultKind, FaultStats, ReadFault};
+use crate::fault::{FaultKind, FaultStats, FetchFault, ReadFault};
 
 #[derive(Debug, Clone)]
 pub struct StreamOptions {
@@ -129,6 +130,11 @@ pub struct StreamingExperts {
     queue_buf: Vec<(usize, usize)>,
     misses_buf: Vec<usize>,
     spare_demand: Option<Demand>,
+    /// A streaming store's presence map: absent records are fetched (or refused) before any
+    /// read of them starts, and present ones are checked against its checksums.
+    presence: Option<Arc<Presence>>,
+    /// Fills absent records from the origin; `None` (offline) makes an absent record an error.
+    fetcher: Option<Arc<dyn ExpertFetcher>>,
 }
 
 impl StreamingExperts {
@@ -189,7 +195,61 @@ impl StreamingExperts {
             queue_buf: Vec::new(),
             misses_buf: Vec::new(),
             spare_demand: None,
+            presence: store.experts.presence().cloned(),
+            fetcher: None,
         })
+    }
+
+    /// Let this source fetch a streaming store's absent records on first use (without one,
+    /// an absent record ends the step with an error that says how to fetch it).
+    pub fn set_fetcher(&mut self, fetcher: Option<Arc<dyn ExpertFetcher>>) {
+        self.fetcher = fetcher;
+    }
+
+    /// What the fetcher has done, when this source has one.
+    pub fn fetch_stats(&self) -> Option<FetchStats> {
+        self.fetcher.as_ref().map(|f| f.stats())
+    }
+
+    /// Experts on disk, of all, in a streaming store.
+    pub fn presence_count(&self) -> Option<(usize, usize)> {
+        self.presence.as_ref().map(|p| p.count())
+    }
+
+    /// Whether (layer, expert) is on disk (always, outside streaming stores).
+    fn present(&self, layer: usize, expert: usize) -> bool {
+        self.presence.as_ref().is_none_or(|p| p.get(layer, expert).is_some())
+    }
+
+    /// Make every listed record of `layer` present before a read of it starts: absent ones are
+    /// looked up on disk again (another process may have fetched them), then fetched, all at
+    /// once; without a fetcher an absent record is an error naming how to fetch it.
+    fn ensure_present(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        let Some(p) = &self.presence else { return Ok(()) };
+        let mut absent = Vec::new();
+        for &e in experts {
+            if p.get(layer, e).is_none() && p.refresh(layer, e)?.is_none() {
+                absent.push(e);
+            }
+        }
+        if absent.is_empty() {
+            return Ok(());
+        }
+        let fault = |offline: bool, detail: String| FetchFault {
+            layer,
+            expert: absent[0],
+            count: absent.len(),
+            offline,
+            detail,
+        };
+        let Some(f) = &self.fetcher else {
+            return Err(fault(true, String::new()).into());
+        };
+        f.fetch(layer, &absent).map_err(|e| fault(false, e.to_string()))?;
+        if let Some(&e) = absent.iter().find(|&&e| p.get(layer, e).is_none()) {
+            bail!("layer {layer} expert {e}: the fetcher returned without making it present");
+        }
+        Ok(())
     }
 
     fn location(&self, layer: usize, expert: usize) -> Result<&ExpertLocation> {
@@ -288,9 +348,13 @@ impl StreamingExperts {
         let b = self.bufs[buf].as_mut_slice();
         let start = geometry::assemble(loc, b);
         let rec = b.get(start..start + self.record_bytes).ok_or("the record does not fit its buffer")?;
+        let expected = match &self.presence {
+            None => loc.xxh3,
+            Some(p) => p.get(key.0, key.1).ok_or("the record is not present in this streaming store")?,
+        };
         let actual = xxh3_64(rec);
-        if actual != loc.xxh3 {
-            return Err(format!("checksum mismatch (stored {:016x}, read {actual:016x})", loc.xxh3));
+        if actual != expected {
+            return Err(format!("checksum mismatch (stored {expected:016x}, read {actual:016x})"));
         }
         Ok(start)
     }
@@ -569,8 +633,9 @@ impl ExpertSource for StreamingExperts {
             return Ok(());
         }
         for &e in experts {
-            if self.location(layer, e).is_err() {
-                // A hint about an expert the store does not have: nothing to read.
+            if self.location(layer, e).is_err() || !self.present(layer, e) {
+                // A hint about an expert the store does not have (or has not fetched yet; a
+                // guess never goes to the network): nothing to read.
                 continue;
             }
             let key = (layer, e);
@@ -609,6 +674,7 @@ impl StreamingExperts {
             }
             self.location(layer, *e)?;
         }
+        self.ensure_present(layer, experts)?;
         // Speculation for this layer or earlier ones is stale now: drop what was not submitted.
         self.pending_prefetch.retain(|&(l, _)| l > layer);
         let n = experts.len();

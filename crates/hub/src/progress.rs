@@ -1,0 +1,89 @@
+//! Progress of long transfers: a bar with rate and ETA on a terminal, plain periodic lines
+//! otherwise (logs, CI, a pipe).
+
+use std::io::IsTerminal;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct Progress {
+    label: String,
+    total: u64,
+    done: AtomicU64,
+    bar: Option<indicatif::ProgressBar>,
+    started: Instant,
+    last_line: Mutex<Instant>,
+    every: Duration,
+}
+
+impl Progress {
+    /// `quiet` shows nothing (tests of the library).
+    pub fn new(label: &str, total: u64, quiet: bool) -> Self {
+        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+            let b = indicatif::ProgressBar::new(total);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b.set_message(label.to_string());
+            b
+        });
+        let every = if quiet { Duration::MAX } else { Duration::from_secs(5) };
+        Progress {
+            label: label.into(),
+            total,
+            done: AtomicU64::new(0),
+            bar,
+            started: Instant::now(),
+            last_line: Mutex::new(Instant::now()),
+            every,
+        }
+    }
+
+    pub fn inc(&self, n: u64) {
+        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        if let Some(b) = &self.bar {
+            b.set_position(done);
+            return;
+        }
+        let mut last = self.last_line.lock().unwrap_or_else(|p| p.into_inner());
+        if last.elapsed() >= self.every {
+            *last = Instant::now();
+            eprintln!("{}", self.line(done));
+        }
+    }
+
+    fn line(&self, done: u64) -> String {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+        let rate = done as f64 / secs;
+        let eta = if rate > 0.0 { (self.total.saturating_sub(done)) as f64 / rate } else { f64::INFINITY };
+        format!(
+            "{}: {} of {} ({:.0}%), {}/s, eta {}",
+            self.label,
+            human(done),
+            human(self.total),
+            100.0 * done as f64 / self.total.max(1) as f64,
+            human(rate as u64),
+            if eta.is_finite() { format!("{eta:.0} s") } else { "?".into() }
+        )
+    }
+
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// Bytes for people: `1.23 GB`.
+pub fn human(b: u64) -> String {
+    let b = b as f64;
+    for (unit, scale) in [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)] {
+        if b >= scale {
+            return format!("{:.2} {unit}", b / scale);
+        }
+    }
+    format!("{b:.0} B")
+}
