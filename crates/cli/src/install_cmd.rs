@@ -44,9 +44,9 @@ pub struct InstallArgs {
     /// Parallel ranged requests.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
-    /// Largest ranged request, in MiB.
-    #[arg(long, default_value_t = 16)]
-    pub piece_mib: u64,
+    /// Largest ranged request (e.g. 16M, 256K).
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    pub piece_size: u64,
     /// Do not use a snapshot already in the local Hub cache (HF_HUB_CACHE / HF_HOME).
     #[arg(long)]
     pub no_hub_cache: bool,
@@ -56,20 +56,14 @@ pub struct InstallArgs {
 }
 
 pub fn install(a: InstallArgs) -> Result<()> {
-    if a.workers == 0 || a.piece_mib == 0 {
-        bail!("--workers and --piece-mib must be at least 1");
+    if a.workers == 0 || a.piece_size == 0 {
+        bail!("--workers and --piece-size must be at least 1");
     }
     let quiet = false;
     let t0 = std::time::Instant::now();
     if let Some(store) = &a.upgrade_to_full {
-        let r = upgrade(
-            store,
-            a.endpoint.as_deref().or(a.mirror.as_deref()),
-            env_http(),
-            a.workers,
-            a.piece_mib << 20,
-            quiet,
-        )?;
+        let r =
+            upgrade(store, a.endpoint.as_deref().or(a.mirror.as_deref()), env_http(), a.workers, a.piece_size, quiet)?;
         eprintln!(
             "upgrade done in {:.1} s: downloaded {}, wrote {}, verified {} shard(s)",
             t0.elapsed().as_secs_f64(),
@@ -101,7 +95,7 @@ pub fn install(a: InstallArgs) -> Result<()> {
         endpoint,
         http: env_http(),
         workers: a.workers,
-        piece_bytes: a.piece_mib << 20,
+        piece_bytes: a.piece_size,
         quiet,
         use_hub_cache: !a.no_hub_cache,
     };

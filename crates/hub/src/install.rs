@@ -39,8 +39,9 @@ use crate::remote::{INDEX_FILE, OriginKind, Remote, resolve, shard_names};
 pub const PRESENCE_FILE: &str = "presence.bin";
 /// Shard headers are refused beyond this (the store's own limit).
 const MAX_HEADER: u64 = 100_000_000;
-/// Gaps between spine tensors of one shard up to this size are fetched rather than split.
-const COALESCE_GAP: u64 = 64 << 10;
+/// Gaps between spine tensors of one shard up to this size (one disk block) are fetched
+/// rather than split.
+const COALESCE_GAP: u64 = 4 << 10;
 /// Files that are not shards but larger than this are left out of a stream install.
 const SMALL_FILE: u64 = 64 << 20;
 
@@ -220,9 +221,16 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport> {
     Ok(report)
 }
 
-/// Fetch a small file whole into memory.
-fn fetch_whole(http: &Http, remote: &Remote, info: &OriginInfo, name: &str) -> Result<Vec<u8>> {
+/// A small file whole, into memory: from the store when an earlier run finished it, else from
+/// the origin.
+fn fetch_whole(http: &Http, remote: &Remote, info: &OriginInfo, layout: &Layout, name: &str) -> Result<Vec<u8>> {
     let f = info.files.iter().find(|f| f.name == name).with_context(|| format!("the snapshot has no {name}"))?;
+    if layout.is_finished(f)
+        && let Ok(b) = std::fs::read(layout.blob(f))
+        && b.len() as u64 == f.size
+    {
+        return Ok(b);
+    }
     if f.size > SMALL_FILE {
         bail!("{name} is {} bytes, too large to be read whole", f.size);
     }
@@ -233,15 +241,47 @@ fn fetch_whole(http: &Http, remote: &Remote, info: &OriginInfo, name: &str) -> R
     http.get_range(&remote.file_url(&info.commit, name), 0, f.size, &expect)
 }
 
-/// The shard headers (length word and JSON), fetched by Range requests in parallel.
+/// A shard's header from the store, when an earlier run wrote it (finished, or logged in its
+/// partial file).
+fn local_header(layout: &Layout, f: &OriginFile) -> Option<Vec<u8>> {
+    let (path, log) = if layout.is_finished(f) {
+        (layout.blob(f), None)
+    } else {
+        let p = layout.fill_log(&f.name);
+        if !p.exists() {
+            return None;
+        }
+        (layout.partial(f), Some(crate::fill::FillLog::open(&p).ok()?))
+    };
+    if log.as_ref().is_some_and(|l| !l.covers((0, 8))) {
+        return None;
+    }
+    let file = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    crate::sys::read_exact_at(&file, &mut len, 0).ok()?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER || 8 + n > f.size || log.as_ref().is_some_and(|l| !l.covers((0, 8 + n))) {
+        return None;
+    }
+    let mut h = vec![0u8; 8 + n as usize];
+    crate::sys::read_exact_at(&file, &mut h, 0).ok()?;
+    Some(h)
+}
+
+/// The shard headers (length word and JSON), from the store when an earlier run wrote them,
+/// else fetched by Range requests in parallel.
 fn fetch_headers(
     http: &Http,
     remote: &Remote,
     info: &OriginInfo,
+    layout: &Layout,
     shards: &[OriginFile],
     workers: usize,
 ) -> Result<Vec<Vec<u8>>> {
     let one = |f: &OriginFile| -> Result<Vec<u8>> {
+        if let Some(h) = local_header(layout, f) {
+            return Ok(h);
+        }
         let url = remote.file_url(&info.commit, &f.name);
         let expect = Expect { name: &f.name, size: f.size, sha256: f.sha256.as_deref() };
         if f.size < 8 {
@@ -331,9 +371,16 @@ fn stream_install(
             eprintln!("{s}");
         }
     };
+    if let Ok(m) = Manifest::load(&opts.to)
+        && m.origin.as_ref() == Some(info)
+        && m.streaming.is_none()
+    {
+        say(format!("{} is a full install of this commit already: nothing to do", opts.to.display()));
+        return Ok(InstallReport { commit: info.commit.clone(), ..Default::default() });
+    }
     // 1. Metadata, into memory: nothing is written before the disk plan is accepted.
-    let index = fetch_whole(http, remote, info, INDEX_FILE)?;
-    let config_text = fetch_whole(http, remote, info, "config.json")?;
+    let index = fetch_whole(http, remote, info, layout, INDEX_FILE)?;
+    let config_text = fetch_whole(http, remote, info, layout, "config.json")?;
     let config = K3Config::from_hf_json(&String::from_utf8_lossy(&config_text), "config.json")?;
     let shard_files: Vec<OriginFile> = shard_names(&index)?
         .into_iter()
@@ -352,7 +399,7 @@ fn stream_install(
             .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
             .unwrap_or_default()
     };
-    let headers = fetch_headers(http, remote, info, &shard_files, opts.workers)?;
+    let headers = fetch_headers(http, remote, info, layout, &shard_files, opts.workers)?;
     let mut shards: Vec<ShardPlan> = shard_files
         .into_iter()
         .zip(headers)
@@ -691,9 +738,14 @@ fn upgrade_with(
         if let Some(want) = &f.sha256
             && &got != want
         {
+            // Which bytes are wrong cannot be told: every range of this shard is fetched again,
+            // the experts fetched on first use included.
+            for (l, e, _) in mine {
+                presence.unmark(*l, *e)?;
+            }
             t.log.clear()?;
             bail!(
-                "{}: sha256 {got} does not match the origin's {want}; its downloaded ranges are discarded, rerun the upgrade to fetch them again",
+                "{}: sha256 {got} does not match the origin's {want}; its ranges are discarded, rerun the upgrade to fetch them again",
                 f.name
             );
         }

@@ -138,6 +138,15 @@ impl Presence {
         Ok(())
     }
 
+    /// Mark (layer, expert) absent again, durably (its bytes proved wrong; it will be fetched
+    /// again).
+    pub fn unmark(&self, layer: usize, expert: usize) -> Result<(), StoreError> {
+        let Some(s) = self.slot(layer, expert) else { return Ok(()) };
+        self.sums[s].store(ABSENT, Ordering::Release);
+        self.file.write_all_at(&[0u8; RECORD as usize], HEADER + RECORD * s as u64).map_err(io_err(&self.path))?;
+        self.file.sync_data().map_err(io_err(&self.path))
+    }
+
     /// Experts present, of all.
     pub fn count(&self) -> (usize, usize) {
         (self.sums.iter().filter(|v| v.load(Ordering::Acquire) != ABSENT).count(), self.sums.len())
@@ -231,5 +240,8 @@ mod tests {
         assert_eq!(b.get(0, 3), None);
         assert_eq!(b.refresh(0, 3).unwrap(), Some(42));
         assert_eq!(b.get(0, 3), Some(42));
+        a.unmark(0, 3).unwrap();
+        assert_eq!(a.get(0, 3), None);
+        assert_eq!(Presence::open(&p, &[0], 4).unwrap().get(0, 3), None);
     }
 }

@@ -44,9 +44,9 @@ impl Snapshot {
             let lfs = name.ends_with(".safetensors");
             let (blob_id, lfs_pointer_size) = if lfs {
                 let pointer = lfs_pointer(&sha256, size);
-                (fake_blob_id(pointer.as_bytes()), Some(pointer.len() as u64))
+                (git_blob_id(pointer.as_bytes()), Some(pointer.len() as u64))
             } else {
-                (fake_blob_id(&fs::read(&path)?), None)
+                (git_blob_id(&fs::read(&path)?), None)
             };
             files.insert(name, FileEntry { path, size, sha256, blob_id, lfs_pointer_size });
         }
@@ -59,13 +59,14 @@ fn lfs_pointer(sha256: &str, size: u64) -> String {
     format!("version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n")
 }
 
-/// A stand-in for git's sha1 blob id: 40 hex digits that change with the content, which is all a
-/// client can rely on (it only compares them).
-fn fake_blob_id(content: &[u8]) -> String {
-    let mut h = Sha256::new();
+/// Git's blob id, as the Hub reports it: sha1 of `blob <len>\0` and the content (a client may
+/// verify a small file against it).
+fn git_blob_id(content: &[u8]) -> String {
+    use sha1::Digest as _;
+    let mut h = sha1::Sha1::new();
     h.update(format!("blob {}\0", content.len()).as_bytes());
     h.update(content);
-    hex(&h.finalize())[..40].to_string()
+    hex(&h.finalize())
 }
 
 /// Size and sha256 of a file, read in 1 MiB pieces (bench checkpoints are gigabytes).
