@@ -13,6 +13,12 @@ Per fixture NAME the output is
     fixtures/NAME/reference.json       logits / greedy continuations from mlx-lm (f32 on CPU)
     fixtures/NAME/tokenizer_check.json texts and their ids per the `tiktoken` package
 
+    python tools/make_fixtures.py --only k3-bench --no-reference --out /work/bench-data
+                                                  # the bench checkpoint alone (numpy + safetensors only)
+
+With --no-reference only NAME/hf/ is written (the spec's first seed, no mlx, no reference.json, no tokenizer check;
+the BPE ranks are trained with a plain stdlib pre-tokeniser instead of K3's regex). k3-bench is built only that way.
+
 What the two fixtures exercise beyond size:
   k3-tiny   gate_lower_bound (KDA gate = exp(lb * sigmoid(exp(A_log) * (a + dt_bias)))), routed_scaling_factor 1,
             shard data in the order the real release uses (safetensors' own order: dtype size descending, then
@@ -54,6 +60,16 @@ SPECS = {
         latent=64, moe_inter=64, inter=192, experts=32, top_k=6, attn_res_block=4,
         gate_lower_bound=None, routed_scaling_factor=2.5, n_ranks=500, max_pos=8192,
         shard_layout="scattered", seed=14,
+    ),
+    # Not a reference fixture: a bench checkpoint (about 3.6 GB) with Kimi K3's real routed-expert geometry
+    # (latent 3584, moe_intermediate 3072: 17,547,264-byte MXFP4 records) and few layers and experts, for
+    # `scripts/bench-install.sh`. Built with --no-reference (no mlx): 4 MoE layers x 48 experts, top-8.
+    "k3-bench": dict(
+        hidden=1024, layers=5, kda_layers=[1, 2, 3, 5], full_attn_layers=[4],
+        kda_heads=8, kda_head_dim=64, mla_heads=8, q_lora=256, kv_lora=128, nope=64, rope=32, v=64,
+        latent=3584, moe_inter=3072, inter=2048, experts=48, top_k=8, attn_res_block=3,
+        gate_lower_bound=-5.0, routed_scaling_factor=2.5, n_ranks=500, max_pos=8192,
+        shard_layout="release", seed=31, reference=False,
     ),
 }
 
@@ -123,11 +139,23 @@ def _pieces(text):
     return regex.compile(K3_PAT, flags=regex.V1).findall(text)
 
 
-def train_bpe(text, n_ranks):
+# Without the `regex` package (--no-reference builds need only numpy and safetensors): a plain pre-tokeniser for
+# the BPE training text. Any byte-level rank table is a valid tiktoken file; K3's own regex still splits text at
+# run time. Used for every --no-reference build, so the output does not depend on what is installed.
+PLAIN_PAT = r"[^\r\n\w]?[A-Za-z]+(?:'s|'t|'re|'ve|'m|'ll|'d)?|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _pieces_plain(text):
+    import re
+
+    return re.findall(PLAIN_PAT, text)
+
+
+def train_bpe(text, n_ranks, pieces=_pieces):
     """Plain byte-level BPE: ranks 0..255 are single bytes (non-identity order), then merges in training order.
     Ties in pair frequency break on the byte strings, so the result is deterministic."""
     ranks = {bytes([b]): r for r, b in enumerate(_byte_order())}
-    words = collections.Counter(tuple(bytes([b]) for b in p.encode("utf-8")) for p in _pieces(text))
+    words = collections.Counter(tuple(bytes([b]) for b in p.encode("utf-8")) for p in pieces(text))
     while len(ranks) < n_ranks:
         pairs = collections.Counter()
         for w, c in words.items():
@@ -195,8 +223,8 @@ def special_tokens(n_ranks):
     return vocab, table
 
 
-def write_tokenizer(hf_dir, n_ranks, max_pos):
-    ranks = train_bpe(TRAINING_TEXT, n_ranks)
+def write_tokenizer(hf_dir, n_ranks, max_pos, pieces=_pieces):
+    ranks = train_bpe(TRAINING_TEXT, n_ranks, pieces)
     with open(hf_dir / "tiktoken.model", "w") as f:
         for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
             f.write(f"{base64.b64encode(tok).decode()} {r}\n")
@@ -895,13 +923,43 @@ def build_fixture(name, out_root):
     return reference
 
 
+def build_checkpoint_only(name, out_root):
+    """--no-reference: the HF checkpoint alone (config, tokenizer files, shards, index) from the spec's first seed,
+    with no mlx model, no reference outputs and no tokenizer check (numpy and safetensors only)."""
+    s = SPECS[name]
+    hf_dir = out_root / name / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    ranks, vocab, specials = write_tokenizer(hf_dir, s["n_ranks"], s["max_pos"], pieces=_pieces_plain)
+    config = make_config(s, vocab, specials)
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = make_weights(s, vocab, s["seed"])
+    total = write_checkpoint(hf_dir, s, tensors)
+    n_tensors = verify_shards(hf_dir, tensors)
+    record = 0
+    if s["layers"] > 1:
+        pre = "language_model.model.layers.1.block_sparse_moe.experts.0."
+        record = sum(tensors[pre + k][1].nbytes for k in EXPERT_KIND_ORDER)
+    files = sorted(p for p in hf_dir.iterdir() if p.is_file())
+    print(f"{name}: seed {s['seed']}, {n_tensors} tensors, tensor bytes {total}, expert record {record} bytes, "
+          f"{s['layers'] - 1} MoE layers x {s['experts']} experts (top-{s['top_k']}), vocab {vocab}; "
+          f"{sum(p.stat().st_size for p in files)} bytes in {len(files)} files under {hf_dir}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "fixtures")
     ap.add_argument("--only", choices=sorted(SPECS), action="append")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="write only the HF checkpoint (no mlx, no reference outputs): needs numpy and safetensors")
     args = ap.parse_args()
-    for name in args.only or sorted(SPECS):
-        build_fixture(name, args.out)
+    names = args.only or sorted(n for n in SPECS if SPECS[n].get("reference", True))
+    for name in names:
+        if args.no_reference:
+            build_checkpoint_only(name, args.out)
+        elif not SPECS[name].get("reference", True):
+            ap.error(f"{name} has no reference outputs (it is too large for mlx here): add --no-reference")
+        else:
+            build_fixture(name, args.out)
 
 
 if __name__ == "__main__":
