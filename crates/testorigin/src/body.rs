@@ -14,6 +14,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::Stats;
+use crate::rate::Limiter;
 use crate::state::lock;
 
 /// The largest chunk handed to hyper.
@@ -56,6 +57,8 @@ pub(crate) struct BodyPlan {
     /// The file name its bytes are counted under in `Stats::body_bytes` (None: not counted).
     pub count_as: Option<String>,
     pub stats: Arc<Mutex<Stats>>,
+    /// The origin's bandwidth limit, shared by every body of both listeners.
+    pub limiter: Arc<Limiter>,
 }
 
 impl BodyPlan {
@@ -153,6 +156,10 @@ async fn next_chunk(mut c: Cursor) -> Option<(io::Result<Bytes>, Cursor)> {
     };
     // The last piece of a read-ahead may be shorter than a chunk.
     let len = chunk.len() as u64;
+    let wait = c.plan.limiter.reserve(len);
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
     if let Some(BodyFault::Slow { bytes_per_sec }) = c.plan.fault {
         tokio::time::sleep(Duration::from_secs_f64(len as f64 / bytes_per_sec.max(1) as f64)).await;
     }

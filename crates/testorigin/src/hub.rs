@@ -29,7 +29,13 @@ pub(crate) fn cdn_router(shared: Arc<Shared>) -> Router {
     Router::new().fallback(cdn).with_state(shared)
 }
 
+/// Not a Hub route: the stats as JSON, for benches that run the binary. Not counted itself.
+const STATS_PATH: &str = "/_origin/stats";
+
 async fn hub(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    if req.uri().path() == STATS_PATH && req.method() == Method::GET {
+        return stats_reply(&shared);
+    }
     count_request(&shared, req.headers());
     let resp = hub_answer(&shared, &req);
     count_status(&shared, &resp);
@@ -43,6 +49,22 @@ async fn cdn(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     }
     let resp = cdn_answer(&shared, &req);
     count_status(&shared, &resp);
+    resp
+}
+
+fn stats_reply(shared: &Shared) -> Response {
+    let s = shared.stats().clone();
+    let body = json!({
+        "body_bytes_total": s.total_body_bytes(),
+        "body_bytes": s.body_bytes,
+        "requests": s.requests,
+        "range_requests": s.range_requests,
+        "api_requests": s.api_requests,
+        "status_counts": s.status_counts.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect::<serde_json::Map<_, _>>(),
+    })
+    .to_string();
+    let mut resp = Response::new(Body::from(body));
+    set(&mut resp, header::CONTENT_TYPE, "application/json");
     resp
 }
 
@@ -190,6 +212,7 @@ fn api(shared: &Shared, headers: &HeaderMap, repo: &str, rev: &str, is_head: boo
         // Metadata is not a file: body_bytes stays the sum of file bytes.
         count_as: None,
         stats: shared.stats.clone(),
+        limiter: shared.limiter.clone(),
     };
     let content_length = plan.content_length();
     let mut resp = Response::new(if is_head { Body::empty() } else { plan.into_body() });

@@ -10,6 +10,7 @@ mod body;
 mod faults;
 mod hub;
 mod ranges;
+mod rate;
 mod replies;
 mod serve_file;
 mod snapshot;
@@ -168,6 +169,13 @@ impl Origin {
             runtime.shutdown_timeout(Duration::from_secs(2));
         })?;
         Ok(Origin { endpoint, cdn, shared, shutdown: Some(shutdown), thread: Some(thread) })
+    }
+
+    /// Limits the bytes per second of every body sent, both listeners together (None:
+    /// unlimited), as a link of that bandwidth would; from the next chunk of every transfer, those
+    /// in flight included. A `Slow` fault still throttles its own body further.
+    pub fn set_rate(&self, bytes_per_sec: Option<u64>) {
+        self.shared.limiter.set_rate(bytes_per_sec);
     }
 
     /// Replaces the fault rules.

@@ -71,6 +71,7 @@ pub(crate) fn serve_file(shared: &Shared, headers: &HeaderMap, is_head: bool, f:
         fault: body_fault,
         count_as: Some(f.name.to_string()),
         stats: shared.stats.clone(),
+        limiter: shared.limiter.clone(),
     };
     let content_length = plan.content_length();
     // hyper keeps our Content-Length on a HEAD reply with an empty body, and never sends one.

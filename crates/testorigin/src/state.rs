@@ -6,6 +6,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::rate::Limiter;
 use crate::snapshot::Snapshot;
 use crate::{Fault, RepoSpec, Stats};
 
@@ -34,6 +35,7 @@ pub(crate) struct Shared {
     pub blobs: Mutex<HashMap<String, Blob>>,
     pub faults: Mutex<Vec<Fault>>,
     pub stats: Arc<Mutex<Stats>>,
+    pub limiter: Arc<Limiter>,
 }
 
 /// A poisoned lock only means a handler panicked mid-update of a counter or a map entry; the
@@ -50,6 +52,7 @@ impl Shared {
             blobs: Mutex::new(HashMap::new()),
             faults: Mutex::new(Vec::new()),
             stats: Arc::new(Mutex::new(Stats::default())),
+            limiter: Arc::new(Limiter::new()),
         };
         for spec in specs {
             let snapshot = shared.scan(&spec.dir)?;

@@ -446,6 +446,42 @@ fn stats_count_requests_and_body_bytes() {
 }
 
 #[test]
+fn the_rate_limit_holds_over_both_listeners_together() {
+    let o = start();
+    let index = "model.safetensors.index.json";
+    // Per client: the largest shard twice from the CDN and the index from the Hub.
+    let per_client = 2 * file(BIG).len() + file(index).len();
+    let clients = 4;
+    let fetch_all = |o: &Origin| {
+        let (cdn, hub) = (cdn_url(o, BIG), resolve_url(o, COMMIT, index));
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..clients)
+                .map(|_| {
+                    s.spawn(|| {
+                        let n = get(&cdn).body.len() + get(&hub).body.len() + get(&cdn).body.len();
+                        assert_eq!(n, per_client);
+                    })
+                })
+                .collect();
+            handles.into_iter().for_each(|h| h.join().unwrap());
+        });
+        t.elapsed().as_secs_f64()
+    };
+    let rate = 1_000_000u64;
+    o.set_rate(Some(rate));
+    let expected = (clients * per_client) as f64 / rate as f64; // 1.43 s
+    let took = fetch_all(&o);
+    // Every byte is paid for before it is sent: never faster than the rate (a little slack for
+    // timer rounding), and not much slower than it either.
+    assert!(took >= 0.95 * expected, "{took:.3} s for {expected:.3} s of bytes at the rate");
+    assert!(took <= 1.5 * expected, "{took:.3} s for {expected:.3} s of bytes at the rate");
+    o.set_rate(None);
+    let took = fetch_all(&o);
+    assert!(took < 0.5 * expected, "unlimited again: {took:.3} s");
+}
+
+#[test]
 fn move_branch_changes_the_commit_and_the_files() {
     let o = start();
     let dir = tempfile::tempdir().unwrap();
@@ -489,6 +525,36 @@ fn binary_prints_its_urls_and_serves() {
         let r = get(&format!("{endpoint}/api/models/{REPO}/revision/main"));
         assert_eq!(r.status, 200);
         assert_eq!(r.json()["sha"].as_str(), Some(default_commit(REPO).as_str()));
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    result.unwrap();
+}
+
+#[test]
+fn binary_limits_its_rate_and_reports_its_stats() {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_deltafin-test-origin"))
+        .arg("--repo")
+        .arg(format!("{REPO}={}", fixture().display()))
+        .args(["--rate", "500000"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let result = std::panic::catch_unwind(|| {
+        let (endpoint, cdn) = line.trim().split_once(' ').unwrap();
+        let (endpoint, cdn) = (endpoint.strip_prefix("endpoint=").unwrap(), cdn.strip_prefix("cdn=").unwrap());
+        let t = Instant::now();
+        let r = get(&format!("{cdn}/blobs/{}", sha256(&file(BIG))));
+        let took = t.elapsed().as_secs_f64();
+        assert_eq!(r.body, file(BIG));
+        // 127,376 bytes at 500 kB/s: 0.25 s.
+        assert!((0.24..0.6).contains(&took), "{took:.3} s");
+        let s = get(&format!("{endpoint}/_origin/stats")).json();
+        assert_eq!(s["body_bytes_total"].as_u64(), Some(file(BIG).len() as u64));
+        assert_eq!(s["body_bytes"][BIG].as_u64(), Some(file(BIG).len() as u64));
+        assert_eq!(s["requests"].as_u64(), Some(1));
     });
     child.kill().unwrap();
     child.wait().unwrap();
