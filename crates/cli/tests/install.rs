@@ -1,0 +1,777 @@
+//! `deltafin install` and `warmup` end to end against a real HTTP origin on loopback (the test
+//! origin: the Hub's API and URL layout, LFS redirects to a second "CDN" address, injected
+//! faults), through the real binary: stream and full installs, first-use fetches, the upgrade,
+//! warmup, offline runs, crash safety under kill -9, a moving branch, and clear errors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use deltafin_store::Store;
+use deltafin_test_origin::{Fault, FaultKind, Origin, RepoSpec, Where, default_commit};
+
+const REPO: &str = "org/k3-small";
+const PROMPT: &str = "The lighthouse keeper counted the ships";
+
+fn fixture_hf(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name).join("hf")
+}
+
+/// The fixture's files, by name, with their bytes.
+fn fixture_files(name: &str) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(fixture_hf(name))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect()
+}
+
+fn snapshot_bytes(name: &str) -> u64 {
+    fixture_files(name).values().map(|b| b.len() as u64).sum()
+}
+
+fn start_origin(token: Option<&str>, gated: bool) -> Origin {
+    Origin::start(vec![RepoSpec {
+        repo: REPO.into(),
+        dir: fixture_hf("k3-small"),
+        branches: vec![("main".into(), default_commit(REPO))],
+        token: token.map(str::to_string),
+        gated,
+    }])
+    .expect("start the test origin")
+}
+
+/// The binary, with an environment that never reaches the real Hub, its cache or a token.
+struct Env {
+    home: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Self {
+        Env { home: tempfile::tempdir().unwrap() }
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+        c.args(args)
+            .env("HOME", self.home.path())
+            .env("HF_HUB_CACHE", self.home.path().join("hf-cache"))
+            .env_remove("HF_HOME")
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_TOKEN_PATH")
+            .env_remove("HF_ENDPOINT")
+            .env("DELTAFIN_HTTP_BACKOFF_MS", "20")
+            .env("DELTAFIN_HTTP_ATTEMPTS", "8");
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().expect("spawn deltafin")
+    }
+
+    fn ok(&self, args: &[&str]) -> (String, String) {
+        let o = self.run(args);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "deltafin {args:?} failed: {err}");
+        (String::from_utf8(o.stdout).unwrap(), err)
+    }
+
+    fn fails(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "deltafin {args:?} should fail: {err}");
+        assert!(!err.contains("panicked"), "deltafin {args:?} panicked: {err}");
+        err
+    }
+
+    fn install(&self, o: &Origin, store: &Path, mode: &str, extra: &[&str]) -> (serde_json::Value, String) {
+        let mut args =
+            vec!["install", REPO, "--to", store.to_str().unwrap(), "--mode", mode, "--endpoint", &o.endpoint, "--json"];
+        args.extend_from_slice(extra);
+        let (out, err) = self.ok(&args);
+        (serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}")), err)
+    }
+
+    /// Greedy tokens of `prompt` on `store`.
+    fn tokens(&self, store: &Path, prompt: &str, extra: &[&str]) -> Vec<u64> {
+        let mut args = vec!["generate", "--model", store.to_str().unwrap(), "--prompt", prompt, "--max-tokens", "6"];
+        args.extend_from_slice(&["--json"]);
+        args.extend_from_slice(extra);
+        let (out, _) = self.ok(&args);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+    }
+}
+
+/// The reference: the fixture converted from disk.
+fn reference_tokens(env: &Env, prompt: &str) -> Vec<u64> {
+    let d = tempfile::tempdir().unwrap();
+    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", d.path().to_str().unwrap()]);
+    env.tokens(d.path(), prompt, &[])
+}
+
+fn snapshot_dir(store: &Path) -> PathBuf {
+    store.join("hub/models--org--k3-small/snapshots").join(default_commit(REPO))
+}
+
+/// Every file of the store's Hub snapshot is byte-identical to the fixture's.
+fn assert_snapshot_identical(store: &Path) {
+    let snap = snapshot_dir(store);
+    for (name, bytes) in fixture_files("k3-small") {
+        let got = std::fs::read(snap.join(&name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == bytes, "{name} differs from the origin's file");
+    }
+}
+
+/// Crash-safety invariants of a store at rest: every expert the presence map calls present
+/// reads back with its recorded checksum, and every range a fill log calls on disk holds the
+/// origin's bytes.
+fn assert_consistent(store: &Path) {
+    if store.join("manifest.json").exists() {
+        let s = Store::open(store, None).unwrap();
+        if let Some(p) = s.experts.presence() {
+            let mut buf = Vec::new();
+            for &l in p.layers() {
+                for e in 0..p.experts_per_layer() {
+                    if p.get(l, e).is_some() {
+                        s.experts.read(l, e, &mut buf).unwrap_or_else(|err| panic!("layer {l} expert {e}: {err}"));
+                    }
+                }
+            }
+        }
+    }
+    let fixture = fixture_files("k3-small");
+    let fill = store.join(".deltafin/fill");
+    let Ok(entries) = std::fs::read_dir(&fill) else { return };
+    let blobs = store.join("hub/models--org--k3-small/blobs");
+    for e in entries {
+        let e = e.unwrap();
+        let name = e.file_name().to_string_lossy().trim_end_matches(".fill").to_string();
+        let log = deltafin_hub::fill::FillLog::open(&e.path()).unwrap();
+        let want = &fixture[&name];
+        // The file being filled: the partial blob, or the finished one once renamed.
+        let data =
+            std::fs::read_dir(&blobs).unwrap().map(|b| b.unwrap().path()).filter_map(|p| std::fs::read(&p).ok()).find(
+                |d| {
+                    d.len() == want.len()
+                        && log.have().iter().all(|&(s, t)| d[s as usize..t as usize] == want[s as usize..t as usize])
+                },
+            );
+        assert!(data.is_some() || log.have().is_empty(), "{name}: a logged range does not hold the origin's bytes");
+    }
+}
+
+fn served(o: &Origin) -> u64 {
+    o.stats().total_body_bytes()
+}
+
+#[test]
+fn stream_install_fetches_headers_and_spine_then_each_expert_once() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let store = d.path().join("s");
+    let (report, err) = env.install(&o, &store, "stream", &[]);
+    assert!(err.contains("to download") && err.contains("disk needed") && err.contains("free"), "{err}");
+    let after_install = served(&o);
+    assert_eq!(report["downloaded"].as_u64().unwrap(), after_install, "the client counts what the origin sent");
+    // Headers and spine tensors only: at least those bytes, at most a 4 KiB gap per tensor more,
+    // and nothing of the routed experts.
+    let (mut spine, mut experts, mut tensors) = (0u64, 0u64, 0u64);
+    let mut small = 0u64;
+    for (name, bytes) in fixture_files("k3-small") {
+        if !name.ends_with(".safetensors") {
+            small += bytes.len() as u64;
+            continue;
+        }
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        spine += 8 + n;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n as usize]).unwrap();
+        for (k, v) in header.as_object().unwrap() {
+            if k == "__metadata__" {
+                continue;
+            }
+            let off = v["data_offsets"].as_array().unwrap();
+            let len = off[1].as_u64().unwrap() - off[0].as_u64().unwrap();
+            if k.contains(".experts.") {
+                experts += len;
+            } else {
+                spine += len;
+                tensors += 1;
+            }
+        }
+    }
+    assert!(after_install >= spine + small, "{after_install} < {spine} + {small}");
+    assert!(after_install <= spine + small + 4096 * tensors, "{after_install} bytes for {spine} of spine");
+    assert!(after_install < snapshot_bytes("k3-small") - experts / 2, "the install fetched routed experts");
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(store.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["streaming"]["presence_file"], "presence.bin");
+    assert_eq!(m["origin"]["commit"].as_str().unwrap(), default_commit(REPO));
+
+    // First generate: experts fetched on first use, each once, each a whole record.
+    let record = m["experts"]["record_bytes"].as_u64().unwrap();
+    let want = reference_tokens(&env, PROMPT);
+    assert_eq!(env.tokens(&store, PROMPT, &[]), want, "a streaming store computes what the converted one does");
+    let first = served(&o) - after_install;
+    let present = Store::open(&store, None).unwrap().experts.presence().unwrap().count().0 as u64;
+    assert!(present > 0 && first == present * record, "{first} bytes for {present} experts of {record}");
+    // Second generate: nothing from the network; offline too.
+    assert_eq!(env.tokens(&store, PROMPT, &[]), want);
+    assert_eq!(served(&o) - after_install, first, "the second generate fetched again");
+    assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), want);
+    // Offline, a prompt that needs experts not fetched yet is a clear error naming the fix.
+    let err = env.fails(&[
+        "generate",
+        "--model",
+        store.to_str().unwrap(),
+        "--offline",
+        "--prompt",
+        "Quartz zebras vexed a wizard's jumpy glyph 0123456789 ~!@#",
+        "--max-tokens",
+        "30",
+    ]);
+    assert!(err.contains("offline") && err.contains("warmup") && err.contains("--fetch"), "{err}");
+    assert_eq!(served(&o) - after_install, first, "--offline touched the network");
+    assert_consistent(&store);
+    eprintln!(
+        "bytes: stream install {after_install}, first generate {first} ({present} experts), second generate 0 (snapshot {})",
+        snapshot_bytes("k3-small")
+    );
+}
+
+#[test]
+fn full_install_is_a_byte_identical_hub_snapshot_and_a_hub_cache_is_used_in_place() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let store = d.path().join("full");
+    let (report, err) = env.install(&o, &store, "full", &["--no-hub-cache"]);
+    assert!(err.contains("is a full store now"), "{err}");
+    assert_eq!(served(&o), snapshot_bytes("k3-small"), "a full install fetches every byte exactly once");
+    assert_eq!(report["downloaded"].as_u64().unwrap(), served(&o));
+    assert_snapshot_identical(&store);
+    let hub = store.join("hub/models--org--k3-small");
+    assert_eq!(std::fs::read_to_string(hub.join("refs/main")).unwrap(), default_commit(REPO));
+    for e in std::fs::read_dir(hub.join("blobs")).unwrap() {
+        let n = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!n.ends_with(".deltafin-partial"), "a partial blob is left: {n}");
+    }
+    // The store is the one `convert` makes of the same checkpoint, and runs offline.
+    let conv = tempfile::tempdir().unwrap();
+    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", conv.path().to_str().unwrap()]);
+    let table = |p: &Path| -> serde_json::Value {
+        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(p.join("manifest.json")).unwrap()).unwrap();
+        m["experts"]["layers"].clone()
+    };
+    assert_eq!(table(&store), table(conv.path()), "expert checksums and ranges");
+    assert_eq!(std::fs::read(store.join("spine.bin")).unwrap(), std::fs::read(conv.path().join("spine.bin")).unwrap());
+    assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), env.tokens(conv.path(), PROMPT, &[]));
+    assert!(!store.join("presence.bin").exists());
+
+    // A rerun has nothing to do.
+    let before = served(&o);
+    let (_, err) = env.install(&o, &store, "full", &["--no-hub-cache"]);
+    assert!(err.contains("nothing to do"), "{err}");
+    assert_eq!(served(&o), before);
+
+    // A snapshot already in a local Hub cache is used in place: no file downloaded.
+    let other = d.path().join("from-cache");
+    let mut c =
+        env.cmd(&["install", REPO, "--to", other.to_str().unwrap(), "--mode", "full", "--endpoint", &o.endpoint]);
+    let out = c.env("HF_HUB_CACHE", store.join("hub")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("using it in place"), "{err}");
+    assert_eq!(served(&o), before, "files were downloaded again");
+    assert_eq!(env.tokens(&other, PROMPT, &["--offline"]), env.tokens(conv.path(), PROMPT, &[]));
+}
+
+#[test]
+fn upgrade_keeps_what_a_stream_store_fetched_and_ends_byte_identical() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let store = d.path().join("s");
+    env.install(&o, &store, "stream", &[]);
+    let want = env.tokens(&store, PROMPT, &[]);
+    let before = served(&o);
+    let (out, err) = env.ok(&["install", "--upgrade-to-full", store.to_str().unwrap(), "--json"]);
+    assert!(err.contains("is a full store now"), "{err}");
+    let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(served(&o), snapshot_bytes("k3-small"), "stream + first use + upgrade fetched each byte once");
+    assert_eq!(r["downloaded"].as_u64().unwrap(), served(&o) - before);
+    eprintln!("bytes: upgrade {} after {} (snapshot {})", served(&o) - before, before, snapshot_bytes("k3-small"));
+    assert_snapshot_identical(&store);
+    assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), want);
+    // A second upgrade has nothing to do.
+    let (_, err) = env.ok(&["install", "--upgrade-to-full", store.to_str().unwrap()]);
+    assert!(err.contains("already a full store"), "{err}");
+}
+
+#[test]
+fn transient_faults_are_retried_and_retry_after_is_honoured() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let kinds = [
+        FaultKind::Drop { after_bytes: 100 },
+        FaultKind::Status(503),
+        FaultKind::Status(500),
+        FaultKind::Status(408),
+        FaultKind::TooMany { retry_after_s: 1 },
+        FaultKind::WrongRange,
+        FaultKind::WrongLength,
+        FaultKind::IgnoreRange,
+        FaultKind::Slow { bytes_per_sec: 400_000 },
+    ];
+    for (i, kind) in kinds.into_iter().enumerate() {
+        o.reset_stats();
+        o.set_faults(vec![Fault { file: "safetensors".into(), kind, times: 3, on: Where::Both }]);
+        let store = d.path().join(format!("f{i}"));
+        let t0 = Instant::now();
+        env.install(&o, &store, "full", &["--no-hub-cache"]);
+        let took = t0.elapsed();
+        assert_snapshot_identical(&store);
+        let st = o.stats();
+        if let FaultKind::TooMany { retry_after_s } = kind {
+            assert!(st.status_counts.get(&429).copied().unwrap_or(0) >= 1, "{kind:?}: {st:?}");
+            assert!(took >= Duration::from_secs(retry_after_s), "{kind:?}: retried before Retry-After ({took:?})");
+        }
+        if let FaultKind::Status(s) = kind {
+            assert!(st.status_counts.get(&s).copied().unwrap_or(0) >= 1, "{kind:?} never fired: {st:?}");
+        }
+    }
+    o.set_faults(vec![]);
+}
+
+#[test]
+fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    // A small file corrupted in flight (lengths right): its git blob id catches it.
+    o.set_faults(vec![Fault { file: "tiktoken.model".into(), kind: FaultKind::Corrupt, times: 1, on: Where::Both }]);
+    let store = d.path().join("s");
+    let args = ["install", REPO, "--to", store.to_str().unwrap(), "--mode", "stream", "--endpoint", &o.endpoint];
+    let err = env.fails(&args);
+    assert!(err.contains("tiktoken.model") && err.contains("does not match"), "{err}");
+    assert_consistent(&store);
+    env.ok(&args);
+    // A shard range corrupted during the upgrade: the shard's sha256 catches it, its ranges are
+    // dropped, and a rerun fetches them again and ends byte-identical.
+    o.set_faults(vec![Fault {
+        file: "model-00005-of-000013".into(),
+        kind: FaultKind::Corrupt,
+        times: 1,
+        on: Where::Both,
+    }]);
+    let up = ["install", "--upgrade-to-full", store.to_str().unwrap()];
+    let err = env.fails(&up);
+    assert!(err.contains("model-00005-of-000013") && err.contains("sha256"), "{err}");
+    assert_consistent(&store);
+    env.ok(&up);
+    assert_snapshot_identical(&store);
+}
+
+#[test]
+fn operator_errors_are_clear_and_the_token_never_reaches_the_cdn() {
+    let env = Env::new();
+    let d = tempfile::tempdir().unwrap();
+    let private = start_origin(Some("sekrit"), false);
+    let to = d.path().join("p");
+    let args = ["install", REPO, "--to", to.to_str().unwrap(), "--mode", "full", "--endpoint", &private.endpoint];
+    let err = env.fails(&args);
+    assert!(err.contains("401") && err.contains("HF_TOKEN"), "{err}");
+    assert!(!to.join(".deltafin").exists(), "a refused install wrote state");
+    let out = env.cmd(&args).env("HF_TOKEN", "sekrit").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_snapshot_identical(&to);
+    assert_eq!(private.stats().cdn_requests_with_authorization, 0, "the token went to the CDN");
+    // The token file huggingface_hub writes works too.
+    std::fs::create_dir_all(env.home.path().join(".cache/huggingface")).unwrap();
+    std::fs::write(env.home.path().join(".cache/huggingface/token"), "sekrit\n").unwrap();
+    let to2 = d.path().join("p2");
+    env.ok(&["install", REPO, "--to", to2.to_str().unwrap(), "--mode", "stream", "--endpoint", &private.endpoint]);
+
+    let gated = start_origin(None, true);
+    let err =
+        env.fails(&["install", REPO, "--to", d.path().join("g").to_str().unwrap(), "--endpoint", &gated.endpoint]);
+    assert!(err.contains("gated"), "{err}");
+    let o = start_origin(None, false);
+    let err =
+        env.fails(&["install", "org/nope", "--to", d.path().join("n").to_str().unwrap(), "--endpoint", &o.endpoint]);
+    assert!(err.contains("does not exist"), "{err}");
+    let err = env.fails(&[
+        "install",
+        REPO,
+        "--revision",
+        "no-such-branch",
+        "--to",
+        d.path().join("r").to_str().unwrap(),
+        "--endpoint",
+        &o.endpoint,
+    ]);
+    assert!(err.contains("RevisionNotFound"), "{err}");
+    let err =
+        env.fails(&["install", "../etc", "--to", d.path().join("x").to_str().unwrap(), "--endpoint", &o.endpoint]);
+    assert!(err.contains("org/name"), "{err}");
+    // A 4xx that is not 408/429 is not retried.
+    o.set_faults(vec![Fault { file: "safetensors".into(), kind: FaultKind::Status(403), times: 1, on: Where::Both }]);
+    let err = env.fails(&["install", REPO, "--to", d.path().join("f").to_str().unwrap(), "--endpoint", &o.endpoint]);
+    assert!(err.contains("403"), "{err}");
+    o.set_faults(vec![]);
+    // Another repository into the same store is refused.
+    let err =
+        env.fails(&["install", REPO, "--revision", "other", "--to", to2.to_str().unwrap(), "--endpoint", &o.endpoint]);
+    assert!(err.contains("holds an install of"), "{err}");
+}
+
+#[test]
+fn a_branch_that_moves_during_the_install_does_not_mix_revisions() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let store = d.path().join("s");
+    o.set_faults(vec![Fault {
+        file: "safetensors".into(),
+        kind: FaultKind::Slow { bytes_per_sec: 2_000_000 },
+        times: u32::MAX,
+        on: Where::Both,
+    }]);
+    let mut child = env
+        .cmd(&["install", REPO, "--to", store.to_str().unwrap(), "--mode", "full", "--endpoint", &o.endpoint])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(|| served(&o) > 200_000);
+    let moved = "1111111111111111111111111111111111111111";
+    o.move_branch(REPO, "main", moved, fixture_hf("k3-tiny"));
+    assert!(child.wait().unwrap().success());
+    assert_snapshot_identical(&store);
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(store.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["origin"]["commit"].as_str().unwrap(), default_commit(REPO));
+    o.set_faults(vec![]);
+}
+
+fn wait_for(mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "timed out waiting");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn kill9(mut child: Child) {
+    child.kill().unwrap();
+    let st = child.wait().unwrap();
+    assert!(!st.success(), "the process ended before it was killed");
+}
+
+/// A trace of `PROMPT` on a converted store, for warmup.
+fn make_trace(env: &Env, dir: &Path) -> PathBuf {
+    let conv = dir.join("conv");
+    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", conv.to_str().unwrap()]);
+    let trace = dir.join("trace.jsonl");
+    env.ok(&[
+        "generate",
+        "--model",
+        conv.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "6",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    trace
+}
+
+#[test]
+fn warmup_ranks_by_the_traces_and_fetches_only_when_asked() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let trace = make_trace(&env, d.path());
+    let store = d.path().join("s");
+    env.install(&o, &store, "stream", &[]);
+    let s = store.to_str().unwrap();
+    let t = trace.to_str().unwrap();
+    let before = served(&o);
+    let (out, err) = env.ok(&["warmup", "--model", s, "--trace", t, "--json"]);
+    assert!(err.contains("add --fetch"), "{err}");
+    assert_eq!(served(&o), before, "warmup without --fetch fetched");
+    let plan: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let chosen = plan["plan"]["absent_chosen"].as_u64().unwrap();
+    assert!(chosen > 3);
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(store.join("manifest.json")).unwrap()).unwrap();
+    let record = m["experts"]["record_bytes"].as_u64().unwrap();
+    // A budget of three records fetches the three likeliest, exactly.
+    let budget = (3 * record + record / 2).to_string();
+    let (out, err) = env.ok(&["warmup", "--model", s, "--trace", t, "--budget-bytes", &budget, "--fetch", "--json"]);
+    let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(r["fetched"]["experts"], 3, "{err}");
+    assert_eq!(r["fetched"]["bytes_written"].as_u64().unwrap(), 3 * record);
+    assert_eq!(served(&o) - before, 3 * record);
+    assert!(err.contains("wrote"), "bytes written to the store are reported: {err}");
+    // Without a budget it fetches the rest; then the traced prompt runs offline.
+    env.ok(&["warmup", "--model", s, "--trace", t, "--fetch"]);
+    assert_eq!(served(&o) - before, chosen * record);
+    assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), reference_tokens(&env, PROMPT));
+    assert_consistent(&store);
+}
+
+/// kill -9 at several points of every phase that writes, then rerun: the store is consistent
+/// after the kill, the rerun completes, and the bytes fetched by both runs together exceed what
+/// was needed by at most the pieces in flight at the kill (and the metadata, when the kill came
+/// before it was written).
+#[test]
+fn kill_9_at_any_point_leaves_a_consistent_store_and_a_rerun_finishes() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let trace = make_trace(&env, d.path());
+    let snapshot = snapshot_bytes("k3-small");
+    let slow = |bps| Fault {
+        file: String::new(),
+        kind: FaultKind::Slow { bytes_per_sec: bps },
+        times: u32::MAX,
+        on: Where::Both,
+    };
+    let piece = 64 * 1024u64;
+    let workers = 4u64;
+    // Metadata a killed run may fetch again: the index, the config and the shard headers.
+    let meta: u64 = fixture_files("k3-small")
+        .iter()
+        .map(|(n, b)| {
+            if n.ends_with(".safetensors") {
+                8 + u64::from_le_bytes(b[..8].try_into().unwrap())
+            } else if n == "model.safetensors.index.json" || n == "config.json" {
+                b.len() as u64
+            } else {
+                0
+            }
+        })
+        .sum();
+    let mut matrix = Vec::new();
+    for phase in ["stream install", "full install", "upgrade", "first-use fetch", "warmup"] {
+        for frac in [0.15, 0.6] {
+            o.set_faults(vec![]);
+            o.reset_stats();
+            let store = d.path().join(format!("{}-{}", phase.replace(' ', "-"), (frac * 100.0) as u32));
+            let s = store.to_str().unwrap().to_string();
+            let piece_s = piece.to_string();
+            let w = workers.to_string();
+            let install = |mode: &str| {
+                vec![
+                    "install",
+                    REPO,
+                    "--to",
+                    &s,
+                    "--mode",
+                    mode,
+                    "--endpoint",
+                    &o.endpoint,
+                    "--piece-size",
+                    &piece_s,
+                    "--workers",
+                    &w,
+                ]
+                .into_iter()
+                .map(String::from)
+                .collect::<Vec<_>>()
+            };
+            // The work before the killed phase, and the command that is killed.
+            let (cmd, total): (Vec<String>, u64) = match phase {
+                "stream install" => (install("stream"), 0),
+                "full install" => (install("full"), snapshot),
+                "upgrade" => {
+                    env.ok(&install("stream").iter().map(String::as_str).collect::<Vec<_>>());
+                    let up = vec!["install", "--upgrade-to-full", &s, "--piece-size", &piece_s, "--workers", &w];
+                    (up.into_iter().map(String::from).collect(), snapshot)
+                }
+                "first-use fetch" => {
+                    env.ok(&install("stream").iter().map(String::as_str).collect::<Vec<_>>());
+                    let g = vec!["generate", "--model", &s, "--prompt", PROMPT, "--max-tokens", "6"];
+                    (g.into_iter().map(String::from).collect(), 0)
+                }
+                _ => {
+                    env.ok(&install("stream").iter().map(String::as_str).collect::<Vec<_>>());
+                    let wu = vec!["warmup", "--model", &s, "--trace", trace.to_str().unwrap(), "--fetch"];
+                    (wu.into_iter().map(String::from).collect(), 0)
+                }
+            };
+            let before = served(&o);
+            // What an uninterrupted run of the command fetches, measured on a twin store.
+            let twin_need = {
+                let twin = d.path().join(format!("twin-{}-{}", phase.replace(' ', "-"), (frac * 100.0) as u32));
+                let _ = std::fs::remove_dir_all(&twin);
+                if store.exists() {
+                    copy_dir(&store, &twin);
+                }
+                let tw = twin.to_str().unwrap().to_string();
+                let twin_cmd: Vec<String> = cmd.iter().map(|a| if *a == s { tw.clone() } else { a.clone() }).collect();
+                let b0 = served(&o);
+                env.ok(&twin_cmd.iter().map(String::as_str).collect::<Vec<_>>());
+                served(&o) - b0
+            };
+            assert!(total == 0 || twin_need <= total);
+            o.set_faults(vec![slow(300_000)]);
+            let b0 = served(&o);
+            let child = env
+                .cmd(&cmd.iter().map(String::as_str).collect::<Vec<_>>())
+                .stderr(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let at = ((twin_need as f64) * frac) as u64;
+            wait_for(|| served(&o) - b0 >= at.max(1));
+            kill9(child);
+            o.set_faults(vec![]);
+            let killed_run = served(&o) - b0;
+            assert_consistent(&store);
+            let r0 = served(&o);
+            env.ok(&cmd.iter().map(String::as_str).collect::<Vec<_>>());
+            let rerun = served(&o) - r0;
+            assert_consistent(&store);
+            let both = killed_run + rerun;
+            let allowance = workers * piece + meta + 16 * 6528;
+            assert!(
+                both <= twin_need + allowance,
+                "{phase} at {frac}: fetched {both} for {twin_need} (allowance {allowance})"
+            );
+            if phase.contains("install") || phase == "upgrade" {
+                if phase != "stream install" {
+                    assert_snapshot_identical(&store);
+                }
+            }
+            if phase == "first-use fetch" || phase == "warmup" {
+                assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), reference_tokens(&env, PROMPT));
+            }
+            let _ = before;
+            matrix.push(format!(
+                "{phase:<16} killed after {killed_run:>8} B ({:>3.0}% of {twin_need}): rerun {rerun:>8} B, both {both:>8} B (+{} over an uninterrupted run)",
+                100.0 * killed_run as f64 / twin_need.max(1) as f64,
+                both as i64 - twin_need as i64
+            ));
+        }
+    }
+    eprintln!("kill -9 matrix:\n{}", matrix.join("\n"));
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    // Links are copied as links (the checkpoint view and the Hub snapshot are relative links).
+    let st = Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
+    assert!(st.success());
+}
+
+#[test]
+fn concurrent_readers_see_a_record_absent_or_whole() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let trace = make_trace(&env, d.path());
+    let store = d.path().join("s");
+    env.install(&o, &store, "stream", &[]);
+    o.set_faults(vec![Fault {
+        file: String::new(),
+        kind: FaultKind::Slow { bytes_per_sec: 200_000 },
+        times: u32::MAX,
+        on: Where::Both,
+    }]);
+    let mut child = env
+        .cmd(&["warmup", "--model", store.to_str().unwrap(), "--trace", trace.to_str().unwrap(), "--fetch"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // A second process's view, read again and again while the warmup fills the store.
+    let reader = Store::open(&store, None).unwrap();
+    let p = reader.experts.presence().unwrap().clone();
+    let (mut seen_absent, mut seen_present, mut buf) = (0usize, 0usize, Vec::new());
+    loop {
+        let done = child.try_wait().unwrap().is_some();
+        for &l in p.layers() {
+            for e in 0..p.experts_per_layer() {
+                match p.refresh(l, e).unwrap() {
+                    None => seen_absent += 1,
+                    Some(_) => {
+                        reader.experts.read(l, e, &mut buf).unwrap_or_else(|err| panic!("layer {l} expert {e}: {err}"));
+                        seen_present += 1;
+                    }
+                }
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    assert!(child.wait().unwrap().success());
+    assert!(seen_absent > 0 && seen_present > 0);
+    o.set_faults(vec![]);
+}
+
+#[test]
+fn serve_on_a_stream_store_fetches_and_reports_it() {
+    let env = Env::new();
+    let o = start_origin(None, false);
+    let d = tempfile::tempdir().unwrap();
+    let store = d.path().join("s");
+    env.install(&o, &store, "stream", &[]);
+    let mut child =
+        env.cmd(&["serve", "--model", store.to_str().unwrap(), "--port", "0"]).stderr(Stdio::piped()).spawn().unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let addr = {
+        use std::io::BufRead;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(err.read_line(&mut line).unwrap() > 0, "serve exited");
+            if let Some(a) = line.split("listening on http://").nth(1) {
+                break a.trim().to_string();
+            }
+        }
+    };
+    // The rest of the log, collected in the background.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let l2 = log.clone();
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        l2.lock().unwrap().push_str(&s);
+    });
+    let body = serde_json::json!({"model": "x", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).to_string();
+    let resp = http(&addr, "POST", "/v1/completions", &body);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let metrics = http(&addr, "GET", "/metrics", "");
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{metrics}"))
+    };
+    assert!(value("deltafin_stream_experts_fetched_total") > 0.0);
+    assert!(value("deltafin_stream_bytes_written_total") > 0.0);
+    assert!(value("deltafin_stream_experts_present") > 0.0);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let log = log.lock().unwrap().clone();
+    assert!(log.contains("fetched") && log.contains("experts on disk"), "serve logs its fetches:\n{log}");
+}
+
+/// One HTTP/1.1 request with `Connection: close`; the whole answer.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
