@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A Python virtual environment with the pinned client packages the server tests drive
-# (tests/clients/requirements.txt: openai, anthropic, tiktoken, pytest). Sourced by test.sh;
+# (tests/clients/requirements.txt: openai, anthropic, tiktoken, huggingface_hub, pytest). Sourced by test.sh;
 # sets CLIENT_PY. Reuses the venv when its requirements file is unchanged.
 set -euo pipefail
 
