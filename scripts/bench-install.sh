@@ -14,6 +14,8 @@
 #                       --only k3-bench --no-reference), and the stores (one at a time)
 #   PYTHON [/work/.venv-bench/bin/python]  numpy + safetensors, as in tools/requirements-fixtures.txt
 #   OUT [bench-results/install-stream-vs-full]  raw JSON of every step, and summary.txt
+#   GEN_FLAGS []        extra flags of the stream generates (e.g. --no-fetch-ahead)
+#   MODES [stream full] which modes to run
 #   CARGO_TARGET_DIR [target]
 #
 # Per run and mode, with a fresh store and the page cache dropped before each step where this
@@ -120,7 +122,10 @@ disk() {
     "$run" "$out/run$run-probe-disk.json" >> "$results"
 }
 
-gen() { "$bin" generate --model "$store" --prompt "$prompt" --max-tokens 1 --json "$@"; }
+gen_flags=${GEN_FLAGS:-}
+modes=${MODES:-stream full}
+# shellcheck disable=SC2086 # GEN_FLAGS is a list of flags
+gen() { "$bin" generate --model "$store" --prompt "$prompt" --max-tokens 1 --json $gen_flags "$@"; }
 stream_run() {
   local run=$1
   rm -rf "$store"
@@ -142,11 +147,16 @@ full_run() {
 for run in $(seq "$runs"); do
   echo "run $run of $runs" >&2
   limits "$run"
-  if [ $((run % 2)) = 1 ]; then stream_run "$run"; full_run "$run"; else full_run "$run"; stream_run "$run"; fi
+  case " $modes " in
+    *" stream "*" full "* | *" full "*" stream "*)
+      if [ $((run % 2)) = 1 ]; then stream_run "$run"; full_run "$run"; else full_run "$run"; stream_run "$run"; fi ;;
+    *" stream "*) stream_run "$run" ;;
+    *) full_run "$run" ;;
+  esac
 done
 
 {
-  echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo ' (modified)'); rate $rate bytes/s; prompt '$prompt'; runs $runs; page cache dropped: $([ $can_drop = 1 ] && echo yes || echo 'no (not permitted)')"
+  echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo ' (modified)'); rate $rate bytes/s; prompt '$prompt'; generate flags '$gen_flags'; modes '$modes'; runs $runs; page cache dropped: $([ $can_drop = 1 ] && echo yes || echo 'no (not permitted)')"
   echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB RAM; $(uname -r); store on $(df --output=source "$data" | tail -1)"
   "$python" - "$results" <<'EOF'
 import json, statistics, sys

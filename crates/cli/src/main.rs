@@ -108,6 +108,14 @@ fn main() -> ExitCode {
             if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<deltafin_engine::fault::ReadFault>()) {
                 eprintln!("  detail: {}", f.detail);
             }
+            // ENOSPC, wherever it surfaced (a fetched piece, a fill log, the spine file).
+            let enospc =
+                e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.raw_os_error() == Some(28)));
+            if enospc && !format!("{e:#}").contains("disk is full") {
+                eprintln!(
+                    "  the disk is full: free space and run the same command again (what was not finished was not recorded as done)"
+                );
+            }
             ExitCode::FAILURE
         }
     }

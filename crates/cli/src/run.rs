@@ -66,6 +66,11 @@ pub struct ModelArgs {
     /// else the origin it was installed from).
     #[arg(long)]
     pub endpoint: Option<String>,
+    /// On a streaming store, fetch only what a layer demands: no background fetches of the
+    /// router's look-ahead predictions (which use the link while a layer computes, at the cost
+    /// of bytes for the predictions that miss).
+    #[arg(long)]
+    pub no_fetch_ahead: bool,
 }
 
 impl ModelArgs {
@@ -111,7 +116,8 @@ impl ModelArgs {
         eprintln!(
             "streaming store: {present} of {all} experts on disk; missing ones are fetched on first use from {endpoint}"
         );
-        let f = HubFetcher::open(store, Some(&endpoint), deltafin_hub::install::env_http())?;
+        let f = HubFetcher::open(store, Some(&endpoint), deltafin_hub::install::env_http())?
+            .with_fetch_ahead(!self.no_fetch_ahead);
         Ok(Some(Arc::new(f)))
     }
 
@@ -262,6 +268,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             },
             "plan": s.plan,
             "stream": report,
+            "fetch": s.experts.fetch_stats(),
             "memory_budget_bytes": s.plan.budget_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
         });
@@ -284,6 +291,15 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             report.o_direct,
             peak_rss_bytes().map(deltafin_engine::plan::human).unwrap_or_default(),
         );
+        if let Some(f) = s.experts.fetch_stats() {
+            eprintln!(
+                "fetched {} expert(s) from the origin ({} ahead of demand): downloaded {}, wrote {} to the store",
+                f.experts,
+                f.experts_ahead,
+                deltafin_engine::plan::human(f.bytes_downloaded),
+                deltafin_engine::plan::human(f.bytes_written)
+            );
+        }
     }
     Ok(())
 }

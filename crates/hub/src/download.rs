@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result};
+use deltafin_store::manifest::OriginFile;
 
 use crate::fill::FillLog;
 use crate::http::{Expect, Http};
@@ -21,14 +22,17 @@ pub struct Target {
     pub url: String,
     pub size: u64,
     pub sha256: Option<String>,
+    pub validator: Option<String>,
     pub path: PathBuf,
     pub file: File,
     pub log: FillLog,
 }
 
 impl Target {
-    /// Open (creating, sparse, at its full size) the partial file at `path` and its fill log.
-    pub fn open(name: &str, url: String, size: u64, sha256: Option<String>, path: &Path, log: &Path) -> Result<Self> {
+    /// Open (creating, sparse, at its full size) the partial file of `f` at `path`, and its fill
+    /// log.
+    pub fn open(f: &OriginFile, url: String, path: &Path, log: &Path) -> Result<Self> {
+        let size = f.size;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -41,11 +45,25 @@ impl Target {
             // Holes cost no disk: the file takes space only where ranges are written.
             file.set_len(size).with_context(|| format!("sizing {}", path.display()))?;
         }
-        Ok(Target { name: name.into(), url, size, sha256, path: path.to_path_buf(), file, log: FillLog::open(log)? })
+        Ok(Target {
+            name: f.name.clone(),
+            url,
+            size,
+            sha256: f.sha256.clone(),
+            validator: f.validator.clone(),
+            path: path.to_path_buf(),
+            file,
+            log: FillLog::open(log)?,
+        })
     }
 
     pub fn expect(&self) -> Expect<'_> {
-        Expect { name: &self.name, size: self.size, sha256: self.sha256.as_deref() }
+        Expect {
+            name: &self.name,
+            size: self.size,
+            sha256: self.sha256.as_deref(),
+            validator: self.validator.as_deref(),
+        }
     }
 
     /// Fetch `[s, e)`, write it in place, sync it, then log it. Produces the bytes written.

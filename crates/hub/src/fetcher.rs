@@ -5,38 +5,57 @@
 //! present with its checksum. A kill -9 at any point leaves either an absent record (fetched
 //! again next time) or a present one whose bytes are on disk.
 //!
+//! The link must not sit idle while a layer computes: the engine's look-ahead predictions of
+//! the next layer's experts arrive as hints, and a background thread fetches the absent ones
+//! while the current layer runs. A demand for a record the background is fetching waits for it
+//! rather than fetching it twice; hints for layers the run has passed are dropped.
+//!
 //! The Hub publishes a sha256 per file, not per expert, so a record fetched alone is tied to
 //! the pinned file by the ETag check of every response (the origin's file must be the pinned
 //! one) and by exact lengths and Content-Range; its checksum is computed here and guards every
 //! later read of it. `install --upgrade-to-full` checks every shard's sha256 at the end.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use deltafin_store::Store;
-use deltafin_store::manifest::{ExpertLocation, OriginInfo};
+use deltafin_store::manifest::{ExpertLocation, OriginFile, OriginInfo};
 use deltafin_store::presence::{ExpertFetcher, FetchError, FetchStats, Presence};
-use std::sync::Arc;
 
 use crate::download::write_synced;
 use crate::http::{Expect, Http, HttpConfig};
 use crate::remote::{OriginKind, Remote};
 
 struct ShardFile {
-    name: String,
+    origin: OriginFile,
     url: String,
-    size: u64,
-    sha256: Option<String>,
     path: PathBuf,
     file: File,
 }
 
-pub struct HubFetcher {
+/// Records fetched in parallel for one demand.
+const DEMAND_PARALLEL: usize = 16;
+/// Records fetched in parallel ahead of demand (fewer: the demand keeps most of the link).
+const AHEAD_PARALLEL: usize = 4;
+/// Hints kept at most; older ones are dropped first.
+const AHEAD_QUEUE: usize = 256;
+
+/// What the background fetcher is asked and doing.
+#[derive(Default)]
+struct Ahead {
+    queue: VecDeque<(usize, usize)>,
+    /// Records being fetched now, by either path.
+    in_flight: HashSet<(usize, usize)>,
+    stop: bool,
+}
+
+struct Shared {
     http: Http,
     files: Vec<ShardFile>,
     locs: HashMap<usize, Vec<ExpertLocation>>,
@@ -44,20 +63,35 @@ pub struct HubFetcher {
     scale_parts: Vec<(usize, usize)>,
     record_bytes: usize,
     presence: Arc<Presence>,
-    /// Records fetched in parallel at most.
-    parallel: usize,
     experts: AtomicU64,
+    ahead_experts: AtomicU64,
     written: AtomicU64,
     failures: AtomicU64,
     micros: AtomicU64,
-    /// One layer's fetch at a time: two engine threads never race on one record.
+    /// One demand at a time: two engine threads never race on one layer.
     busy: Mutex<()>,
+    /// Demands running now: the background waits for them (demand first on the link).
+    demanding: AtomicU64,
+    /// Whether hints are fetched at all.
+    fetch_ahead: std::sync::atomic::AtomicBool,
+    ahead: Mutex<Ahead>,
+    /// Signalled when a hint arrives, a record lands, or the fetcher stops.
+    changed: Condvar,
+}
+
+pub struct HubFetcher {
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for HubFetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HubFetcher").field("files", &self.files.len()).finish()
+        f.debug_struct("HubFetcher").field("files", &self.shared.files.len()).finish()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl HubFetcher {
@@ -81,10 +115,8 @@ impl HubFetcher {
                 .open(path)
                 .with_context(|| format!("opening {}", path.display()))?;
             files.push(ShardFile {
-                name: name.clone(),
+                origin: f.clone(),
                 url: remote.file_url(&info.commit, name),
-                size: f.size,
-                sha256: f.sha256.clone(),
                 path: path.clone(),
                 file,
             });
@@ -96,27 +128,76 @@ impl HubFetcher {
             .filter(|p| p.name.ends_with("weight_scale"))
             .map(|p| (p.offset as usize, p.len as usize))
             .collect();
-        Ok(HubFetcher {
+        let shared = Arc::new(Shared {
             http: Http::new(&remote.endpoint, http)?,
             files,
             locs: m.experts.layers.iter().map(|l| (l.layer, l.experts.clone())).collect(),
             scale_parts,
             record_bytes: m.experts.record_bytes as usize,
             presence,
-            parallel: 16,
             experts: AtomicU64::new(0),
+            ahead_experts: AtomicU64::new(0),
             written: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             micros: AtomicU64::new(0),
             busy: Mutex::new(()),
-        })
+            demanding: AtomicU64::new(0),
+            fetch_ahead: std::sync::atomic::AtomicBool::new(true),
+            ahead: Mutex::new(Ahead::default()),
+            changed: Condvar::new(),
+        });
+        let bg = Arc::clone(&shared);
+        let worker = std::thread::Builder::new()
+            .name("deltafin-fetch-ahead".into())
+            .spawn(move || bg.fetch_ahead_loop())
+            .context("starting the fetch-ahead thread")?;
+        Ok(HubFetcher { shared, worker: Some(worker) })
+    }
+
+    /// Whether the router's look-ahead hints are fetched in the background (default yes).
+    pub fn with_fetch_ahead(self, on: bool) -> Self {
+        self.shared.fetch_ahead.store(on, Ordering::Relaxed);
+        self
+    }
+
+    /// Fetch these experts of `layer` now, in parallel (records already present are skipped;
+    /// records the background is fetching are waited for).
+    pub fn fetch_layer(&self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.shared.fetch_layer(layer, experts)
+    }
+}
+
+impl Drop for HubFetcher {
+    fn drop(&mut self) {
+        lock(&self.shared.ahead).stop = true;
+        self.shared.changed.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Shared {
+    /// Fetch one record unless it is present; if the other path is fetching it, wait for that.
+    fn fetch_one(&self, layer: usize, expert: usize) -> Result<()> {
+        {
+            let mut a = lock(&self.ahead);
+            while a.in_flight.contains(&(layer, expert)) {
+                a = self.changed.wait(a).unwrap_or_else(|p| p.into_inner());
+            }
+            if self.presence.refresh(layer, expert)?.is_some() {
+                return Ok(());
+            }
+            a.in_flight.insert((layer, expert));
+        }
+        let r = self.fetch_record(layer, expert);
+        lock(&self.ahead).in_flight.remove(&(layer, expert));
+        self.changed.notify_all();
+        r
     }
 
     /// Fetch, check, write, sync and mark one record.
-    fn fetch_one(&self, layer: usize, expert: usize) -> Result<()> {
-        if self.presence.refresh(layer, expert)?.is_some() {
-            return Ok(());
-        }
+    fn fetch_record(&self, layer: usize, expert: usize) -> Result<()> {
         let loc = self
             .locs
             .get(&layer)
@@ -125,8 +206,7 @@ impl HubFetcher {
         let mut record = Vec::with_capacity(self.record_bytes);
         for r in &loc.ranges {
             let f = self.files.get(r[0] as usize).context("a range names no file")?;
-            let expect = Expect { name: &f.name, size: f.size, sha256: f.sha256.as_deref() };
-            record.extend(self.http.get_range(&f.url, r[1], r[1] + r[2], &expect)?);
+            record.extend(self.http.get_range(&f.url, r[1], r[1] + r[2], &Expect::of(&f.origin))?);
         }
         if record.len() != self.record_bytes {
             bail!(
@@ -143,8 +223,7 @@ impl HubFetcher {
         let mut pos = 0usize;
         for r in &loc.ranges {
             let f = &self.files[r[0] as usize];
-            let bytes = &record[pos..pos + r[2] as usize];
-            write_synced(&f.file, &f.path, bytes, r[1])?;
+            write_synced(&f.file, &f.path, &record[pos..pos + r[2] as usize], r[1])?;
             pos += r[2] as usize;
         }
         self.written.fetch_add(record.len() as u64, Ordering::Relaxed);
@@ -153,27 +232,41 @@ impl HubFetcher {
         Ok(())
     }
 
-    /// Fetch these experts of `layer`, in parallel.
-    pub fn fetch_layer(&self, layer: usize, experts: &[usize]) -> Result<()> {
-        let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
-        let t0 = Instant::now();
-        let before = self.http.counters.bytes.load(Ordering::Relaxed);
+    /// Fetch `experts` in parallel, `parallel` at a time; the first error, if any.
+    fn fetch_all(&self, layer: usize, experts: &[usize], parallel: usize) -> Option<anyhow::Error> {
         let mut first_err = None;
-        for chunk in experts.chunks(self.parallel.max(1)) {
+        for chunk in experts.chunks(parallel.max(1)) {
             std::thread::scope(|s| {
                 let hs: Vec<_> = chunk.iter().map(|&e| s.spawn(move || self.fetch_one(layer, e))).collect();
                 for h in hs {
-                    let r = h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a fetch thread panicked")));
-                    if let Err(e) = r {
+                    if let Err(e) = h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a fetch thread panicked"))) {
                         first_err.get_or_insert(e);
                     }
                 }
             });
         }
+        first_err
+    }
+
+    fn fetch_layer(&self, layer: usize, experts: &[usize]) -> Result<()> {
+        let _one = lock(&self.busy);
+        // Hints for this layer and the ones before it are stale now (this layer is demanded).
+        lock(&self.ahead).queue.retain(|&(l, _)| l > layer);
+        let t0 = Instant::now();
+        let before = self.http.counters.bytes.load(Ordering::Relaxed);
+        self.demanding.fetch_add(1, Ordering::AcqRel);
+        let err = self.fetch_all(layer, experts, DEMAND_PARALLEL);
+        // Under the lock, so the background cannot miss the wake-up between its check and its
+        // wait.
+        {
+            let _a = lock(&self.ahead);
+            self.demanding.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.changed.notify_all();
         let dt = t0.elapsed();
         self.micros.fetch_add(dt.as_micros() as u64, Ordering::Relaxed);
-        let got = self.http.counters.bytes.load(Ordering::Relaxed) - before;
-        if let Some(e) = first_err {
+        let got = self.http.counters.bytes.load(Ordering::Relaxed).saturating_sub(before);
+        if let Some(e) = err {
             self.failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("fetching {} expert(s) of layer {layer} failed: {e:#}", experts.len());
             return Err(e);
@@ -187,20 +280,79 @@ impl HubFetcher {
         );
         Ok(())
     }
+
+    fn hint(&self, layer: usize, experts: &[usize]) {
+        if !self.fetch_ahead.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut a = lock(&self.ahead);
+        for &e in experts {
+            let key = (layer, e);
+            if !a.queue.contains(&key) && !a.in_flight.contains(&key) && self.presence.get(layer, e).is_none() {
+                a.queue.push_back(key);
+            }
+        }
+        while a.queue.len() > AHEAD_QUEUE {
+            a.queue.pop_front();
+        }
+        drop(a);
+        self.changed.notify_all();
+    }
+
+    /// The background thread: fetch hinted records, a few at a time, until stopped. A failure
+    /// costs nothing but the hint (a demand fetches the record again if it is needed).
+    fn fetch_ahead_loop(&self) {
+        loop {
+            let (layer, batch) = {
+                let mut a = lock(&self.ahead);
+                // Nothing to do, or a demand is fetching: the demand has the link.
+                while (a.queue.is_empty() || self.demanding.load(Ordering::Acquire) > 0) && !a.stop {
+                    a = self.changed.wait(a).unwrap_or_else(|p| p.into_inner());
+                }
+                if a.stop {
+                    return;
+                }
+                let layer = a.queue.front().map(|k| k.0).unwrap_or(0);
+                let mut batch = Vec::new();
+                while batch.len() < AHEAD_PARALLEL {
+                    match a.queue.front() {
+                        Some(&(l, e)) if l == layer => {
+                            a.queue.pop_front();
+                            batch.push(e);
+                        }
+                        _ => break,
+                    }
+                }
+                (layer, batch)
+            };
+            let before = self.experts.load(Ordering::Relaxed);
+            if let Some(e) = self.fetch_all(layer, &batch, AHEAD_PARALLEL) {
+                tracing::debug!("fetching ahead in layer {layer} failed: {e:#}");
+            }
+            let fetched = self.experts.load(Ordering::Relaxed).saturating_sub(before);
+            self.ahead_experts.fetch_add(fetched, Ordering::Relaxed);
+        }
+    }
 }
 
 impl ExpertFetcher for HubFetcher {
     fn fetch(&self, layer: usize, experts: &[usize]) -> Result<(), FetchError> {
-        self.fetch_layer(layer, experts).map_err(|e| format!("{e:#}").into())
+        self.shared.fetch_layer(layer, experts).map_err(|e| format!("{e:#}").into())
+    }
+
+    fn hint(&self, layer: usize, experts: &[usize]) {
+        self.shared.hint(layer, experts);
     }
 
     fn stats(&self) -> FetchStats {
+        let s = &self.shared;
         FetchStats {
-            experts: self.experts.load(Ordering::Relaxed),
-            bytes_downloaded: self.http.counters.bytes.load(Ordering::Relaxed),
-            bytes_written: self.written.load(Ordering::Relaxed),
-            failures: self.failures.load(Ordering::Relaxed),
-            seconds: self.micros.load(Ordering::Relaxed) as f64 / 1e6,
+            experts: s.experts.load(Ordering::Relaxed),
+            experts_ahead: s.ahead_experts.load(Ordering::Relaxed),
+            bytes_downloaded: s.http.counters.bytes.load(Ordering::Relaxed),
+            bytes_written: s.written.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+            seconds: s.micros.load(Ordering::Relaxed) as f64 / 1e6,
         }
     }
 }

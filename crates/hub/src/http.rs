@@ -65,6 +65,19 @@ pub struct Expect<'a> {
     pub size: u64,
     /// The origin's sha256 of the file: an ETag that is a sha256 must equal it.
     pub sha256: Option<&'a str>,
+    /// A mirror's validator at pinning time (ETag, else Last-Modified): it must not change.
+    pub validator: Option<&'a str>,
+}
+
+impl<'a> Expect<'a> {
+    pub fn of(f: &'a deltafin_store::manifest::OriginFile) -> Self {
+        Expect { name: &f.name, size: f.size, sha256: f.sha256.as_deref(), validator: f.validator.as_deref() }
+    }
+}
+
+/// A response's validator: its ETag, else its Last-Modified.
+pub fn validator(h: &HeaderMap) -> Option<String> {
+    ["etag", "last-modified"].iter().find_map(|n| h.get(*n).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_string()))
 }
 
 pub struct Http {
@@ -156,17 +169,18 @@ impl Http {
         })
     }
 
-    /// The size of a file on a plain server (a mirror), from `Range: bytes=0-0`.
-    pub fn size_of(&self, url: &str, what: &str) -> Result<u64> {
+    /// The size and validator of a file on a plain server (a mirror), from `Range: bytes=0-0`.
+    pub fn size_of(&self, url: &str, what: &str) -> Result<(u64, Option<String>)> {
         self.with_retries(what, || {
             let resp = self.request(url, Some((0, 1)))?;
+            let v = validator(resp.headers());
             let total = match resp.status() {
                 StatusCode::PARTIAL_CONTENT => {
                     content_range(resp.headers()).map(|r| r.2).ok_or_else(|| bad_range("no Content-Range"))?
                 }
                 _ => resp.content_length().ok_or_else(|| bad_range("no Content-Length"))?,
             };
-            Ok(total)
+            Ok((total, v))
         })
     }
 
@@ -272,6 +286,15 @@ fn content_range(h: &HeaderMap) -> Option<(u64, u64, u64)> {
 /// An ETag (or the Hub's `X-Linked-Etag`) that is a sha256 must be the pinned file's: anything
 /// else means the file changed at the origin since the install pinned it.
 fn check_etag(h: &HeaderMap, expect: &Expect) -> Result<(), Failure> {
+    if let (Some(pinned), Some(now)) = (expect.validator, validator(h))
+        && pinned != now
+    {
+        return Err(Failure::Fatal(format!(
+            "the origin's {} changed since this install pinned it (validator {now}, pinned {pinned}); \
+             install again into a new directory to take the new version",
+            expect.name
+        )));
+    }
     let Some(want) = expect.sha256 else { return Ok(()) };
     for name in ["x-linked-etag", "etag"] {
         if let Some(v) = h.get(name).and_then(|v| v.to_str().ok()) {
@@ -315,7 +338,10 @@ fn classify(status: StatusCode, h: &HeaderMap) -> Failure {
         404 if code == "EntryNotFound" => {
             Failure::Fatal("HTTP 404 EntryNotFound: no such file at this revision".into())
         }
-        404 => Failure::Fatal(format!("HTTP 404 {code}: not found (check the repository name and --endpoint)")),
+        404 => Failure::Fatal(format!(
+            "HTTP 404{}: not found (check the repository name, the revision, and --endpoint or --mirror)",
+            if code.is_empty() { String::new() } else { format!(" {code}") }
+        )),
         416 => Failure::Fatal("HTTP 416: the range lies outside the origin's file (did it change?)".into()),
         _ => Failure::Fatal(format!("HTTP {status} {code}")),
     }
@@ -352,12 +378,16 @@ mod tests {
         h.insert("content-range", HeaderValue::from_static("bytes 10-19/100"));
         assert_eq!(content_range(&h), Some((10, 19, 100)));
         let sha = "a".repeat(64);
-        let e = Expect { name: "f", size: 100, sha256: Some(&sha) };
+        let e = Expect { name: "f", size: 100, sha256: Some(&sha), validator: None };
         h.insert("etag", HeaderValue::from_str(&format!("\"{}\"", "b".repeat(64))).unwrap());
         assert!(matches!(check_etag(&h, &e), Err(Failure::Fatal(_))));
         h.insert("etag", HeaderValue::from_str(&format!("\"{sha}\"")).unwrap());
         assert!(check_etag(&h, &e).is_ok());
         h.insert("etag", HeaderValue::from_static("\"5f2a-1234\""));
         assert!(check_etag(&h, &e).is_ok(), "a plain server's ETag says nothing about the sha256");
+        let pinned = Expect { name: "f", size: 100, sha256: None, validator: Some("\"5f2a-1234\"") };
+        assert!(check_etag(&h, &pinned).is_ok());
+        h.insert("etag", HeaderValue::from_static("\"5f2b-1234\""));
+        assert!(matches!(check_etag(&h, &pinned), Err(Failure::Fatal(m)) if m.contains("changed")));
     }
 }

@@ -231,13 +231,22 @@ fn fetch_whole(http: &Http, remote: &Remote, info: &OriginInfo, layout: &Layout,
     {
         return Ok(b);
     }
+    // Written whole by a run that was killed before it verified the file: the fill log says so.
+    let log = layout.fill_log(name);
+    if log.exists()
+        && crate::fill::FillLog::open(&log)?.covers((0, f.size))
+        && let Ok(b) = std::fs::read(layout.partial(f))
+        && b.len() as u64 == f.size
+    {
+        return Ok(b);
+    }
     if f.size > SMALL_FILE {
         bail!("{name} is {} bytes, too large to be read whole", f.size);
     }
     if f.size == 0 {
         return Ok(Vec::new());
     }
-    let expect = Expect { name, size: f.size, sha256: f.sha256.as_deref() };
+    let expect = Expect::of(f);
     http.get_range(&remote.file_url(&info.commit, name), 0, f.size, &expect)
 }
 
@@ -283,7 +292,7 @@ fn fetch_headers(
             return Ok(h);
         }
         let url = remote.file_url(&info.commit, &f.name);
-        let expect = Expect { name: &f.name, size: f.size, sha256: f.sha256.as_deref() };
+        let expect = Expect::of(f);
         if f.size < 8 {
             bail!("{} is {} bytes: too short for a safetensors file", f.name, f.size);
         }
@@ -469,14 +478,20 @@ fn stream_install(
         if layout.is_finished(f) {
             continue;
         }
-        let t = Target::open(
-            &f.name,
-            remote.file_url(&info.commit, &f.name),
-            f.size,
-            f.sha256.clone(),
-            &layout.partial(f),
-            &layout.fill_log(&f.name),
-        )?;
+        let t = Target::open(f, remote.file_url(&info.commit, &f.name), &layout.partial(f), &layout.fill_log(&f.name))?;
+        // The index and the config are in memory already.
+        let held = match f.name.as_str() {
+            INDEX_FILE => Some(&index),
+            "config.json" => Some(&config_text),
+            _ => None,
+        };
+        if let Some(b) = held.filter(|b| b.len() as u64 == f.size && !b.is_empty())
+            && !t.log.covers((0, f.size))
+        {
+            write_synced(&t.file, &t.path, b, 0)?;
+            t.log.add(0, b)?;
+            written += f.size;
+        }
         let gaps = missing(f.size, &t.log.have());
         jobs.extend(pieces(&gaps, opts.piece_bytes).into_iter().map(|r| (targets.len(), r)));
         targets.push(t);
@@ -487,10 +502,8 @@ fn stream_install(
             continue;
         }
         let t = Target::open(
-            &s.file.name,
+            &s.file,
             remote.file_url(&info.commit, &s.file.name),
-            s.file.size,
-            s.file.sha256.clone(),
             &layout.partial(&s.file),
             &layout.fill_log(&s.file.name),
         )?;
@@ -566,23 +579,38 @@ fn check_space(free: Option<u64>, need: u64, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A complete file against the origin's size and sha256 (read back from disk).
+/// A complete small file against the origin's size and hash (read back from disk): its sha256
+/// (LFS), else its git blob id (sha1 of `blob <len>\0` and the bytes), as the Hub lists it.
 fn verify_file(t: &Target, f: &OriginFile) -> Result<()> {
     let len = t.file.metadata()?.len();
     if len != f.size {
         bail!("{}: {len} bytes on disk, the origin has {}", f.name, f.size);
     }
-    if let Some(want) = &f.sha256 {
-        let got = sha256_of(&t.path, |_, _| {})?;
-        if &got != want {
-            t.log.clear()?;
-            bail!(
-                "{}: sha256 {got} does not match the origin's {want}; its pieces are discarded, rerun to fetch it again",
-                f.name
-            );
-        }
+    let (kind, got, want) = if let Some(want) = &f.sha256 {
+        ("sha256", sha256_of(&t.path, |_, _| {})?, want.clone())
+    } else if let Some(want) = f.blob.as_ref().filter(|b| b.len() == 40) {
+        ("git blob id", git_blob_id(&t.path)?, want.to_ascii_lowercase())
+    } else {
+        return Ok(());
+    };
+    if got != want {
+        t.log.clear()?;
+        bail!(
+            "{}: {kind} {got} does not match the origin's {want}; its pieces are discarded, rerun to fetch it again",
+            f.name
+        );
     }
     Ok(())
+}
+
+/// Git's blob id of a (small) file.
+fn git_blob_id(path: &Path) -> Result<String> {
+    use sha1::Digest as _;
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut h = sha1::Sha1::new();
+    h.update(format!("blob {}\0", bytes.len()).as_bytes());
+    h.update(&bytes);
+    Ok(crate::remote::hex(&h.finalize()))
 }
 
 /// The sha256 of a file, read in 8 MiB blocks; `each(offset, block)` sees every block (to hash
@@ -680,14 +708,7 @@ fn upgrade_with(
         if layout.is_finished(f) {
             continue;
         }
-        let t = Target::open(
-            name,
-            remote.file_url(&info.commit, name),
-            f.size,
-            f.sha256.clone(),
-            &layout.partial(f),
-            &layout.fill_log(name),
-        )?;
+        let t = Target::open(f, remote.file_url(&info.commit, name), &layout.partial(f), &layout.fill_log(name))?;
         let mut have = t.log.have();
         for (l, e, ranges) in &experts_of[fi] {
             if presence.get(*l, *e).is_some() {
@@ -745,7 +766,8 @@ fn upgrade_with(
             }
             t.log.clear()?;
             bail!(
-                "{}: sha256 {got} does not match the origin's {want}; its ranges are discarded, rerun the upgrade to fetch them again",
+                "{}: sha256 {got} does not match the origin's {want}; its ranges are discarded, rerun the upgrade to fetch them again \
+                 (if the origin's file itself changed, install again into a new directory)",
                 f.name
             );
         }

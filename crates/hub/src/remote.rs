@@ -123,14 +123,21 @@ fn is_hex(s: &str, n: usize) -> bool {
 
 /// Pin `revision` of the repository: its commit and its files, sizes and hashes.
 pub fn resolve(http: &Http, remote: &Remote, revision: &str) -> Result<OriginInfo> {
-    let files = match remote.kind {
+    let (files, index, sums) = match remote.kind {
         OriginKind::Hub => return resolve_hub(http, remote, revision),
         OriginKind::Mirror => mirror_files(http, remote)?,
     };
-    // A mirror has no commits: the snapshot is named by its index's content, so a changed
-    // mirror is a new snapshot rather than a silent mix.
-    let (index, _) = http.get_small(&remote.file_url("", INDEX_FILE), INDEX_FILE, SMALL_CAP)?;
-    let commit = hex(&Sha256::digest(&index))[..40].to_string();
+    // A mirror has no commits: the snapshot is named by what identifies its content (the
+    // index, the published sums, and every file's size and validator), so a changed mirror is a
+    // new snapshot; and each response must carry the validator pinned here, so a file that
+    // changes during an install is refused rather than mixed in.
+    let mut h = Sha256::new();
+    h.update(&index);
+    h.update(&sums);
+    for f in &files {
+        h.update(format!("{}\0{}\0{}\n", f.name, f.size, f.validator.as_deref().unwrap_or("")).as_bytes());
+    }
+    let commit = hex(&h.finalize())[..40].to_string();
     Ok(OriginInfo {
         kind: remote.kind.name().into(),
         endpoint: remote.endpoint.clone(),
@@ -169,7 +176,7 @@ fn resolve_hub(http: &Http, remote: &Remote, revision: &str) -> Result<OriginInf
             None => (s.size.with_context(|| format!("the Hub gave no size for {}", s.rfilename))?, None),
         };
         let blob = s.blob_id.filter(|b| b.bytes().all(|c| c.is_ascii_alphanumeric()) && !b.is_empty());
-        files.push(OriginFile { name: s.rfilename, size, sha256, blob });
+        files.push(OriginFile { name: s.rfilename, size, sha256, blob, validator: None });
     }
     Ok(OriginInfo {
         kind: remote.kind.name().into(),
@@ -181,29 +188,31 @@ fn resolve_hub(http: &Http, remote: &Remote, revision: &str) -> Result<OriginInf
     })
 }
 
-/// A mirror's files: the index, the shards it names, and the usual small files it has.
-fn mirror_files(http: &Http, remote: &Remote) -> Result<Vec<OriginFile>> {
+/// A mirror's files (the index, the shards it names, and the usual small files it has), its
+/// index and its SHA256SUMS (empty when it has none).
+fn mirror_files(http: &Http, remote: &Remote) -> Result<(Vec<OriginFile>, Vec<u8>, Vec<u8>)> {
     let (index, _) = http.get_small(&remote.file_url("", INDEX_FILE), INDEX_FILE, SMALL_CAP)?;
     let shards = shard_names(&index)?;
-    let sums = match http.get_small(&remote.file_url("", "SHA256SUMS"), "SHA256SUMS", SMALL_CAP) {
-        Ok((b, _)) => parse_sums(&String::from_utf8_lossy(&b)),
-        Err(e) if e.to_string().contains("404") => BTreeMap::new(),
+    let raw_sums = match http.get_small(&remote.file_url("", "SHA256SUMS"), "SHA256SUMS", SMALL_CAP) {
+        Ok((b, _)) => b,
+        Err(e) if e.to_string().contains("404") => Vec::new(),
         Err(e) => return Err(e),
     };
+    let sums = parse_sums(&String::from_utf8_lossy(&raw_sums));
     let mut names: Vec<String> = vec![INDEX_FILE.into()];
     names.extend(shards);
     let mut files = Vec::new();
     for n in MIRROR_EXTRAS.iter().map(|s| s.to_string()).chain(names) {
         let url = remote.file_url("", &n);
-        let size = match http.size_of(&url, &n) {
+        let (size, validator) = match http.size_of(&url, &n) {
             Ok(s) => s,
             Err(e) if MIRROR_EXTRAS.contains(&n.as_str()) && e.to_string().contains("404") => continue,
             Err(e) => return Err(e),
         };
         let sha256 = sums.get(&n).cloned();
-        files.push(OriginFile { name: n, size, sha256, blob: None });
+        files.push(OriginFile { name: n, size, sha256, blob: None, validator });
     }
-    Ok(files)
+    Ok((files, index, raw_sums))
 }
 
 /// The shard files an index names, sorted.

@@ -271,6 +271,12 @@ impl Metrics {
             );
             counter(
                 &mut out,
+                "deltafin_stream_experts_fetched_ahead_total",
+                "Of those, fetched ahead of demand from the router's look-ahead.",
+                f.experts_ahead,
+            );
+            counter(
+                &mut out,
                 "deltafin_stream_bytes_downloaded_total",
                 "Body bytes received from the origin by expert fetches.",
                 f.bytes_downloaded,

@@ -59,6 +59,10 @@ pub struct OriginFile {
     /// The Hub's blob id (the name of the file's blob in a Hub cache).
     #[serde(default)]
     pub blob: Option<String>,
+    /// A mirror's validator of the file when the install pinned it (its ETag, else its
+    /// Last-Modified): every later response must carry the same, or the file has changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validator: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

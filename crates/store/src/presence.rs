@@ -182,6 +182,10 @@ pub trait ExpertFetcher: Send + Sync + std::fmt::Debug {
     /// them in parallel. Experts already present are skipped.
     fn fetch(&self, layer: usize, experts: &[usize]) -> Result<(), FetchError>;
 
+    /// Experts `layer` will probably need soon: fetch the absent ones in the background if the
+    /// fetcher can. A hint, never an error. Default: ignored.
+    fn hint(&self, _layer: usize, _experts: &[usize]) {}
+
     /// What this fetcher has done so far (for logs and metrics).
     fn stats(&self) -> FetchStats;
 }
@@ -191,6 +195,8 @@ pub trait ExpertFetcher: Send + Sync + std::fmt::Debug {
 pub struct FetchStats {
     /// Experts fetched and marked present.
     pub experts: u64,
+    /// Of those, fetched ahead of demand from the engine's predictions.
+    pub experts_ahead: u64,
     /// Body bytes received from the origin (failed attempts included).
     pub bytes_downloaded: u64,
     /// Bytes written into the store's shards.

@@ -632,10 +632,16 @@ impl ExpertSource for StreamingExperts {
         if self.opts.prefetch_buffers == 0 {
             return Ok(());
         }
+        let mut absent = std::mem::take(&mut self.misses_buf);
+        absent.clear();
         for &e in experts {
-            if self.location(layer, e).is_err() || !self.present(layer, e) {
-                // A hint about an expert the store does not have (or has not fetched yet; a
-                // guess never goes to the network): nothing to read.
+            if self.location(layer, e).is_err() {
+                // A hint about an expert the store does not have: nothing to read.
+                continue;
+            }
+            if !self.present(layer, e) {
+                // Not fetched yet: the fetcher may fetch it in the background; nothing to read.
+                absent.push(e);
                 continue;
             }
             let key = (layer, e);
@@ -644,6 +650,10 @@ impl ExpertSource for StreamingExperts {
                 self.pending_prefetch.push_back(key);
             }
         }
+        if let Some(f) = self.fetcher.as_ref().filter(|_| !absent.is_empty()) {
+            f.hint(layer, &absent);
+        }
+        self.misses_buf = absent;
         self.pump_prefetch()
     }
 
