@@ -9,8 +9,10 @@ if ! command -v valgrind >/dev/null 2>&1; then
   { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq valgrind; } >/dev/null 2>&1 || true
 fi
 if command -v valgrind >/dev/null 2>&1; then
-  exe=$(cargo test --locked -p deltafin-engine --test probe_fault --no-run 2>&1 | grep -o 'target/debug/deps/probe_fault-[0-9a-f]*' | head -1)
-  (cd crates/engine && valgrind -q --error-exitcode=9 "../../$exe" --test-threads 1) 2>&1 | tee -a "$log"
+  # The test binary's path as cargo prints it (relative, or absolute under CARGO_TARGET_DIR).
+  exe=$(cargo test --locked -p deltafin-engine --test probe_fault --no-run 2>&1 | grep -o '[^ (]*debug/deps/probe_fault-[0-9a-f]*' | head -1)
+  exe=$(realpath "$exe")
+  (cd crates/engine && valgrind -q --error-exitcode=9 "$exe" --test-threads 1) 2>&1 | tee -a "$log"
 else
   echo "SKIPPED valgrind: could not install it"
 fi

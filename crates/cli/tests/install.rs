@@ -391,6 +391,22 @@ fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
     assert_consistent(&store);
     env.ok(&up);
     assert_snapshot_identical(&store);
+
+    // An expert whose bytes the origin corrupts on first use (lengths and ETag right) cannot be
+    // told from a good one when it arrives alone (the Hub publishes one sha256 per file): it is
+    // stored with the checksum of what arrived. The upgrade's sha256 of its shard catches it,
+    // marks that shard's experts absent again, and the rerun ends byte-identical.
+    let s2 = d.path().join("s2");
+    env.install(&o, &s2, "stream", &[]);
+    o.set_faults(vec![Fault { file: "model-00003-of-000013".into(), kind: FaultKind::Corrupt, times: 1, on: Where::Both }]);
+    env.generate(&s2, PROMPT, &["--no-fetch-ahead"]);
+    o.set_faults(vec![]);
+    let up2 = ["install", "--upgrade-to-full", s2.to_str().unwrap()];
+    let err = env.fails(&up2);
+    assert!(err.contains("model-00003-of-000013") && err.contains("sha256"), "{err}");
+    env.ok(&up2);
+    assert_snapshot_identical(&s2);
+    assert_eq!(env.tokens(&s2, PROMPT, &["--offline"]), reference_tokens(&env, PROMPT));
 }
 
 #[test]
