@@ -14,7 +14,8 @@
 #                       --only k3-bench --no-reference), and the stores (one at a time)
 #   PYTHON [/work/.venv-bench/bin/python]  numpy + safetensors, as in tools/requirements-fixtures.txt
 #   OUT [bench-results/install-stream-vs-full]  raw JSON of every step, and summary.txt
-#   GEN_FLAGS []        extra flags of the stream generates (e.g. --no-fetch-ahead)
+#   GEN_FLAGS []        extra flags of the stream generates (e.g. --fetch-ahead)
+#   MAX_TOKENS [1]      tokens each generate makes (1: time to first token; more: decode too)
 #   MODES [stream full] which modes to run
 #   CARGO_TARGET_DIR [target]
 #
@@ -125,7 +126,8 @@ disk() {
 gen_flags=${GEN_FLAGS:-}
 modes=${MODES:-stream full}
 # shellcheck disable=SC2086 # GEN_FLAGS is a list of flags
-gen() { "$bin" generate --model "$store" --prompt "$prompt" --max-tokens 1 --json $gen_flags "$@"; }
+max_tokens=${MAX_TOKENS:-1}
+gen() { "$bin" generate --model "$store" --prompt "$prompt" --max-tokens "$max_tokens" --ignore-eos --json $gen_flags "$@"; }
 stream_run() {
   local run=$1
   rm -rf "$store"
@@ -156,7 +158,7 @@ for run in $(seq "$runs"); do
 done
 
 {
-  echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo ' (modified)'); rate $rate bytes/s; prompt '$prompt'; generate flags '$gen_flags'; modes '$modes'; runs $runs; page cache dropped: $([ $can_drop = 1 ] && echo yes || echo 'no (not permitted)')"
+  echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo ' (modified)'); rate $rate bytes/s; prompt '$prompt'; generate flags '$gen_flags'; max tokens $max_tokens; modes '$modes'; runs $runs; page cache dropped: $([ $can_drop = 1 ] && echo yes || echo 'no (not permitted)')"
   echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB RAM; $(uname -r); store on $(df --output=source "$data" | tail -1)"
   "$python" - "$results" <<'EOF'
 import json, statistics, sys

@@ -66,11 +66,11 @@ pub struct ModelArgs {
     /// else the origin it was installed from).
     #[arg(long)]
     pub endpoint: Option<String>,
-    /// On a streaming store, fetch only what a layer demands: no background fetches of the
-    /// router's look-ahead predictions (which use the link while a layer computes, at the cost
-    /// of bytes for the predictions that miss).
+    /// On a streaming store, also fetch the router's look-ahead predictions of the next layer's
+    /// experts in the background while a layer computes (off by default: mispredictions cost
+    /// link time and bytes; measured in BENCHMARKS.md section 8).
     #[arg(long)]
-    pub no_fetch_ahead: bool,
+    pub fetch_ahead: bool,
 }
 
 impl ModelArgs {
@@ -117,7 +117,7 @@ impl ModelArgs {
             "streaming store: {present} of {all} experts on disk; missing ones are fetched on first use from {endpoint}"
         );
         let f = HubFetcher::open(store, Some(&endpoint), deltafin_hub::install::env_http())?
-            .with_fetch_ahead(!self.no_fetch_ahead);
+            .with_fetch_ahead(self.fetch_ahead);
         Ok(Some(Arc::new(f)))
     }
 

@@ -216,8 +216,7 @@ fn stream_install_fetches_headers_and_spine_then_each_expert_once() {
     assert_eq!(m["streaming"]["presence_file"], "presence.bin");
     assert_eq!(m["origin"]["commit"].as_str().unwrap(), default_commit(REPO));
 
-    // First generate: experts fetched on first use (and the look-ahead's predictions in the
-    // background), each once, each a whole record.
+    // First generate: experts fetched on first use, each once, each a whole record.
     let record = m["experts"]["record_bytes"].as_u64().unwrap();
     let want = reference_tokens(&env, PROMPT);
     let g1 = env.generate(&store, PROMPT, &[]);
@@ -226,16 +225,12 @@ fn stream_install_fetches_headers_and_spine_then_each_expert_once() {
     let present = Store::open(&store, None).unwrap().experts.presence().unwrap().count().0 as u64;
     assert!(present > 0 && first == present * record, "{first} bytes for {present} experts of {record}");
     assert_eq!(g1["fetch"]["experts"].as_u64().unwrap(), present, "{g1}");
+    assert_eq!(g1["fetch"]["experts_ahead"].as_u64().unwrap(), 0, "fetch-ahead is off by default");
     assert_eq!(g1["fetch"]["bytes_written"].as_u64().unwrap(), present * record);
-    // Second generate: every expert it needs is on disk; at most predictions are fetched ahead.
-    let g2 = env.generate(&store, PROMPT, &[]);
-    assert_eq!(g2["tokens"], g1["tokens"]);
-    assert_eq!(g2["fetch"]["experts"], g2["fetch"]["experts_ahead"], "the second generate fetched on demand: {g2}");
-    let second = served(&o) - after_install - first;
-    // Without fetch-ahead, and offline, nothing at all.
+    // Second generate: nothing from the network; offline too.
     let before = served(&o);
-    assert_eq!(env.tokens(&store, PROMPT, &["--no-fetch-ahead"]), want);
-    assert_eq!(served(&o), before, "the third generate fetched");
+    assert_eq!(env.tokens(&store, PROMPT, &[]), want);
+    assert_eq!(served(&o), before, "the second generate fetched again");
     assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), want);
     let first_bytes = first;
     // Offline, a prompt that needs experts not fetched yet is a clear error naming the fix.
@@ -252,9 +247,17 @@ fn stream_install_fetches_headers_and_spine_then_each_expert_once() {
     assert!(err.contains("offline") && err.contains("warmup") && err.contains("--fetch"), "{err}");
     assert_eq!(served(&o), before, "--offline touched the network");
     assert_consistent(&store);
+    // With --fetch-ahead, a new prompt's predictions are fetched in the background too: every
+    // record fetched is still fetched once and is present afterwards.
+    let before = served(&o);
+    let g3 = env.generate(&store, "Quartz zebras vexed a wizard", &["--fetch-ahead"]);
+    let present3 = Store::open(&store, None).unwrap().experts.presence().unwrap().count().0 as u64;
+    assert_eq!(g3["fetch"]["experts"].as_u64().unwrap(), present3 - present, "{g3}");
+    assert!(g3["fetch"]["experts_ahead"].as_u64().unwrap() > 0, "nothing was fetched ahead: {g3}");
+    assert_eq!(served(&o) - before, (present3 - present) * record);
+    assert_consistent(&store);
     eprintln!(
-        "bytes: stream install {after_install}, first generate {first_bytes} ({present} experts, {} of them ahead of demand), second generate {second} (ahead only), third 0 (snapshot {})",
-        g1["fetch"]["experts_ahead"],
+        "bytes: stream install {after_install}, first generate {first_bytes} ({present} experts), second generate 0 (snapshot {})",
         snapshot_bytes("k3-small")
     );
 }
@@ -398,8 +401,13 @@ fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
     // marks that shard's experts absent again, and the rerun ends byte-identical.
     let s2 = d.path().join("s2");
     env.install(&o, &s2, "stream", &[]);
-    o.set_faults(vec![Fault { file: "model-00003-of-000013".into(), kind: FaultKind::Corrupt, times: 1, on: Where::Both }]);
-    env.generate(&s2, PROMPT, &["--no-fetch-ahead"]);
+    o.set_faults(vec![Fault {
+        file: "model-00003-of-000013".into(),
+        kind: FaultKind::Corrupt,
+        times: 1,
+        on: Where::Both,
+    }]);
+    env.generate(&s2, PROMPT, &[]);
     o.set_faults(vec![]);
     let up2 = ["install", "--upgrade-to-full", s2.to_str().unwrap()];
     let err = env.fails(&up2);

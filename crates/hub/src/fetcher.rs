@@ -5,10 +5,12 @@
 //! present with its checksum. A kill -9 at any point leaves either an absent record (fetched
 //! again next time) or a present one whose bytes are on disk.
 //!
-//! The link must not sit idle while a layer computes: the engine's look-ahead predictions of
-//! the next layer's experts arrive as hints, and a background thread fetches the absent ones
-//! while the current layer runs. A demand for a record the background is fetching waits for it
-//! rather than fetching it twice; hints for layers the run has passed are dropped.
+//! Optionally (`--fetch-ahead`), the engine's look-ahead predictions of the next layer's experts
+//! arrive as hints, and a background thread fetches the absent ones while the current layer
+//! runs, never starting while a demand fetches. A demand for a record the background is
+//! fetching waits for it rather than fetching it twice; hints for layers the run has passed are
+//! dropped. It is off by default: measured on the bench checkpoint, mispredicted records cost
+//! more link time than the overlap saves (BENCHMARKS.md section 8).
 //!
 //! The Hub publishes a sha256 per file, not per expert, so a record fetched alone is tied to
 //! the pinned file by the ETag check of every response (the origin's file must be the pinned
@@ -52,6 +54,8 @@ struct Ahead {
     queue: VecDeque<(usize, usize)>,
     /// Records being fetched now, by either path.
     in_flight: HashSet<(usize, usize)>,
+    /// The background has taken a batch off the queue and not finished it.
+    batch_running: bool,
     stop: bool,
 }
 
@@ -142,7 +146,7 @@ impl HubFetcher {
             micros: AtomicU64::new(0),
             busy: Mutex::new(()),
             demanding: AtomicU64::new(0),
-            fetch_ahead: std::sync::atomic::AtomicBool::new(true),
+            fetch_ahead: std::sync::atomic::AtomicBool::new(false),
             ahead: Mutex::new(Ahead::default()),
             changed: Condvar::new(),
         });
@@ -154,7 +158,9 @@ impl HubFetcher {
         Ok(HubFetcher { shared, worker: Some(worker) })
     }
 
-    /// Whether the router's look-ahead hints are fetched in the background (default yes).
+    /// Whether the router's look-ahead hints are fetched in the background (default no: on the
+    /// bench checkpoint the mispredictions cost more link time than the overlap saves;
+    /// BENCHMARKS.md section 8).
     pub fn with_fetch_ahead(self, on: bool) -> Self {
         self.shared.fetch_ahead.store(on, Ordering::Relaxed);
         self
@@ -179,7 +185,7 @@ impl Drop for HubFetcher {
 
 impl Shared {
     /// Fetch one record unless it is present; if the other path is fetching it, wait for that.
-    fn fetch_one(&self, layer: usize, expert: usize) -> Result<()> {
+    fn fetch_one(&self, layer: usize, expert: usize, ahead: bool) -> Result<()> {
         {
             let mut a = lock(&self.ahead);
             while a.in_flight.contains(&(layer, expert)) {
@@ -190,14 +196,14 @@ impl Shared {
             }
             a.in_flight.insert((layer, expert));
         }
-        let r = self.fetch_record(layer, expert);
+        let r = self.fetch_record(layer, expert, ahead);
         lock(&self.ahead).in_flight.remove(&(layer, expert));
         self.changed.notify_all();
         r
     }
 
     /// Fetch, check, write, sync and mark one record.
-    fn fetch_record(&self, layer: usize, expert: usize) -> Result<()> {
+    fn fetch_record(&self, layer: usize, expert: usize, ahead: bool) -> Result<()> {
         let loc = self
             .locs
             .get(&layer)
@@ -229,23 +235,32 @@ impl Shared {
         self.written.fetch_add(record.len() as u64, Ordering::Relaxed);
         self.presence.mark(layer, expert, xxhash_rust::xxh3::xxh3_64(&record))?;
         self.experts.fetch_add(1, Ordering::Relaxed);
+        if ahead {
+            self.ahead_experts.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
-    /// Fetch `experts` in parallel, `parallel` at a time; the first error, if any.
-    fn fetch_all(&self, layer: usize, experts: &[usize], parallel: usize) -> Option<anyhow::Error> {
-        let mut first_err = None;
-        for chunk in experts.chunks(parallel.max(1)) {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = chunk.iter().map(|&e| s.spawn(move || self.fetch_one(layer, e))).collect();
-                for h in hs {
-                    if let Err(e) = h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a fetch thread panicked"))) {
-                        first_err.get_or_insert(e);
+    /// Fetch `experts` with `parallel` workers taking the next record as each finishes (no
+    /// barrier between batches: the link stays busy until the last record); the first error,
+    /// if any.
+    fn fetch_all(&self, layer: usize, experts: &[usize], parallel: usize, ahead: bool) -> Option<anyhow::Error> {
+        let next = AtomicU64::new(0);
+        let first_err: Mutex<Option<anyhow::Error>> = Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..parallel.clamp(1, experts.len().max(1)) {
+                s.spawn(|| {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                        let Some(&e) = experts.get(i) else { break };
+                        if let Err(err) = self.fetch_one(layer, e, ahead) {
+                            lock(&first_err).get_or_insert(err);
+                        }
                     }
-                }
-            });
-        }
-        first_err
+                });
+            }
+        });
+        first_err.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
     fn fetch_layer(&self, layer: usize, experts: &[usize]) -> Result<()> {
@@ -255,7 +270,7 @@ impl Shared {
         let t0 = Instant::now();
         let before = self.http.counters.bytes.load(Ordering::Relaxed);
         self.demanding.fetch_add(1, Ordering::AcqRel);
-        let err = self.fetch_all(layer, experts, DEMAND_PARALLEL);
+        let err = self.fetch_all(layer, experts, DEMAND_PARALLEL, false);
         // Under the lock, so the background cannot miss the wake-up between its check and its
         // wait.
         {
@@ -323,14 +338,14 @@ impl Shared {
                         _ => break,
                     }
                 }
+                a.batch_running = true;
                 (layer, batch)
             };
-            let before = self.experts.load(Ordering::Relaxed);
-            if let Some(e) = self.fetch_all(layer, &batch, AHEAD_PARALLEL) {
+            if let Some(e) = self.fetch_all(layer, &batch, AHEAD_PARALLEL, true) {
                 tracing::debug!("fetching ahead in layer {layer} failed: {e:#}");
             }
-            let fetched = self.experts.load(Ordering::Relaxed).saturating_sub(before);
-            self.ahead_experts.fetch_add(fetched, Ordering::Relaxed);
+            lock(&self.ahead).batch_running = false;
+            self.changed.notify_all();
         }
     }
 }
@@ -342,6 +357,14 @@ impl ExpertFetcher for HubFetcher {
 
     fn hint(&self, layer: usize, experts: &[usize]) {
         self.shared.hint(layer, experts);
+    }
+
+    fn settle(&self) {
+        let mut a = lock(&self.shared.ahead);
+        a.queue.clear();
+        while !a.in_flight.is_empty() || a.batch_running {
+            a = self.shared.changed.wait(a).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     fn stats(&self) -> FetchStats {

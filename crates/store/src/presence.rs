@@ -186,6 +186,10 @@ pub trait ExpertFetcher: Send + Sync + std::fmt::Debug {
     /// fetcher can. A hint, never an error. Default: ignored.
     fn hint(&self, _layer: usize, _experts: &[usize]) {}
 
+    /// Drop the hints not started and wait for the fetches in flight to land (the end of a run:
+    /// its report then counts every fetch it caused). Default: nothing to wait for.
+    fn settle(&self) {}
+
     /// What this fetcher has done so far (for logs and metrics).
     fn stats(&self) -> FetchStats;
 }

@@ -9,8 +9,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::state::lock;
-
 /// Seconds of the rate that may accrue while nothing is sent (a link's idle time is not saved
 /// up beyond this).
 const BURST_SECONDS: f64 = 0.05;
@@ -36,13 +34,13 @@ impl Limiter {
 
     /// A new rate (None: unlimited) applies from the next chunk; the bucket starts empty.
     pub(crate) fn set_rate(&self, rate: Option<u64>) {
-        let mut b = lock(&self.state);
+        let mut b = self.state.lock().unwrap_or_else(|e| e.into_inner());
         *b = Bucket { rate: rate.filter(|&r| r > 0), tokens: 0.0, at: Instant::now() };
     }
 
     /// Reserves `bytes`; returns how long the caller must wait before sending them.
     pub(crate) fn reserve(&self, bytes: u64) -> Duration {
-        let mut b = lock(&self.state);
+        let mut b = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let Some(rate) = b.rate else { return Duration::ZERO };
         let rate = rate as f64;
         let now = Instant::now();

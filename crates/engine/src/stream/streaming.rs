@@ -206,9 +206,13 @@ impl StreamingExperts {
         self.fetcher = fetcher;
     }
 
-    /// What the fetcher has done, when this source has one.
+    /// What the fetcher has done, when this source has one, once its background fetches have
+    /// landed.
     pub fn fetch_stats(&self) -> Option<FetchStats> {
-        self.fetcher.as_ref().map(|f| f.stats())
+        self.fetcher.as_ref().map(|f| {
+            f.settle();
+            f.stats()
+        })
     }
 
     /// Experts on disk, of all, in a streaming store.
