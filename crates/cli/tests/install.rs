@@ -395,6 +395,36 @@ fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
     env.ok(&up);
     assert_snapshot_identical(&store);
 
+    // Spine bytes that went bad on disk after a stream install was converted from them: the
+    // upgrade's sha256 rejects the shard, and once every shard is verified the spine is
+    // converted again, so the full store equals `convert`'s.
+    let s3 = d.path().join("s3");
+    env.install(&o, &s3, "stream", &[]);
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(s3.join("manifest.json")).unwrap()).unwrap();
+    let shard = "model-00004-of-000013.safetensors";
+    let blob = m["origin"]["files"].as_array().unwrap().iter().find(|f| f["name"] == shard).unwrap()["sha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let partial = s3.join("hub/models--org--k3-small/blobs").join(format!("{blob}.deltafin-partial"));
+    let fixture = fixture_files("k3-small");
+    let hlen = 8 + u64::from_le_bytes(fixture[shard][..8].try_into().unwrap());
+    // A byte of a spine tensor the stream install fetched (in the fill log, past the header).
+    let log = deltafin_hub::fill::FillLog::open(&s3.join(".deltafin/fill").join(format!("{shard}.fill"))).unwrap();
+    let at = log.have().iter().find(|r| r.1 > hlen).map(|r| r.0.max(hlen)).expect("a spine range") as usize;
+    let mut bytes = std::fs::read(&partial).unwrap();
+    bytes[at] ^= 0x40;
+    std::fs::write(&partial, &bytes).unwrap();
+    let up3 = ["install", "--upgrade-to-full", s3.to_str().unwrap()];
+    let err = env.fails(&up3);
+    assert!(err.contains(shard) && err.contains("sha256"), "{err}");
+    let (_, err) = env.ok(&up3);
+    assert!(err.contains("converting the spine again"), "{err}");
+    let conv = tempfile::tempdir().unwrap();
+    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", conv.path().to_str().unwrap()]);
+    assert_eq!(std::fs::read(s3.join("spine.bin")).unwrap(), std::fs::read(conv.path().join("spine.bin")).unwrap());
+    assert!(!s3.join(".deltafin/spine-stale.json").exists());
+
     // An expert whose bytes the origin corrupts on first use (lengths and ETag right) cannot be
     // told from a good one when it arrives alone (the Hub publishes one sha256 per file): it is
     // stored with the checksum of what arrived. The upgrade's sha256 of its shard catches it,

@@ -37,6 +37,8 @@ use crate::ranges::{Range, coalesce, missing, missing_in, normalize, pieces, tot
 use crate::remote::{INDEX_FILE, OriginKind, Remote, resolve, shard_names};
 
 pub const PRESENCE_FILE: &str = "presence.bin";
+/// In the state directory: the spine was converted from bytes a later verification rejected.
+const SPINE_STALE: &str = "spine-stale.json";
 /// Shard headers are refused beyond this (the store's own limit).
 const MAX_HEADER: u64 = 100_000_000;
 /// Gaps between spine tensors of one shard up to this size (one disk block) are fetched
@@ -764,6 +766,9 @@ fn upgrade_with(
             for (l, e, _) in mine {
                 presence.unmark(*l, *e)?;
             }
+            // The spine was converted from ranges of this shard, which cannot be trusted now:
+            // the upgrade converts it again once every shard is verified.
+            save_json(&layout.state_dir().join(SPINE_STALE), &f.name)?;
             t.log.clear()?;
             bail!(
                 "{}: sha256 {got} does not match the origin's {want}; its ranges are discarded, rerun the upgrade to fetch them again \
@@ -809,15 +814,36 @@ fn upgrade_with(
             given.insert((l as usize, e as usize), x);
         }
     }
-    let mut full = m.clone();
-    for l in &mut full.experts.layers {
-        for (e, loc) in l.experts.iter_mut().enumerate() {
-            loc.xxh3 =
-                *given.get(&(l.layer, e)).with_context(|| format!("no checksum for layer {} expert {e}", l.layer))?;
+    let stale = layout.state_dir().join(SPINE_STALE);
+    if stale.exists() {
+        // A shard failed its sha256 after its spine ranges were converted: convert the spine
+        // again, now from verified bytes (the manifest is written last, as in any conversion).
+        if !quiet {
+            eprintln!("converting the spine again from the verified shards");
         }
+        let co = ConvertOptions {
+            spine: m.spine.matrix_dtype,
+            int8_group: m.spine.int8_group,
+            progress: !quiet,
+            origin: Some(info.clone()),
+            streaming: None,
+            expert_sums: ExpertSums::Given(given),
+            ..Default::default()
+        };
+        convert(&layout.checkpoint_dir(), store_dir, &co)?;
+        std::fs::remove_file(&stale).with_context(|| format!("removing {}", stale.display()))?;
+    } else {
+        let mut full = m.clone();
+        for l in &mut full.experts.layers {
+            for (e, loc) in l.experts.iter_mut().enumerate() {
+                loc.xxh3 = *given
+                    .get(&(l.layer, e))
+                    .with_context(|| format!("no checksum for layer {} expert {e}", l.layer))?;
+            }
+        }
+        full.streaming = None;
+        full.save(store_dir)?;
     }
-    full.streaming = None;
-    full.save(store_dir)?;
     let _ = std::fs::remove_file(store_dir.join(PRESENCE_FILE));
     if !quiet {
         eprintln!(
