@@ -951,3 +951,32 @@ fn a_full_disk_is_a_clear_error_and_the_store_stays_consistent() {
     assert_eq!(env.tokens(&store, PROMPT, &[]), reference_tokens(&env, PROMPT));
     assert_consistent(&store);
 }
+
+/// A repository with files in folders (a `figures/` beside the weights): the full install is
+/// still a valid Hub snapshot with them, and the store's own view holds only what it reads.
+#[test]
+fn files_in_folders_are_part_of_the_snapshot() {
+    let env = Env::new();
+    let d = tempfile::tempdir().unwrap();
+    let repo_dir = d.path().join("repo");
+    std::fs::create_dir_all(repo_dir.join("figures")).unwrap();
+    for (name, bytes) in fixture_files("k3-small") {
+        std::fs::write(repo_dir.join(name), bytes).unwrap();
+    }
+    let logo: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(repo_dir.join("figures/logo.png"), &logo).unwrap();
+    let o = Origin::start(vec![RepoSpec {
+        repo: REPO.into(),
+        dir: repo_dir,
+        branches: vec![("main".into(), default_commit(REPO))],
+        token: None,
+        gated: false,
+    }])
+    .unwrap();
+    let store = d.path().join("s");
+    env.install(&o, &store, "full", &["--no-hub-cache"]);
+    assert_snapshot_identical(&store);
+    assert_eq!(std::fs::read(snapshot_dir(&store).join("figures/logo.png")).unwrap(), logo);
+    assert!(!store.join("checkpoint/figures").exists());
+    assert_eq!(env.tokens(&store, PROMPT, &["--offline"]), reference_tokens(&env, PROMPT));
+}

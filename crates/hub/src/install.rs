@@ -541,7 +541,7 @@ fn stream_install(
     }
     for f in &small {
         // A file finished by an earlier run may lack its view link if that run was killed.
-        if layout.is_finished(f) && !f.name.contains('/') {
+        if layout.is_finished(f) {
             layout.publish(info, f)?;
         }
     }

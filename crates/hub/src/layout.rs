@@ -134,8 +134,12 @@ impl Layout {
             std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))?;
         }
         replace_link(&up.join("blobs").join(blob_id(f)), &snap_link)?;
-        let target = Path::new("..").join("hub").join(repo_folder_of(&self.repo_dir)).join("blobs");
-        replace_link(&target.join(blob_id(f)), &self.checkpoint_dir().join(&f.name))?;
+        // The checkpoint view holds what the store reads: top-level files only (a repository's
+        // `figures/` and the like live in the snapshot alone).
+        if !f.name.contains('/') {
+            let target = Path::new("..").join("hub").join(repo_folder_of(&self.repo_dir)).join("blobs");
+            replace_link(&target.join(blob_id(f)), &self.checkpoint_dir().join(&f.name))?;
+        }
         let refs = self.repo_dir.join("refs").join(&info.revision);
         if info.revision != info.commit && !info.revision.contains('/') {
             std::fs::write(&refs, &info.commit).with_context(|| format!("writing {}", refs.display()))?;

@@ -100,6 +100,10 @@ fn hub_answer(shared: &Shared, req: &Request) -> Response {
         [org, name, "resolve", rev, file] => {
             resolve(shared, req.headers(), &format!("{org}/{name}"), rev, file, is_head)
         }
+        // A file one folder down (a repository's `figures/`, say).
+        [org, name, "resolve", rev, dir, file] => {
+            resolve(shared, req.headers(), &format!("{org}/{name}"), rev, &format!("{dir}/{file}"), is_head)
+        }
         _ => replies::not_found(),
     }
 }

@@ -26,30 +26,11 @@ pub(crate) struct Snapshot {
 }
 
 impl Snapshot {
-    /// Hashes every regular file of `dir` (subdirectories are skipped: fixtures are flat).
+    /// Hashes every regular file of `dir` and of its folders one level down (a repository's
+    /// `figures/`, say), named `folder/file` as the Hub names them.
     pub(crate) fn scan(dir: &Path) -> io::Result<Snapshot> {
         let mut files = BTreeMap::new();
-        for entry in fs::read_dir(dir)? {
-            let entry = entry?;
-            let path = entry.path();
-            // `fs::metadata` follows symlinks, so a directory of links to a big checkpoint works.
-            if !fs::metadata(&path)?.is_file() {
-                continue;
-            }
-            let Ok(name) = entry.file_name().into_string() else {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{path:?}: not UTF-8")));
-            };
-            let (size, sha256) = hash_file(&path)?;
-            // Like the Hub's default .gitattributes for our fixtures: weights go through LFS.
-            let lfs = name.ends_with(".safetensors");
-            let (blob_id, lfs_pointer_size) = if lfs {
-                let pointer = lfs_pointer(&sha256, size);
-                (git_blob_id(pointer.as_bytes()), Some(pointer.len() as u64))
-            } else {
-                (git_blob_id(&fs::read(&path)?), None)
-            };
-            files.insert(name, FileEntry { path, size, sha256, blob_id, lfs_pointer_size });
-        }
+        scan_into(dir, "", &mut files, 1)?;
         Ok(Snapshot { files })
     }
 }
@@ -93,4 +74,37 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 /// sha256 of a string, hex: used for repeatable fake commit ids.
 pub(crate) fn sha256_hex(s: &str) -> String {
     hex(&Sha256::digest(s.as_bytes()))
+}
+
+/// Add the files of `dir` to `files`, names prefixed with `prefix`; folders `depth` levels down.
+fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, FileEntry>, depth: usize) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        let Ok(name) = entry.file_name().into_string() else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{path:?}: not UTF-8")));
+        };
+        // `fs::metadata` follows symlinks, so a directory of links to a big checkpoint works.
+        let meta = fs::metadata(&path)?;
+        if meta.is_dir() {
+            if depth > 0 {
+                scan_into(&path, &format!("{prefix}{name}/"), files, depth - 1)?;
+            }
+            continue;
+        }
+        if !meta.is_file() {
+            continue;
+        }
+        let (size, sha256) = hash_file(&path)?;
+        // Like the Hub's default .gitattributes for our fixtures: weights go through LFS.
+        let lfs = name.ends_with(".safetensors");
+        let (blob_id, lfs_pointer_size) = if lfs {
+            let pointer = lfs_pointer(&sha256, size);
+            (git_blob_id(pointer.as_bytes()), Some(pointer.len() as u64))
+        } else {
+            (git_blob_id(&fs::read(&path)?), None)
+        };
+        files.insert(format!("{prefix}{name}"), FileEntry { path, size, sha256, blob_id, lfs_pointer_size });
+    }
+    Ok(())
 }
