@@ -25,7 +25,7 @@ cargo test --locked --workspace --features deltafin/test-instruments 2>&1 | tee 
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
 # using the binary cargo test just built (with the test instruments).
 . scripts/ensure-client-venv.sh
-DELTAFIN_BIN=target/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
+DELTAFIN_BIN=${CARGO_TARGET_DIR:-target}/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
 # One closing line over all test binaries (cargo prints one per binary, the last often a doc-test
 # run with nothing in it) and the pytest run ("N passed, N skipped in Xs").
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
