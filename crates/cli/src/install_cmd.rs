@@ -7,9 +7,9 @@ use anyhow::{Context, Result, bail};
 use deltafin_engine::plan::parse_size;
 use deltafin_hub::fetcher::HubFetcher;
 use deltafin_hub::install::{InstallOptions, Mode, env_endpoint, env_http, install as run_install, upgrade};
-use deltafin_hub::progress::human;
 use deltafin_hub::remote::OriginKind;
 use deltafin_hub::warmup;
+use deltafin_store::progress::human;
 use deltafin_store::{SpineDtype, Store};
 
 #[derive(clap::Args)]

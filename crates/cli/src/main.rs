@@ -7,7 +7,6 @@ mod run;
 mod serve_cmd;
 mod trace_cmd;
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -130,13 +129,7 @@ fn dispatch(cli: Cli) -> Result<()> {
     }
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, experts } => {
-            let opts = ConvertOptions {
-                spine,
-                int8_group,
-                experts,
-                progress: std::io::stderr().is_terminal(),
-                ..Default::default()
-            };
+            let opts = ConvertOptions { spine, int8_group, experts, progress: true, ..Default::default() };
             let t0 = std::time::Instant::now();
             let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
             eprintln!(
@@ -166,8 +159,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 bail!("unknown preset '{preset}' (only kimi-k3)");
             }
             let t0 = std::time::Instant::now();
-            let m =
-                synth(&out, &SynthOptions { layers, experts, spine, seed, progress: std::io::stderr().is_terminal() })?;
+            let m = synth(&out, &SynthOptions { layers, experts, spine, seed, progress: true })?;
             let expert_bytes: u64 = m.experts.layers.len() as u64 * experts as u64 * m.experts.record_bytes;
             eprintln!(
                 "wrote {} in {:.1}s: {layers} layers x {experts} experts of {} bytes ({:.2} GB of experts), spine {} bytes",

@@ -13,8 +13,8 @@ use deltafin_store::manifest::OriginFile;
 
 use crate::fill::FillLog;
 use crate::http::{Expect, Http};
-use crate::progress::Progress;
 use crate::ranges::Range;
+use deltafin_store::progress::Progress;
 
 /// One file being filled.
 pub struct Target {

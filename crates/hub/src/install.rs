@@ -32,9 +32,9 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::download::{Target, run, write_synced};
 use crate::http::{Expect, Http, HttpConfig};
 use crate::layout::{Layout, find_cached_snapshot, hub_caches};
-use crate::progress::{Progress, human};
 use crate::ranges::{Range, coalesce, missing, missing_in, normalize, pieces, total};
 use crate::remote::{INDEX_FILE, OriginKind, Remote, resolve, shard_names};
+use deltafin_store::progress::{Progress, human};
 
 pub const PRESENCE_FILE: &str = "presence.bin";
 /// In the state directory: the spine was converted from bytes a later verification rejected.

@@ -16,7 +16,6 @@ pub mod fill;
 pub mod http;
 pub mod install;
 pub mod layout;
-pub mod progress;
 pub mod ranges;
 pub mod remote;
 mod sys;

@@ -86,7 +86,7 @@ pub fn fetch(fetcher: &HubFetcher, plan: &WarmupPlan, quiet: bool) -> Result<()>
     let chosen = &plan.ranked[..plan.chosen];
     // Keep the ranking's order, but send each run of one layer's experts as one parallel batch.
     let mut i = 0;
-    let progress = crate::progress::Progress::new("warmup", plan.chosen_bytes, quiet);
+    let progress = deltafin_store::progress::Progress::new("warmup", plan.chosen_bytes, quiet);
     while i < chosen.len() {
         let layer = chosen[i].0;
         let mut batch = Vec::new();

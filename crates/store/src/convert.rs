@@ -18,6 +18,7 @@ use crate::checkpoint::{Checkpoint, K3_TEXT_PREFIX, bytes_to_f32};
 use crate::config::K3Config;
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;
+use crate::progress::Progress;
 use crate::quant::{effective_group, quantize_int8};
 use crate::schema::{Role, SpineSpec, checkpoint_name, expert_parts, expert_tensor_name, spine_specs};
 use crate::shard::{Shard, TensorEntry};
@@ -141,17 +142,9 @@ impl SpineWriter {
     }
 }
 
-/// A byte-counting progress bar, drawn only when `show` (a terminal).
-pub(crate) fn byte_progress(total: u64, show: bool) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let b = indicatif::ProgressBar::new(total);
-    b.set_style(
-        indicatif::ProgressStyle::with_template("{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    b
+/// Byte-counted progress: a bar on a terminal, periodic lines otherwise, nothing unless `show`.
+pub(crate) fn byte_progress(total: u64, show: bool) -> Progress {
+    Progress::new("spine", total, !show)
 }
 
 /// Convert the checkpoint in `from` into a store in `to`, step by step: open the checkpoint,
@@ -363,12 +356,7 @@ fn lay_out_spine(tensors: &mut [PlannedTensor]) -> u64 {
 
 /// Write `spine.bin` as planned, converting each tensor in row chunks of at most [`CHUNK_BYTES`]
 /// of source; produces the manifest's spine section (with each tensor's checksum).
-fn write_spine(
-    plan: &SpinePlan,
-    opts: &ConvertOptions,
-    path: &Path,
-    bar: &indicatif::ProgressBar,
-) -> Result<SpineInfo, StoreError> {
+fn write_spine(plan: &SpinePlan, opts: &ConvertOptions, path: &Path, bar: &Progress) -> Result<SpineInfo, StoreError> {
     bar.set_message("spine");
     let mut sw = SpineWriter::create(path)?;
     let mut tensors = Vec::with_capacity(plan.tensors.len());
@@ -415,7 +403,7 @@ fn write_tensor_data(
     p: &PlannedTensor,
     h: &mut Xxh3,
     fbuf: &mut Vec<f32>,
-    bar: &indicatif::ProgressBar,
+    bar: &Progress,
 ) -> Result<Vec<f32>, StoreError> {
     let (rows, cols, t) = (p.rows, p.cols, p.t);
     let esize = t.len as usize / t.numel().max(1);
@@ -506,7 +494,7 @@ fn locate_experts(
     plan: &ExpertPlan,
     layout: ExpertLayout,
     to: &Path,
-    bar: &indicatif::ProgressBar,
+    bar: &Progress,
 ) -> Result<(ExpertsInfo, usize), StoreError> {
     bar.set_message("experts");
     let mut files: Vec<String> = match layout {

@@ -14,6 +14,7 @@ pub mod convert;
 pub mod error;
 pub mod manifest;
 pub mod presence;
+pub mod progress;
 pub mod quant;
 pub mod schema;
 pub mod shard;

@@ -1,5 +1,5 @@
-//! Progress of long transfers: a bar with rate and ETA on a terminal, plain periodic lines
-//! otherwise (logs, CI, a pipe).
+//! Progress of long byte-counted work (a conversion, a download): a bar with rate and ETA on a
+//! terminal, plain periodic lines otherwise (logs, CI, a pipe), nothing when quiet.
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub struct Progress {
-    label: String,
+    label: Mutex<String>,
     total: u64,
     done: AtomicU64,
     bar: Option<indicatif::ProgressBar>,
@@ -32,13 +32,21 @@ impl Progress {
         });
         let every = if quiet { Duration::MAX } else { Duration::from_secs(5) };
         Progress {
-            label: label.into(),
+            label: Mutex::new(label.into()),
             total,
             done: AtomicU64::new(0),
             bar,
             started: Instant::now(),
             last_line: Mutex::new(Instant::now()),
             every,
+        }
+    }
+
+    /// What is being done now (the bar's label, the lines' prefix).
+    pub fn set_message(&self, label: &str) {
+        *self.label.lock().unwrap_or_else(|p| p.into_inner()) = label.to_string();
+        if let Some(b) = &self.bar {
+            b.set_message(label.to_string());
         }
     }
 
@@ -61,7 +69,7 @@ impl Progress {
         let eta = if rate > 0.0 { (self.total.saturating_sub(done)) as f64 / rate } else { f64::INFINITY };
         format!(
             "{}: {} of {} ({:.0}%), {}/s, eta {}",
-            self.label,
+            self.label.lock().unwrap_or_else(|p| p.into_inner()),
             human(done),
             human(self.total),
             100.0 * done as f64 / self.total.max(1) as f64,
@@ -74,6 +82,11 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
+    }
+
+    /// [`Self::finish`], under the name indicatif gives it.
+    pub fn finish_and_clear(&self) {
+        self.finish();
     }
 }
 
