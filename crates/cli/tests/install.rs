@@ -167,6 +167,11 @@ fn assert_consistent(store: &Path) {
     }
 }
 
+/// Every matching body slowed to `bps` bytes per second, on the Hub and the CDN, until cleared.
+fn slow(file: &str, bps: u64) -> Fault {
+    Fault { file: file.into(), kind: FaultKind::Slow { bytes_per_sec: bps }, times: u32::MAX, on: Where::Both }
+}
+
 fn served(o: &Origin) -> u64 {
     o.stats().total_body_bytes()
 }
@@ -536,12 +541,7 @@ fn a_branch_that_moves_during_the_install_does_not_mix_revisions() {
     let o = start_origin(None, false);
     let d = tempfile::tempdir().unwrap();
     let store = d.path().join("s");
-    o.set_faults(vec![Fault {
-        file: "safetensors".into(),
-        kind: FaultKind::Slow { bytes_per_sec: 2_000_000 },
-        times: u32::MAX,
-        on: Where::Both,
-    }]);
+    o.set_faults(vec![slow("safetensors", 2_000_000)]);
     let mut child = env
         .cmd(&["install", REPO, "--to", store.to_str().unwrap(), "--mode", "full", "--endpoint", &o.endpoint])
         .stderr(Stdio::null())
@@ -635,12 +635,6 @@ fn kill_9_at_any_point_leaves_a_consistent_store_and_a_rerun_finishes() {
     let d = tempfile::tempdir().unwrap();
     let trace = make_trace(&env, d.path());
     let snapshot = snapshot_bytes("k3-small");
-    let slow = |bps| Fault {
-        file: String::new(),
-        kind: FaultKind::Slow { bytes_per_sec: bps },
-        times: u32::MAX,
-        on: Where::Both,
-    };
     let piece = 64 * 1024u64;
     let workers = 4u64;
     // Metadata a killed run may fetch again: the index, the config and the shard headers.
@@ -718,7 +712,7 @@ fn kill_9_at_any_point_leaves_a_consistent_store_and_a_rerun_finishes() {
                 served(&o) - b0
             };
             assert!(total == 0 || twin_need <= total);
-            o.set_faults(vec![slow(300_000)]);
+            o.set_faults(vec![slow("", 300_000)]);
             let b0 = served(&o);
             let child = env
                 .cmd(&cmd.iter().map(String::as_str).collect::<Vec<_>>())
@@ -772,12 +766,7 @@ fn concurrent_readers_see_a_record_absent_or_whole() {
     let trace = make_trace(&env, d.path());
     let store = d.path().join("s");
     env.install(&o, &store, "stream", &[]);
-    o.set_faults(vec![Fault {
-        file: String::new(),
-        kind: FaultKind::Slow { bytes_per_sec: 200_000 },
-        times: u32::MAX,
-        on: Where::Both,
-    }]);
+    o.set_faults(vec![slow("", 200_000)]);
     let mut child = env
         .cmd(&["warmup", "--model", store.to_str().unwrap(), "--trace", trace.to_str().unwrap(), "--fetch"])
         .stderr(Stdio::null())
@@ -941,12 +930,7 @@ fn a_full_disk_is_a_clear_error_and_the_store_stays_consistent() {
 
     let Some(fs) = Tmpfs::mount(&d.path().join("fill"), "8m") else { panic!("mounted once, not twice") };
     let store = fs.0.join("s");
-    o.set_faults(vec![Fault {
-        file: "safetensors".into(),
-        kind: FaultKind::Slow { bytes_per_sec: 1_000_000 },
-        times: u32::MAX,
-        on: Where::Both,
-    }]);
+    o.set_faults(vec![slow("safetensors", 1_000_000)]);
     let args = [
         "install",
         REPO,

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result, bail};
-use deltafin_store::checkpoint::K3_TEXT_PREFIX;
+use deltafin_store::checkpoint::text_prefix;
 use deltafin_store::convert::{ConvertOptions, ExpertSums, convert};
 use deltafin_store::manifest::{Manifest, OriginFile, OriginInfo, SpineDtype, StreamingInfo};
 use deltafin_store::schema::{Role, checkpoint_name, spine_specs};
@@ -142,7 +142,6 @@ struct ShardPlan {
 #[derive(Serialize, Deserialize)]
 struct Pinned {
     origin: OriginInfo,
-    mode: String,
 }
 
 fn save_json(path: &Path, v: &impl Serialize) -> Result<()> {
@@ -321,13 +320,11 @@ fn fetch_headers(
 
 /// Which spine tensors sit where, from the config, the index and the headers.
 fn spine_ranges(config: &K3Config, weight_map: &HashMap<String, String>, shards: &mut [ShardPlan]) -> Result<u64> {
-    let prefix = if weight_map.keys().any(|k| k.starts_with(K3_TEXT_PREFIX)) { K3_TEXT_PREFIX } else { "model." };
+    let prefix = text_prefix(weight_map.keys().map(String::as_str));
     let mut entries: HashMap<String, HashMap<String, TensorEntry>> = HashMap::new();
     for s in shards.iter() {
-        let hlen = s.header.len() as u64;
         let parsed = parse_header(Path::new(&s.file.name), &s.header[8..], s.file.size)
             .with_context(|| format!("the header of {}", s.file.name))?;
-        debug_assert!(hlen >= 8);
         entries.insert(s.file.name.clone(), parsed.into_iter().map(|t| (t.name.clone(), t)).collect());
     }
     let mut wanted: HashMap<String, Vec<Range>> = HashMap::new();
@@ -469,10 +466,7 @@ fn stream_install(
     // 3. Fetch: small files whole, shards' headers (from memory) and spine ranges.
     std::fs::create_dir_all(&opts.to).with_context(|| format!("creating {}", opts.to.display()))?;
     layout.create_dirs(&info.commit)?;
-    save_json(
-        &layout.origin_file(),
-        &Pinned { origin: info.clone(), mode: format!("{:?}", opts.mode).to_lowercase() },
-    )?;
+    save_json(&layout.origin_file(), &Pinned { origin: info.clone() })?;
     let mut targets = Vec::new();
     let mut jobs = Vec::new();
     let mut written = 0u64;

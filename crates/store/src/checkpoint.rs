@@ -13,6 +13,12 @@ use crate::shard::{Shard, TensorEntry};
 
 /// Where the text model's tensors live in a K3 release.
 pub const K3_TEXT_PREFIX: &str = "language_model.model.";
+
+/// The text model's tensor prefix, from a checkpoint's tensor names: K3 releases use
+/// `language_model.model.`; a plain `kimi_linear` checkpoint uses `model.`.
+pub fn text_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> &'static str {
+    if names.any(|k| k.starts_with(K3_TEXT_PREFIX)) { K3_TEXT_PREFIX } else { "model." }
+}
 pub const K3_HEAD_NAME: &str = "language_model.lm_head.weight";
 
 pub struct Checkpoint {

@@ -14,7 +14,7 @@ use half::bf16;
 use safetensors::Dtype;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use crate::checkpoint::{Checkpoint, K3_TEXT_PREFIX, bytes_to_f32};
+use crate::checkpoint::{Checkpoint, bytes_to_f32, text_prefix};
 use crate::config::K3Config;
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;
@@ -89,10 +89,9 @@ pub fn align_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
 }
 
-/// Detect the text model's tensor prefix: K3 releases use `language_model.model.`; a plain
-/// `kimi_linear` checkpoint uses `model.`.
+/// The text model's tensor prefix of this checkpoint.
 fn detect_prefix(ck: &Checkpoint) -> &'static str {
-    if ck.weight_map.keys().any(|k| k.starts_with(K3_TEXT_PREFIX)) { K3_TEXT_PREFIX } else { "model." }
+    text_prefix(ck.weight_map.keys().map(String::as_str))
 }
 
 /// Sequential writer of the spine file, tracking the offset and hashing what it is told to.
