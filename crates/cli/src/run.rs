@@ -71,6 +71,10 @@ pub struct ModelArgs {
     /// link time and bytes; measured in BENCHMARKS.md section 8).
     #[arg(long)]
     pub fetch_ahead: bool,
+    /// Prompt tokens processed together (each streamed spine layer and each distinct expert is
+    /// read once per chunk). Default: sized from the memory budget, up to the context length.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub prefill_chunk: Option<u64>,
 }
 
 impl ModelArgs {
@@ -97,6 +101,7 @@ impl ModelArgs {
             approx: self.approx,
             predict: false,
             state_copies: 1,
+            prefill_chunk: self.prefill_chunk.map(|n| n as usize),
             fetcher: None,
         })
     }
@@ -232,8 +237,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let mut g = None;
     for seq in 0..a.repeat.max(1) {
-        let hooks = GenerateHooks { trace: trace.as_mut(), seq, routing: routing.as_mut() };
+        let mut bar = PromptBar::new(prompt_ids.len(), a.json);
+        let mut progress = |p| bar.update(p);
+        let hooks =
+            GenerateHooks { trace: trace.as_mut(), seq, routing: routing.as_mut(), progress: Some(&mut progress) };
         g = Some(generate_with(&s.model, &mut s.experts, &prompt_ids, a.max_tokens, eos, hooks)?);
+        bar.finish();
     }
     let g = g.ok_or_else(|| anyhow::anyhow!("nothing generated"))?;
     if let Some(t) = trace {
@@ -260,6 +269,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "timing": {
                 "prompt_s": g.timing.prompt_s,
                 "ttft_s": g.timing.prompt_s,
+                "prompt": g.timing.prompt,
+                "prompt_flops": deltafin_engine::plan::prompt_flops(&store.manifest, s.model.config.num_experts_per_token, g.prompt_tokens.len(), g.timing.prompt.chunks),
                 "decode_step_s": g.timing.decode_step_s,
                 "decode_step_bytes": g.timing.decode_step_bytes,
                 "decode_tokens_per_s": decode_tps,
@@ -302,6 +313,38 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A progress bar for a long prompt (shown after two seconds, on a terminal or as a line every
+/// five seconds in a log), counting tokens through the model's layers.
+struct PromptBar {
+    started: std::time::Instant,
+    tokens: usize,
+    bar: Option<deltafin_store::progress::Progress>,
+    quiet: bool,
+}
+
+impl PromptBar {
+    fn new(tokens: usize, quiet: bool) -> Self {
+        PromptBar { started: std::time::Instant::now(), tokens, bar: None, quiet }
+    }
+
+    fn update(&mut self, p: deltafin_engine::generate::PromptProgress) {
+        if self.quiet || (self.bar.is_none() && self.started.elapsed().as_secs_f64() < 2.0) {
+            return;
+        }
+        let layers = (p.layers_total / p.tokens_total.max(1) as u64).max(1);
+        let bar = self.bar.get_or_insert_with(|| {
+            deltafin_store::progress::Progress::counted("prompt", self.tokens as u64, "tokens", false)
+        });
+        bar.set_position(p.layers_done / layers);
+    }
+
+    fn finish(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish();
+        }
+    }
 }
 
 /// Control characters other than newline and tab, shown escaped: generated text must not be

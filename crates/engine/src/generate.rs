@@ -2,17 +2,20 @@
 //! [`Driver`] choosing each next token (greedy here, sampling and output parsing in the text
 //! crate) and optional study hooks (router traces, routing overrides) around every token.
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use anyhow::Result;
 use serde::Serialize;
 
 use crate::experts::ExpertSource;
+use crate::fault::FaultStats;
 use crate::k3::{K3Model, K3State};
 use crate::study::routing::RoutingOverride;
 use crate::study::trace::TraceWriter;
 
-/// Prompt tokens processed together, layer by layer.
+/// Prompt tokens processed together when no memory plan sized the chunk (a model loaded
+/// directly, as tests do); a session's plan sizes it from the budget (`RunConfig::prefill_chunk`).
 pub const PROMPT_CHUNK: usize = 32;
 
 /// What a caller of [`run`] decides along the way.
@@ -23,6 +26,8 @@ pub trait Driver {
     }
     /// The whole prompt is in: the sequence's state and the logits after its last token.
     fn prompt_done(&mut self, _state: &K3State, _logits: &[f32]) {}
+    /// What processing the prompt took (called once, right after [`Self::prompt_done`]).
+    fn prompt_stats(&mut self, _stats: &PromptStats) {}
     /// The next token from the logits `[vocab]`: `Some` feeds it to the model and goes on,
     /// `None` ends the run (the driver knows why).
     fn next(&mut self, logits: &[f32]) -> Result<Option<u32>>;
@@ -47,6 +52,62 @@ pub struct GenerateHooks<'a> {
     /// Sequence number written into the trace.
     pub seq: usize,
     pub routing: Option<&'a mut RoutingOverride>,
+    /// Called as the prompt goes through the model, after each layer of each chunk.
+    pub progress: Option<&'a mut dyn FnMut(PromptProgress)>,
+}
+
+/// How far the prompt is: `layers_done` of `layers_total` (a layer of a chunk counts once per
+/// token in the chunk), so a single large chunk still moves.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptProgress {
+    pub tokens_total: usize,
+    pub layers_done: u64,
+    pub layers_total: u64,
+}
+
+/// What processing the prompt took: the figures a time-to-first-token floor is made of.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PromptStats {
+    pub tokens: usize,
+    /// Tokens per chunk, and chunks.
+    pub chunk: usize,
+    pub chunks: usize,
+    /// Routed-expert bytes read while the prompt was processed.
+    pub expert_bytes_read: u64,
+    /// Distinct (layer, expert) records the prompt's tokens chose: read at least once each,
+    /// whatever the chunking.
+    pub distinct_experts: usize,
+    /// Streamed spine bytes read while the prompt was processed.
+    pub spine_bytes_read: u64,
+}
+
+/// An expert source that remembers which records were requested (the prompt's distinct
+/// experts) and passes everything through.
+struct Distinct<'a> {
+    inner: &'a mut dyn ExpertSource,
+    seen: HashSet<(usize, usize)>,
+}
+
+impl ExpertSource for Distinct<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.seen.extend(experts.iter().map(|&e| (layer, e)));
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        self.inner.drain(f)
+    }
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.inner.prefetch(layer, experts)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn faults(&self) -> FaultStats {
+        self.inner.faults()
+    }
 }
 
 impl GenerateHooks<'_> {
@@ -66,38 +127,65 @@ pub fn run(
     hooks: &mut GenerateHooks<'_>,
     driver: &mut dyn Driver,
 ) -> Result<Ended> {
-    let chunk = if hooks.per_token() { 1 } else { PROMPT_CHUNK };
+    let chunk = if hooks.per_token() { 1 } else { model.run().prefill_chunk.max(1) };
+    let (bytes0, spine0) = (experts.bytes_read(), model.spine_bytes_read());
+    let mut distinct = Distinct { inner: experts, seen: HashSet::new() };
+    let layers = model.layers.len() as u64;
+    let mut progress =
+        PromptProgress { tokens_total: prompt.len(), layers_done: 0, layers_total: layers * prompt.len() as u64 };
     for tokens in prompt.chunks(chunk) {
         if !driver.keep_going() {
             return Ok(Ended::Cancelled);
         }
-        step(model, experts, st, tokens, logits, hooks)?;
-        driver.after_step(experts.bytes_read());
+        let before = progress.layers_done;
+        let mut on_layer = |l: usize| {
+            if let Some(p) = hooks.progress.as_deref_mut() {
+                progress.layers_done = before + (l as u64 + 1) * tokens.len() as u64;
+                p(progress);
+            }
+        };
+        step(model, &mut distinct, st, tokens, logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut on_layer)?;
+        progress.layers_done = before + layers * tokens.len() as u64;
+        driver.after_step(distinct.bytes_read());
     }
+    let Distinct { inner: experts, seen } = distinct;
     driver.prompt_done(st, logits);
+    driver.prompt_stats(&PromptStats {
+        tokens: prompt.len(),
+        chunk,
+        chunks: prompt.len().div_ceil(chunk),
+        expert_bytes_read: experts.bytes_read() - bytes0,
+        distinct_experts: seen.len(),
+        spine_bytes_read: model.spine_bytes_read() - spine0,
+    });
     while let Some(token) = driver.next(logits)? {
-        step(model, experts, st, &[token], logits, hooks)?;
+        step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| {})?;
         driver.after_step(experts.bytes_read());
     }
     Ok(Ended::Done)
 }
 
-/// One chunk through the model; per token, the routing override before and the trace after.
+/// One chunk through the model; per token, the routing override before and the trace after;
+/// `on_layer` after each layer.
+#[allow(clippy::too_many_arguments)]
 fn step(
     model: &K3Model,
     experts: &mut dyn ExpertSource,
     st: &mut K3State,
     tokens: &[u32],
     logits: &mut [f32],
-    hooks: &mut GenerateHooks<'_>,
+    routing: &mut Option<&mut RoutingOverride>,
+    trace: &mut Option<&mut TraceWriter>,
+    seq: usize,
+    on_layer: &mut dyn FnMut(usize),
 ) -> Result<()> {
-    if let Some(r) = hooks.routing.as_deref_mut() {
+    if let Some(r) = routing.as_deref_mut() {
         r.apply(model, st);
     }
     let pos = st.position;
-    model.forward_chunk(st, experts, tokens, logits)?;
-    if let Some(t) = hooks.trace.as_deref_mut() {
-        t.record(hooks.seq, pos, tokens[0], &st.routing)?;
+    model.forward_chunk_with(st, experts, tokens, logits, on_layer)?;
+    if let Some(t) = trace.as_deref_mut() {
+        t.record(seq, pos, tokens[0], &st.routing)?;
     }
     Ok(())
 }
@@ -112,6 +200,8 @@ pub struct Timing {
     pub decode_step_bytes: Vec<u64>,
     pub total_s: f64,
     pub expert_bytes_read: u64,
+    /// What the prompt took (bytes, distinct experts, chunks).
+    pub prompt: PromptStats,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -150,9 +240,14 @@ struct Greedy {
     last_bytes: u64,
     steps: Vec<f64>,
     step_bytes: Vec<u64>,
+    prompt_stats: PromptStats,
 }
 
 impl Driver for Greedy {
+    fn prompt_stats(&mut self, stats: &PromptStats) {
+        self.prompt_stats = stats.clone();
+    }
+
     fn prompt_done(&mut self, _state: &K3State, logits: &[f32]) {
         self.prompt_logits = logits.to_vec();
         self.prompt_s = self.start.elapsed().as_secs_f64();
@@ -218,6 +313,7 @@ pub fn generate_with(
         last_bytes: bytes0,
         steps: Vec::new(),
         step_bytes: Vec::new(),
+        prompt_stats: PromptStats::default(),
     };
     let mut st = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
@@ -232,6 +328,7 @@ pub fn generate_with(
             decode_step_bytes: greedy.step_bytes,
             total_s: greedy.start.elapsed().as_secs_f64(),
             expert_bytes_read: experts.bytes_read() - bytes0,
+            prompt: greedy.prompt_stats,
         },
         stopped_at_eos: greedy.stopped_at_eos,
     })

@@ -40,6 +40,12 @@ pub struct Plan {
     pub cache_slots_per_layer: usize,
     pub cache_bytes: u64,
     pub overhead_bytes: u64,
+    /// Prompt tokens processed together (each streamed spine layer and each distinct expert is
+    /// read once per chunk), and the memory reserved for that chunk's activations.
+    pub prefill_chunk: usize,
+    pub prefill_bytes: u64,
+    /// Where the chunk size came from (`--prefill-chunk`, or the budget).
+    pub prefill_chunk_source: String,
     /// Expert bytes read per token if routing were uniform and independent across tokens:
     /// `moe_layers * k * record * (1 - slots/experts)`. Real routing has locality; the trace
     /// tools measure it.
@@ -80,6 +86,95 @@ pub fn spine_layer_bytes(m: &Manifest) -> (Vec<u64>, u64) {
     (per, other)
 }
 
+/// Activation bytes one prompt token holds while its chunk goes through a layer: the running
+/// sums, normed inputs and outputs `[T, H]` x 3, the shared experts' outputs `[T, H]`, the
+/// block attention residuals `[T, blocks, H]`, the latent inputs `[T, LAT]`, each routed
+/// expert's output `[T, k, LAT]`, one expert's batch `[n, LAT]` x 2 and `[n, I]`, and the
+/// int8 copy of the latent input (approximate mode). Per-token attention scratch does not grow
+/// with the chunk (KDA and MLA run token by token inside it) and is in [`FIXED_OVERHEAD`].
+pub fn prefill_token_bytes(m: &Manifest, experts_per_token: usize) -> u64 {
+    let c = &m.config;
+    let (h, lat, i) = (c.hidden_size, c.expert_input_dim(), c.moe_intermediate_size);
+    let blocks = c.attn_res_block_size.map(|b| c.num_hidden_layers.div_ceil(b.max(1)) + 1).unwrap_or(0);
+    let floats = 4 * h + blocks * h + lat * (3 + experts_per_token) + i;
+    (4 * floats + lat + 3 * 8 * experts_per_token) as u64
+}
+
+/// Floating-point operations (a multiply-add is two) to process a prompt of `tokens` tokens,
+/// from an empty context, in `chunks` chunks: every layer matrix of the spine once per token
+/// (the embedding is a row lookup; the head runs once per chunk, on its last token), the routed
+/// experts (`k` per token per MoE layer, three MXFP4 matrices each), MLA's attention over the
+/// tokens before each one (scores and values in the absorbed latent form) and KDA's per-head
+/// state update. The compute side of a time-to-first-token floor.
+pub fn prompt_flops(m: &Manifest, experts_per_token: usize, tokens: usize, chunks: usize) -> f64 {
+    let c = &m.config;
+    let lac = &c.linear_attn_config;
+    let layer_matrices: f64 = m
+        .spine
+        .tensors
+        .iter()
+        .filter(|t| t.layer.is_some() && t.shape.len() == 2)
+        .map(|t| (t.shape[0] * t.shape[1]) as f64)
+        .sum();
+    let moe_layers = m.experts.layers.len() as f64;
+    let expert = 3.0 * (c.moe_intermediate_size * c.expert_input_dim()) as f64;
+    let per_token = 2.0 * (layer_matrices + moe_layers * experts_per_token as f64 * expert);
+    let (mut mla, mut kda) = (0.0, 0.0);
+    for l in 0..c.num_hidden_layers {
+        match c.attn_kind(l) {
+            AttnKind::Mla => mla += 1.0,
+            AttnKind::Kda => kda += 1.0,
+        }
+    }
+    let t = tokens as f64;
+    // Σ_{p=1..T} p positions attended to.
+    let attended = t * (t + 1.0) / 2.0;
+    let mla_flops =
+        mla * c.num_attention_heads as f64 * (2 * c.kv_lora_rank + c.qk_rope_head_dim) as f64 * 2.0 * attended;
+    let kda_flops = kda * (lac.num_heads * lac.head_dim * lac.head_dim) as f64 * 8.0 * t;
+    let head = chunks as f64 * 2.0 * (c.vocab_size * c.hidden_size) as f64;
+    per_token * t + mla_flops + kda_flops + head
+}
+
+/// Share of the memory left after the spine, state and I/O buffers that prompt chunks may take
+/// when the expert cache could use it all; the cache keeps the rest for decoding.
+const PREFILL_SHARE_PERCENT: u64 = 25;
+
+/// The prompt chunk: `forced` (`--prefill-chunk`), else as many tokens as fit in
+/// [`PREFILL_SHARE_PERCENT`] of `free` (or all that a full expert cache leaves over, when
+/// that is more), at least one, at most `context` (a longer prompt goes in several chunks).
+fn choose_prefill_chunk(
+    free: u64,
+    full_cache: u64,
+    per_token: u64,
+    context: usize,
+    forced: Option<usize>,
+) -> (usize, String) {
+    if let Some(n) = forced {
+        return (n.max(1), "--prefill-chunk".into());
+    }
+    let share = (free / 100 * PREFILL_SHARE_PERCENT).max(free.saturating_sub(full_cache));
+    let n = (share / per_token.max(1)).clamp(1, context.max(1) as u64) as usize;
+    let why = if n == context.max(1) { "the context length" } else { "the memory budget" };
+    (n, format!("sized from {why}"))
+}
+
+/// What a plan is asked to fit besides the store's own sizes.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// Context length the MLA cache is reserved for.
+    pub context: usize,
+    pub experts_per_token: usize,
+    /// Expert read buffers beyond the cache.
+    pub io_buffers: usize,
+    /// `--resident-spine-layers`.
+    pub resident_layers: Option<usize>,
+    /// Sequence states kept at once (a server's prefix snapshot makes two).
+    pub state_copies: usize,
+    /// `--prefill-chunk`.
+    pub prefill_chunk: Option<usize>,
+}
+
 /// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
 /// needs (two aligned read buffers, the decoded layer in use and the one decoded ahead).
 fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Option<usize>) -> Option<(usize, u64)> {
@@ -96,15 +191,9 @@ fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Opti
     (0..=n).rev().find(|&r| cost(r).0 <= budget).map(|r| (r, cost(r).1))
 }
 
-pub fn make_plan(
-    m: &Manifest,
-    budget: &Budget,
-    context: usize,
-    experts_per_token: usize,
-    io_buffers: usize,
-    resident_layers: Option<usize>,
-    state_copies: usize,
-) -> Result<Plan> {
+pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan> {
+    let PlanRequest { context, experts_per_token, io_buffers, resident_layers, state_copies, prefill_chunk } =
+        req.clone();
     let (budget, budget_source) = (budget.bytes, budget.source.clone());
     // The live sequence state, plus any snapshot kept for prefix reuse.
     let state = state_bytes(m, context) * state_copies.max(1) as u64;
@@ -133,7 +222,21 @@ pub fn make_plan(
             human(FIXED_OVERHEAD)
         );
     }
-    let slots_total = (budget - fixed).checked_div(slot).unwrap_or(0);
+    let free = budget - fixed;
+    let full_cache = slot.saturating_mul(moe_layers as u64 * experts as u64);
+    let per_token = prefill_token_bytes(m, experts_per_token);
+    let (chunk, chunk_source) = choose_prefill_chunk(free, full_cache, per_token, context, prefill_chunk);
+    let prefill = per_token.saturating_mul(chunk as u64);
+    if prefill > free {
+        bail!(
+            "--prefill-chunk {chunk} needs {} of activations ({} per token), but the memory budget {} leaves {} after the spine, state and buffers; use a smaller chunk or a larger budget",
+            human(prefill),
+            human(per_token),
+            human(budget),
+            human(free)
+        );
+    }
+    let slots_total = (free - prefill).checked_div(slot).unwrap_or(0);
     let per_layer = (slots_total as usize).checked_div(moe_layers).unwrap_or(0).min(experts);
     let miss = if experts == 0 { 0.0 } else { 1.0 - per_layer as f64 / experts as f64 };
     let record = m.experts.record_bytes;
@@ -157,6 +260,9 @@ pub fn make_plan(
         cache_slots_per_layer: per_layer,
         cache_bytes: per_layer as u64 * moe_layers as u64 * slot,
         overhead_bytes: FIXED_OVERHEAD,
+        prefill_chunk: chunk,
+        prefill_bytes: prefill,
+        prefill_chunk_source: chunk_source,
         expected_expert_bytes_per_token: (moe_layers as f64 * experts_per_token as f64 * record as f64 * miss) as u64,
     })
 }
@@ -164,7 +270,7 @@ pub fn make_plan(
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             self.budget_source,
             human(self.spine_bytes),
@@ -181,6 +287,9 @@ impl Plan {
             self.cache_slots_per_layer,
             self.moe_layers,
             self.experts_per_layer,
+            human(self.prefill_bytes),
+            self.prefill_chunk,
+            self.prefill_chunk_source,
             human(self.overhead_bytes),
             human(self.expected_expert_bytes_per_token),
             self.experts_per_token,
@@ -441,6 +550,18 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_chunks_take_a_share_of_what_is_left_or_what_a_full_cache_leaves() {
+        // 25% of 1000 bytes at 10 per token, when the cache could use everything.
+        assert_eq!(choose_prefill_chunk(1000, 10_000, 10, 4096, None).0, 25);
+        // A full cache takes 200: the other 800 go to prompts.
+        assert_eq!(choose_prefill_chunk(1000, 200, 10, 4096, None).0, 80);
+        // Never more than the context, never fewer than one token.
+        assert_eq!(choose_prefill_chunk(1 << 40, 0, 10, 4096, None).0, 4096);
+        assert_eq!(choose_prefill_chunk(0, 0, 10, 4096, None).0, 1);
+        assert_eq!(choose_prefill_chunk(1000, 0, 10, 4096, Some(3)), (3, "--prefill-chunk".into()));
+    }
 
     #[test]
     fn spine_gets_memory_before_cache_and_streams_what_does_not_fit() {

@@ -10,7 +10,7 @@ use deltafin_store::presence::ExpertFetcher;
 use serde::Serialize;
 
 use crate::k3::{K3Model, RunConfig};
-use crate::plan::{Budget, Plan, default_budget, make_plan};
+use crate::plan::{Budget, Plan, PlanRequest, default_budget, make_plan};
 use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
@@ -37,6 +37,8 @@ pub struct RunOptions {
     pub predict: bool,
     /// Sequence states the plan reserves: 1, or 2 when a server keeps a prefix snapshot.
     pub state_copies: usize,
+    /// Prompt tokens per chunk (`--prefill-chunk`); `None` sizes chunks from the budget.
+    pub prefill_chunk: Option<usize>,
     /// Fills a streaming store's absent experts on first use; `None` = offline (an absent
     /// expert is an error that says how to fetch it).
     pub fetcher: Option<Arc<dyn ExpertFetcher>>,
@@ -57,6 +59,7 @@ impl Default for RunOptions {
             approx: false,
             predict: false,
             state_copies: 1,
+            prefill_chunk: None,
             fetcher: None,
         }
     }
@@ -97,15 +100,15 @@ impl Session {
         let prefetch_buffers = if opts.prefetch { k } else { 0 };
         let io_buffers = k + prefetch_buffers;
         let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
-        let plan = make_plan(
-            &store.manifest,
-            &budget,
-            opts.context_tokens,
-            k,
+        let req = PlanRequest {
+            context: opts.context_tokens,
+            experts_per_token: k,
             io_buffers,
-            opts.resident_spine_layers,
-            opts.state_copies,
-        )?;
+            resident_layers: opts.resident_spine_layers,
+            state_copies: opts.state_copies,
+            prefill_chunk: opts.prefill_chunk,
+        };
+        let plan = make_plan(&store.manifest, &budget, &req)?;
         let model = K3Model::load(
             store,
             &RunConfig {
@@ -116,6 +119,7 @@ impl Session {
                 context_reserve: opts.context_tokens,
                 approx: opts.approx,
                 io_backend: opts.backend,
+                prefill_chunk: plan.prefill_chunk,
             },
         )?;
         let mut experts = StreamingExperts::new(

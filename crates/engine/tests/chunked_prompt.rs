@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
-use deltafin_engine::generate::argmax;
+use deltafin_engine::generate::{argmax, generate_greedy};
 use deltafin_engine::k3::{K3Model, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
@@ -18,39 +18,94 @@ fn chunked_prompt_is_bit_identical_and_reads_less() {
             let model = K3Model::load(&store, &RunConfig { resident_layers: resident, ..Default::default() }).unwrap();
             for p in reference(name).prompts.iter().filter(|p| p.tokens.len() > 1) {
                 let v = model.config.vocab_size;
-                // One token at a time.
-                let mut a_src = StoreExperts::new(&store);
-                let mut a_st = model.new_state();
-                let mut a = vec![0f32; v];
-                for &t in &p.tokens {
-                    model.forward(&mut a_st, &mut a_src, t, &mut a).unwrap();
-                }
-                // In chunks of 7 (uneven on purpose).
-                let mut b_src = StoreExperts::new(&store);
-                let mut b_st = model.new_state();
-                let mut b = vec![0f32; v];
-                for chunk in p.tokens.chunks(7) {
-                    model.forward_chunk(&mut b_st, &mut b_src, chunk, &mut b).unwrap();
-                }
-                let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
-                assert!(same(&a, &b), "{name}: chunked prompt of {} tokens changed the logits", p.tokens.len());
-                assert_eq!(a_st.position, b_st.position);
-                assert!(b_src.bytes_read() <= a_src.bytes_read());
-                if p.tokens.len() >= 17 {
-                    assert!(
-                        b_src.bytes_read() < a_src.bytes_read(),
-                        "{name}: shared experts must be read once per chunk"
-                    );
-                }
-                // The state carries on identically: three greedy steps after the prompt.
-                for _ in 0..3 {
-                    let (ta, tb) = (argmax(&a), argmax(&b));
-                    assert_eq!(ta, tb);
-                    model.forward(&mut a_st, &mut a_src, ta, &mut a).unwrap();
-                    model.forward(&mut b_st, &mut b_src, tb, &mut b).unwrap();
-                    assert!(same(&a, &b), "{name}: decoding after a chunked prompt diverged");
+                // In chunks of 3, 7 (uneven on purpose), 16, 32 and the whole prompt, against one
+                // token at a time.
+                let n = p.tokens.len();
+                for size in [3, 7, 16, 32, n] {
+                    let mut a_src = StoreExperts::new(&store);
+                    let mut a_st = model.new_state();
+                    let mut a = vec![0f32; v];
+                    for &t in &p.tokens {
+                        model.forward(&mut a_st, &mut a_src, t, &mut a).unwrap();
+                    }
+                    let mut b_src = StoreExperts::new(&store);
+                    let mut b_st = model.new_state();
+                    let mut b = vec![0f32; v];
+                    for chunk in p.tokens.chunks(size) {
+                        model.forward_chunk(&mut b_st, &mut b_src, chunk, &mut b).unwrap();
+                    }
+                    assert!(same(&a, &b), "{name}: chunks of {size} of a {n}-token prompt changed the logits");
+                    assert_eq!(a_st.position, b_st.position);
+                    assert!(b_src.bytes_read() <= a_src.bytes_read());
+                    if n >= 17 && size > 1 {
+                        assert!(
+                            b_src.bytes_read() < a_src.bytes_read(),
+                            "{name}: shared experts must be read once per chunk"
+                        );
+                    }
+                    // The state carries on identically: three greedy steps after the prompt.
+                    for _ in 0..3 {
+                        let (ta, tb) = (argmax(&a), argmax(&b));
+                        assert_eq!(ta, tb);
+                        model.forward(&mut a_st, &mut a_src, ta, &mut a).unwrap();
+                        model.forward(&mut b_st, &mut b_src, tb, &mut b).unwrap();
+                        assert!(same(&a, &b), "{name}: decoding after chunks of {size} diverged");
+                    }
                 }
             }
+        }
+    }
+}
+
+fn same(x: &[f32], y: &[f32]) -> bool {
+    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
+/// The generation loop cuts prompts by the plan's chunk size (`RunConfig::prefill_chunk`, set
+/// from the budget or `--prefill-chunk`): the prompt's logits and the greedy tokens after it
+/// are the same for every size, with the spine resident or streamed, and the prompt's figures
+/// (chunks, distinct experts, spine bytes) add up.
+#[test]
+fn the_generation_loop_gives_the_same_tokens_for_every_chunk_size() {
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let vocab = store.manifest.config.vocab_size as u32;
+    // A longer prompt than the references', so several chunk sizes cut it differently.
+    let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % vocab).collect();
+    for resident in [None, Some(0)] {
+        let mut first: Option<(Vec<f32>, Vec<u32>)> = None;
+        let mut spine_reads = Vec::new();
+        for size in [1, 3, 16, 32, prompt.len()] {
+            let run = RunConfig { resident_layers: resident, prefill_chunk: size, ..Default::default() };
+            let model = K3Model::load(&store, &run).unwrap();
+            let mut src = StoreExperts::new(&store);
+            let g = generate_greedy(&model, &mut src, &prompt, 4, None).unwrap();
+            let st = &g.timing.prompt;
+            assert_eq!((st.tokens, st.chunk, st.chunks), (prompt.len(), size, prompt.len().div_ceil(size)));
+            assert!(st.distinct_experts > 0 && st.expert_bytes_read > 0);
+            // Every streamed layer is read once per chunk (the loader may have read the next
+            // chunk's first layer ahead, so the count is between chunks and chunks + 1 passes).
+            match resident {
+                Some(0) => spine_reads.push(st.spine_bytes_read),
+                _ => assert_eq!(st.spine_bytes_read, 0),
+            }
+            match &first {
+                None => first = Some((g.prompt_logits, g.tokens)),
+                Some((logits, tokens)) => {
+                    assert!(
+                        same(logits, &g.prompt_logits),
+                        "{name}: chunk {size} (resident {resident:?}) changed the logits"
+                    );
+                    assert_eq!(tokens, &g.tokens, "{name}: chunk {size} changed the greedy tokens");
+                }
+            }
+        }
+        if let Some(&whole) = spine_reads.last() {
+            assert!(whole > 0);
+            assert!(spine_reads.windows(2).all(|w| w[0] > w[1]), "fewer chunks read less spine: {spine_reads:?}");
+            // Chunks of 1 read 150 passes (151 at most); the whole prompt 1 (2 at most).
+            assert!(spine_reads[0] >= 75 * whole && spine_reads[0] <= 151 * whole, "{spine_reads:?}");
         }
     }
 }

@@ -1,5 +1,6 @@
-//! Progress of long byte-counted work (a conversion, a download): a bar with rate and ETA on a
-//! terminal, plain periodic lines otherwise (logs, CI, a pipe), nothing when quiet.
+//! Progress of long work (a conversion, a download counted in bytes; a prompt counted in
+//! tokens): a bar with rate and ETA on a terminal, plain periodic lines otherwise (logs, CI, a
+//! pipe), nothing when quiet.
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
@@ -14,18 +15,31 @@ pub struct Progress {
     started: Instant,
     last_line: Mutex<Instant>,
     every: Duration,
+    /// What is counted, when not bytes.
+    unit: Option<&'static str>,
 }
 
 impl Progress {
     /// `quiet` shows nothing (tests of the library).
     pub fn new(label: &str, total: u64, quiet: bool) -> Self {
+        Self::with_unit(label, total, None, quiet)
+    }
+
+    /// Progress counted in `unit`s (e.g. tokens) rather than bytes.
+    pub fn counted(label: &str, total: u64, unit: &'static str, quiet: bool) -> Self {
+        Self::with_unit(label, total, Some(unit), quiet)
+    }
+
+    fn with_unit(label: &str, total: u64, unit: Option<&'static str>, quiet: bool) -> Self {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let b = indicatif::ProgressBar::new(total);
+            let template = match unit {
+                None => "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}".to_string(),
+                Some(u) => format!("{{msg:>12}} [{{bar:40}}] {{pos}}/{{len}} {u} {{per_sec}} eta {{eta}}"),
+            };
             b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(&template)
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             b.set_message(label.to_string());
             b
@@ -39,6 +53,7 @@ impl Progress {
             started: Instant::now(),
             last_line: Mutex::new(Instant::now()),
             every,
+            unit,
         }
     }
 
@@ -52,6 +67,16 @@ impl Progress {
 
     pub fn inc(&self, n: u64) {
         let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        self.show(done);
+    }
+
+    /// Set how much is done (a count that is known rather than added up).
+    pub fn set_position(&self, done: u64) {
+        self.done.store(done, Ordering::Relaxed);
+        self.show(done);
+    }
+
+    fn show(&self, done: u64) {
         if let Some(b) = &self.bar {
             b.set_position(done);
             return;
@@ -67,13 +92,17 @@ impl Progress {
         let secs = self.started.elapsed().as_secs_f64().max(1e-3);
         let rate = done as f64 / secs;
         let eta = if rate > 0.0 { (self.total.saturating_sub(done)) as f64 / rate } else { f64::INFINITY };
+        let amount = |n: u64| match self.unit {
+            None => human(n),
+            Some(u) => format!("{n} {u}"),
+        };
         format!(
             "{}: {} of {} ({:.0}%), {}/s, eta {}",
             self.label.lock().unwrap_or_else(|p| p.into_inner()),
-            human(done),
-            human(self.total),
+            amount(done),
+            amount(self.total),
             100.0 * done as f64 / self.total.max(1) as f64,
-            human(rate as u64),
+            amount(rate as u64),
             if eta.is_finite() { format!("{eta:.0} s") } else { "?".into() }
         )
     }

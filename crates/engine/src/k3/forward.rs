@@ -35,6 +35,18 @@ impl K3Model {
         tokens: &[u32],
         logits: &mut [f32],
     ) -> Result<()> {
+        self.forward_chunk_with(st, experts, tokens, logits, &mut |_| {})
+    }
+
+    /// [`Self::forward_chunk`], calling `on_layer(l)` after each layer (prompt progress).
+    pub fn forward_chunk_with(
+        &self,
+        st: &mut K3State,
+        experts: &mut dyn ExpertSource,
+        tokens: &[u32],
+        logits: &mut [f32],
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<()> {
         let c = &self.config;
         let h = c.hidden_size;
         let t_n = tokens.len();
@@ -84,6 +96,7 @@ impl K3Model {
                 }
             }
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
+            on_layer(l);
         }
         let last = &xs[(t_n - 1) * h..];
         if let Some(w) = &self.output_res_w {

@@ -43,6 +43,8 @@ pub struct RunConfig {
     pub approx: bool,
     /// Reader back-end for streamed spine layers; `None` picks io_uring when available.
     pub io_backend: Option<BackendKind>,
+    /// Prompt tokens processed together (the memory plan sizes it from the budget).
+    pub prefill_chunk: usize,
 }
 
 impl Default for RunConfig {
@@ -55,6 +57,7 @@ impl Default for RunConfig {
             context_reserve: 256,
             approx: false,
             io_backend: None,
+            prefill_chunk: crate::generate::PROMPT_CHUNK,
         }
     }
 }
@@ -221,6 +224,14 @@ impl K3Model {
     /// How this model runs.
     pub fn run(&self) -> &RunConfig {
         &self.run
+    }
+
+    /// Spine bytes read from disk so far (the streamed layers; 0 when all are resident).
+    pub fn spine_bytes_read(&self) -> u64 {
+        self.spine_stream
+            .as_ref()
+            .and_then(|s| s.lock().ok().map(|s| s.bytes_read.load(std::sync::atomic::Ordering::Relaxed)))
+            .unwrap_or(0)
     }
 
     /// The next MoE layer after `l`, when predictions are wanted (prefetch or traces).
