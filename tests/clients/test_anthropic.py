@@ -80,7 +80,8 @@ def summary(message) -> dict:
         "content": blocks_of(message),
         "stop_reason": message.stop_reason,
         "stop_sequence": message.stop_sequence,
-        "input_tokens": message.usage.input_tokens,
+        # Prompt tokens, whether computed or read from stored state.
+        "input_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
         "output_tokens": message.usage.output_tokens,
     }
 
@@ -161,7 +162,8 @@ def test_messages_usage_matches_openai_chat(scripted_anthropic, scripted_openai)
     chat = scripted_openai.chat.completions.create(
         model=SERVED_MODEL, messages=user(RIDDLE_PROMPT), max_tokens=300, temperature=0, timeout=CLIENT_TIMEOUT
     )
-    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    # Anthropic counts prompt tokens read from stored state apart from input_tokens.
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
     assert msg.usage.output_tokens == chat.usage.completion_tokens
 
 
@@ -215,7 +217,8 @@ def test_messages_system_and_tool_result_turns(scripted_anthropic):
         model=SERVED_MODEL, max_tokens=4, extra_body=GREEDY, system="You are a forecaster.",
         tools=[WEATHER_TOOL_ANTHROPIC], messages=user("Forecast for Oslo?"), timeout=CLIENT_TIMEOUT,
     )
-    assert msg.usage.input_tokens > short.usage.input_tokens
+    total = lambda m: m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)  # noqa: E731
+    assert total(msg) > total(short)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -148,6 +148,11 @@ def test_chat_raw_json_has_fingerprint_and_deltafin_block(default_server):
     assert "application/json" in resp.headers["content-type"]
     body = resp.json()
     assert isinstance(body.get("system_fingerprint"), str)
+    # Time to first token apart from the decode rate (llama.cpp's `timings` names).
+    t = body["timings"]
+    assert t["ttft_s"] > 0 and t["prompt_ms"] == pytest.approx(t["ttft_s"] * 1e3)
+    assert t["prompt_n"] + t["prompt_cached_n"] == body["usage"]["prompt_tokens"]
+    assert t["predicted_n"] == body["usage"]["completion_tokens"] - 1
     assert isinstance(body.get("deltafin"), dict) and "numerics" in body["deltafin"]
 
 
@@ -575,6 +580,9 @@ def test_next_chat_turn_reuses_the_previous_prompt_state(openai_client, default_
     before = cached_total()
     hit = ask(turn2, max_tokens=8, logprobs=True, top_logprobs=2)
     assert cached_total() - before == again.usage.prompt_tokens
+    # OpenAI's field says the same per request.
+    assert miss.usage.prompt_tokens_details.cached_tokens == 0
+    assert hit.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
     assert hit.usage.prompt_tokens == miss.usage.prompt_tokens > again.usage.prompt_tokens
     assert full_output(hit.choices[0].message) == full_output(miss.choices[0].message)
     lp = lambda r: [(t.token, t.logprob) for t in r.choices[0].logprobs.content]  # noqa: E731

@@ -28,8 +28,12 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
     /// Prompt token ids (default: 5 fixed ids).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompt_length")]
     pub prompt_tokens: Option<Vec<u32>>,
+    /// A prompt of this many tokens (fixed pseudo-random ids), for time-to-first-token figures
+    /// against their floor.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub prompt_length: Option<u64>,
     /// Tokens to generate per run (the first decode step is excluded from the steady rate).
     #[arg(long, default_value_t = 5)]
     pub max_tokens: usize,
@@ -143,7 +147,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.max_tokens < 3 {
         bail!("--max-tokens must be at least 3 (the first decode step is excluded from the steady rate)");
     }
-    let prompt = a.prompt_tokens.clone().unwrap_or_else(|| vec![11, 22, 33, 44, 55]);
+    let store = Store::open(&store_dir, m.source.as_deref())?;
+    let vocab = store.manifest.config.vocab_size.max(1) as u64;
+    let prompt = match (&a.prompt_tokens, a.prompt_length) {
+        (Some(ids), _) => ids.clone(),
+        // Spread over the vocabulary, the same ids in every run.
+        (None, Some(n)) => (0..n).map(|i| ((i * 7919 + 11) % vocab) as u32).collect(),
+        (None, None) => vec![11, 22, 33, 44, 55],
+    };
     let prompt_s = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     let mut gen_args: Vec<String> = vec![
         "generate".into(),
@@ -172,6 +183,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(k) = m.experts_per_token {
         gen_args.extend(["--experts-per-token".into(), k.to_string()]);
     }
+    if let Some(r) = m.resident_spine_layers {
+        gen_args.extend(["--resident-spine-layers".into(), r.to_string()]);
+    }
+    if let Some(c) = m.prefill_chunk {
+        gen_args.extend(["--prefill-chunk".into(), c.to_string()]);
+    }
     if let Some(src) = &m.source {
         gen_args.extend(["--source".into(), src.display().to_string()]);
     }
@@ -190,7 +207,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.warm {
         gen_args.extend(["--repeat".into(), "2".into()]);
     }
-    let store = Store::open(&store_dir, m.source.as_deref())?;
     let k = m.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
     let probe_args: Vec<String> = vec![
         "probe-disk".into(),
@@ -235,9 +251,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let pb = run_self(&pa)?;
             let mut ga = without_flag(&gen_args, extra.first().map(String::as_str));
             ga.extend(extra.iter().cloned());
+            // The compute roof of this moment, for the time-to-first-token floor.
+            let peak_gflops = deltafin_kernels::roofline::fma_peak_gflops(deltafin_engine::threads(), 0.3);
             let g = run_self(&ga)?;
             let acc = &mut accs[c];
-            acc.add(&p, &pb, &g);
+            acc.add(&p, &pb, &g, peak_gflops);
             eprintln!(
                 "run {}/{} [{label}]: raw {:.2} GB/s (batched {:.2}); {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
                 i + 1,
@@ -251,7 +269,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 100.0 * acc.hit.last().copied().unwrap_or(0.0),
                 human(acc.rss.last().copied().unwrap_or(0.0) as u64)
             );
-            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "run": g }));
+            if a.prompt_length.is_some() {
+                eprintln!(
+                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak",
+                    prompt.len(),
+                    acc.ttft.last().copied().unwrap_or(f64::NAN),
+                    acc.ttft_floor.last().copied().unwrap_or(f64::NAN),
+                    acc.ttft.last().copied().unwrap_or(f64::NAN) / acc.ttft_floor.last().copied().unwrap_or(f64::NAN),
+                    human(acc.prefill_distinct.last().copied().unwrap_or(0.0) as u64),
+                    human(acc.prefill_spine.last().copied().unwrap_or(0.0) as u64),
+                    acc.prefill_flops.last().copied().unwrap_or(f64::NAN) / 1e9,
+                    peak_gflops,
+                );
+            }
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "peak_gflops": peak_gflops, "run": g }));
         }
     }
     let summaries: Vec<Value> =
@@ -302,10 +333,18 @@ struct Acc {
     floor: Vec<f64>,
     rss: Vec<f64>,
     iow: Vec<f64>,
+    /// Time to first token and what bounds it: distinct expert bytes of the prompt, streamed
+    /// spine bytes read, the prompt's FLOPs, and the floor from those and this run's roofs.
+    ttft_floor: Vec<f64>,
+    prefill_distinct: Vec<f64>,
+    prefill_expert_read: Vec<f64>,
+    prefill_spine: Vec<f64>,
+    prefill_flops: Vec<f64>,
+    peak_gflops: Vec<f64>,
 }
 
 impl Acc {
-    fn add(&mut self, p: &Value, pb: &Value, g: &Value) {
+    fn add(&mut self, p: &Value, pb: &Value, g: &Value, peak_gflops: f64) {
         let raw_gbps = p["gbps"].as_f64().unwrap_or(f64::NAN);
         let list = |v: &Value| -> Vec<f64> {
             v.as_array().map(|v| v.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
@@ -334,12 +373,36 @@ impl Acc {
         self.floor.push(bytes_per_token / (raw_gbps * 1e9));
         self.rss.push(g["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN));
         self.iow.push(g["stream"]["io_wait_s"].as_f64().unwrap_or(f64::NAN) / total_s);
+        let pr = &g["timing"]["prompt"];
+        let distinct =
+            pr["distinct_experts"].as_f64().unwrap_or(0.0) * g["plan"]["record_bytes"].as_f64().unwrap_or(0.0);
+        let flops = g["timing"]["prompt_flops"].as_f64().unwrap_or(f64::NAN);
+        // Each streamed spine layer must be read at least once, whatever the chunking.
+        let io_floor = (distinct + spine_bytes) / (raw_gbps * 1e9);
+        let compute_floor = flops / (peak_gflops * 1e9);
+        self.ttft_floor.push(io_floor.max(compute_floor));
+        self.prefill_distinct.push(distinct);
+        self.prefill_expert_read.push(pr["expert_bytes_read"].as_f64().unwrap_or(f64::NAN));
+        self.prefill_spine.push(pr["spine_bytes_read"].as_f64().unwrap_or(f64::NAN));
+        self.prefill_flops.push(flops);
+        self.peak_gflops.push(peak_gflops);
     }
 
     fn summary(&self, label: &str, a: &BenchArgs, prompt: &[u32], store: &std::path::Path) -> Value {
         let med = |v: &[f64]| median(&mut v.to_vec());
         let first = &self.runs[0]["run"];
-        json!({
+        let prefill = json!({
+            "ttft_floor_s": med(&self.ttft_floor),
+            "ttft_vs_floor": med(&self.ttft) / med(&self.ttft_floor),
+            "prefill_tokens": prompt.len(),
+            "prefill_chunk": first["timing"]["prompt"]["chunk"],
+            "prefill_distinct_expert_bytes": med(&self.prefill_distinct),
+            "prefill_expert_bytes_read": med(&self.prefill_expert_read),
+            "prefill_spine_bytes": med(&self.prefill_spine),
+            "prefill_flops": med(&self.prefill_flops),
+            "peak_gflops": med(&self.peak_gflops),
+        });
+        let mut out = json!({
             "config": label,
             "s_per_token": med(&self.spt),
             "tokens_per_s": 1.0 / med(&self.spt),
@@ -361,7 +424,8 @@ impl Acc {
             "ranges": {
                 "s_per_token": stat(&self.spt), "raw_gbps": stat(&self.raw), "raw_batched_gbps": stat(&self.raw_batched),
                 "achieved_gbps": stat(&self.ach), "bandwidth_fraction": stat(&self.frac), "hit_rate": stat(&self.hit),
-                "peak_rss_bytes": stat(&self.rss),
+                "peak_rss_bytes": stat(&self.rss), "ttft_s": stat(&self.ttft), "ttft_floor_s": stat(&self.ttft_floor),
+                "peak_gflops": stat(&self.peak_gflops),
             },
             "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
             "prompt_tokens": prompt,
@@ -385,7 +449,11 @@ impl Acc {
             "git_commit": git_commit(),
             "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
             "per_run": self.runs,
-        })
+        });
+        if let (Some(o), Value::Object(p)) = (out.as_object_mut(), prefill) {
+            o.extend(p);
+        }
+        out
     }
 }
 
@@ -428,5 +496,20 @@ fn print_summary(out: &Value) {
         100.0 * f("io_wait_fraction"),
         human(f("peak_rss_bytes") as u64),
         human(out["memory_budget_bytes"].as_u64().unwrap_or(0)),
+    );
+    println!(
+        "prompt {} tokens in chunks of {}: TTFT {:.3} s ({:.3}-{:.3}) vs floor {:.3} s = {:.2}x; distinct expert bytes {} (read {}), spine read {}, {:.1} GFLOP at a {:.1} GFLOP/s roof",
+        out["prefill_tokens"],
+        out["prefill_chunk"],
+        f("ttft_s"),
+        r("ttft_s", "min"),
+        r("ttft_s", "max"),
+        f("ttft_floor_s"),
+        f("ttft_vs_floor"),
+        human(f("prefill_distinct_expert_bytes") as u64),
+        human(f("prefill_expert_bytes_read") as u64),
+        human(f("prefill_spine_bytes") as u64),
+        f("prefill_flops") / 1e9,
+        f("peak_gflops"),
     );
 }

@@ -291,8 +291,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             None => println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
         }
         eprintln!(
-            "{} prompt tokens, {} generated; prompt {:.3}s, decode {} tok/s; experts: hit rate {:.1}%, {} bytes read ({:?}, O_DIRECT {}); peak RSS {}",
+            "{} prompt tokens ({} chunk(s) of up to {}), {} generated; time to first token {:.3}s, decode {} tok/s; experts: hit rate {:.1}%, {} bytes read ({:?}, O_DIRECT {}); peak RSS {}",
             g.prompt_tokens.len(),
+            g.timing.prompt.chunks,
+            g.timing.prompt.chunk,
             g.tokens.len(),
             g.timing.prompt_s,
             decode_tps.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into()),

@@ -124,3 +124,47 @@ fn corrupt_expert_stops_generation_with_its_name() {
     let e = fails(&["generate", "--model", s, "--prompt-tokens", "1,2,3", "--max-tokens", "2"]);
     assert!(e.contains("layer 1 expert") && e.contains("checksum"), "{e}");
 }
+
+/// A 4,000-token prompt runs within the memory budget, in one budget-sized chunk or in chunks
+/// of 32, with the same tokens; the JSON says how the prompt went (chunks, distinct experts,
+/// FLOPs) and the peak RSS; a chunk the budget cannot hold is refused with what to do.
+#[test]
+fn long_prompts_run_in_budget_sized_chunks() {
+    let store = convert("k3-small", &[]);
+    let s = store.path().to_str().unwrap();
+    let ids: Vec<String> = (0..4000u32).map(|i| ((i * 7919 + 11) % 500).to_string()).collect();
+    let prompt = ids.join(",");
+    let budget: u64 = 256 << 20;
+    let generate = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["generate", "--model", s, "--prompt-tokens", &prompt, "--max-tokens", "3", "--json"];
+        args.extend_from_slice(&["--memory-budget", "256M", "--context", "4100"]);
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).expect("one JSON object")
+    };
+    let auto = generate(&[]);
+    let by32 = generate(&["--prefill-chunk", "32"]);
+    let p = &auto["timing"]["prompt"];
+    assert_eq!(p["tokens"], 4000);
+    // 256 MiB holds the whole prompt's activations on this model: one chunk.
+    assert_eq!(p["chunks"], 1, "{}", auto["plan"]);
+    assert_eq!(by32["timing"]["prompt"]["chunks"], 125);
+    assert_eq!(auto["tokens"], by32["tokens"]);
+    assert!(p["distinct_experts"].as_u64().unwrap() > 0);
+    assert!(auto["timing"]["prompt_flops"].as_f64().unwrap() > 0.0);
+    for v in [&auto, &by32] {
+        let rss = v["peak_rss_bytes"].as_u64().expect("peak RSS reported");
+        assert!(rss <= budget, "peak RSS {rss} over the budget {budget}");
+    }
+    let err = fails(&[
+        "generate",
+        "--model",
+        s,
+        "--prompt-tokens",
+        "1,2,3",
+        "--memory-budget",
+        "256M",
+        "--prefill-chunk",
+        "1000000",
+    ]);
+    assert!(err.contains("--prefill-chunk 1000000 needs"), "{err}");
+}

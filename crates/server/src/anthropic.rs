@@ -252,7 +252,10 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
     Ok(axum::Json(json!({
         "id": id, "type": "message", "role": "assistant", "model": state.model.id,
         "content": blocks, "stop_reason": reason, "stop_sequence": seq,
-        "usage": {"input_tokens": summary.prompt_tokens, "output_tokens": summary.completion_tokens},
+        "usage": {"input_tokens": summary.prompt_tokens - summary.cached_prompt_tokens.min(summary.prompt_tokens),
+                  "cache_read_input_tokens": summary.cached_prompt_tokens,
+                  "output_tokens": summary.completion_tokens},
+        "timings": crate::openai::timings(&summary),
         "deltafin": {"numerics": state.model.numerics},
     }))
     .into_response())

@@ -392,11 +392,31 @@ fn finish_reason(f: Finish) -> &'static str {
     }
 }
 
+/// OpenAI's usage: tokens, and the prompt tokens taken from stored state
+/// (`prompt_tokens_details.cached_tokens`).
 fn usage(s: &Summary) -> Value {
     json!({
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.completion_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+    })
+}
+
+/// Time to first token apart from the decode rate, under llama.cpp's `timings` names (which
+/// local-model clients already read): the prompt phase ends with the first token.
+pub fn timings(s: &Summary) -> Value {
+    let after_first = s.completion_tokens.saturating_sub(1);
+    let per_s = |n: usize, secs: f64| if secs > 0.0 && n > 0 { json!(n as f64 / secs) } else { Value::Null };
+    json!({
+        "ttft_s": s.ttft_s,
+        "prompt_n": s.prompt_tokens - s.cached_prompt_tokens.min(s.prompt_tokens),
+        "prompt_cached_n": s.cached_prompt_tokens,
+        "prompt_ms": s.ttft_s * 1e3,
+        "prompt_per_second": per_s(s.prompt_tokens - s.cached_prompt_tokens.min(s.prompt_tokens), s.ttft_s),
+        "predicted_n": after_first,
+        "predicted_ms": s.decode_s * 1e3,
+        "predicted_per_second": per_s(after_first, s.decode_s),
     })
 }
 
@@ -483,6 +503,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
             "system_fingerprint": fingerprint(&state),
             "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
             "usage": usage(&summary),
+            "timings": timings(&summary),
             "deltafin": {"numerics": state.model.numerics},
         })
     } else {
@@ -495,6 +516,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
             "system_fingerprint": fingerprint(&state),
             "choices": [{"index": 0, "text": turn.content(), "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
             "usage": usage(&summary),
+            "timings": timings(&summary),
             "deltafin": {"numerics": state.model.numerics},
         })
     };
@@ -515,6 +537,10 @@ struct StreamState {
 impl StreamState {
     /// One chunk around `choices`.
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Event {
+        Event::default().data(self.chunk_value(choices, usage).to_string())
+    }
+
+    fn chunk_value(&self, choices: Vec<Value>, usage: Option<Value>) -> Value {
         let mut v = json!({
             "id": self.id,
             "object": if self.p.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -526,7 +552,7 @@ impl StreamState {
         if self.p.include_usage {
             v["usage"] = usage.unwrap_or(Value::Null);
         }
-        Event::default().data(v.to_string())
+        v
     }
 }
 
@@ -571,7 +597,9 @@ impl Translator for StreamState {
                 };
                 out.push_back(self.chunk(vec![last], None));
                 if self.p.include_usage {
-                    out.push_back(self.chunk(vec![], Some(usage(&summary))));
+                    let mut last = self.chunk_value(vec![], Some(usage(&summary)));
+                    last["timings"] = timings(&summary);
+                    out.push_back(Event::default().data(last.to_string()));
                 }
                 out.push_back(Event::default().data("[DONE]"));
                 true
