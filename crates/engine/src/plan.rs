@@ -11,8 +11,9 @@ use crate::stream::geometry;
 /// Process overhead we do not plan in detail (binary, allocator, per-token scratch, tokenizer).
 pub const FIXED_OVERHEAD: u64 = 96 << 20;
 
-/// Copies of a streamed spine layer alive at once (see `choose_resident`).
-pub const STREAM_LAYER_COPIES: u64 = 4;
+/// Images of a streamed spine layer alive at once: the one being computed (the model's tensors
+/// are views into it) and the one being read (see `stream::spine`).
+pub const STREAM_LAYER_COPIES: u64 = crate::stream::spine::SPINE_BUFFERS as u64;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -24,7 +25,7 @@ pub struct Plan {
     pub spine_bytes: u64,
     pub spine_resident_layers: usize,
     pub spine_streamed_layers: usize,
-    /// Memory for streaming the other layers (read buffer + layer in use + layer loading).
+    /// Memory for streaming the other layers (the layer image computed on, and the one being read).
     pub spine_stream_buffer_bytes: u64,
     /// Spine bytes read from disk per token (the streamed layers).
     pub spine_bytes_per_token: u64,
@@ -176,7 +177,7 @@ pub struct PlanRequest {
 }
 
 /// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
-/// needs (two aligned read buffers, the decoded layer in use and the one decoded ahead).
+/// needs (two layer images: the one computed on, the one being read).
 fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Option<usize>) -> Option<(usize, u64)> {
     let n = per.len();
     let cost = |r: usize| {
@@ -568,11 +569,11 @@ mod tests {
         let per = [100; 8];
         // Everything fits (50 + 800 + 10): all resident, no streaming buffers.
         assert_eq!(choose_resident(&per, 50, 10, 860, None), Some((8, 0)));
-        // 50 + 10 + 4*100 (stream reserve) + r*100 <= 700 -> r = 2.
-        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((2, 400)));
+        // 50 + 10 + 2*100 (stream reserve: two layer images) + r*100 <= 700 -> r = 4.
+        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((4, 200)));
         // Not even the streaming reserve fits.
-        assert_eq!(choose_resident(&per, 50, 10, 400, None), None);
-        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 400)));
+        assert_eq!(choose_resident(&per, 50, 10, 250, None), None);
+        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 200)));
     }
 
     /// A file system of the given files, for [`cgroup_memory`].

@@ -35,6 +35,15 @@ impl Linear {
         Ok(l)
     }
 
+    /// Whether the weights are a view into a streamed layer's image (no copy was made).
+    pub fn borrows_image(&self) -> bool {
+        match &self.data {
+            SpineData::F32(w) => w.is_view(),
+            SpineData::Bf16(w) => w.is_view(),
+            SpineData::Int8 { q, scales, .. } => q.is_view() && scales.is_view(),
+        }
+    }
+
     /// `out = W x`. Shapes: x `[cols]`, out `[rows]`.
     pub fn forward(&self, x: &[f32], out: &mut [f32]) {
         self.forward_rows(0, self.rows, x, out);
@@ -118,7 +127,12 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.11).sin()).collect();
         let (q, s) = quantize_int8(&w, cols, cols);
-        let m = Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q, scales: s, group: cols } };
+        let m = Linear {
+            name: "q".into(),
+            rows,
+            cols,
+            data: SpineData::Int8 { q: q.into(), scales: s.into(), group: cols },
+        };
         let (mut a, mut b) = (vec![0f32; 900], vec![0f32; 900]);
         m.forward_rows(50, 900, &x, &mut a);
         m.rows_serial(50, &x, &mut b);
@@ -134,13 +148,14 @@ mod tests {
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.21).sin()).collect();
         let (q, s) = quantize_int8(&w, cols, 32);
         let deq = dequantize_int8(&q, &s, 32);
-        let int8 = Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q, scales: s, group: 32 } };
-        let f32m = Linear { name: "f".into(), rows, cols, data: SpineData::F32(deq) };
+        let int8 =
+            Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q: q.into(), scales: s.into(), group: 32 } };
+        let f32m = Linear { name: "f".into(), rows, cols, data: SpineData::F32(deq.into()) };
         let bf16m = Linear {
             name: "b".into(),
             rows,
             cols,
-            data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()),
+            data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<_>>().into()),
         };
         let (mut a, mut b) = (vec![0f32; 5], vec![0f32; 5]);
         int8.forward_rows(4, 5, &x, &mut a);

@@ -6,7 +6,9 @@ mod common;
 
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
-use deltafin_engine::k3::{K3Model, RunConfig};
+use std::sync::atomic::Ordering::Relaxed;
+
+use deltafin_engine::k3::{Ffn, K3Model, RunConfig};
 use deltafin_engine::stream::cache::Policy;
 use deltafin_engine::stream::reader::BackendKind;
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
@@ -152,8 +154,18 @@ fn streamed_spine_layers_are_bit_identical() {
             for (a, b) in got.iter().zip(&reference) {
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: {resident} resident layers");
             }
-            let streamer = model.spine_stream.as_ref().expect("layers are streamed").lock().unwrap();
-            assert!(streamer.bytes_read.load(std::sync::atomic::Ordering::Relaxed) > 0);
+            let mut streamer = model.spine_stream.as_ref().expect("layers are streamed").lock().unwrap();
+            let c = &streamer.counters;
+            assert!(c.bytes_read.load(Relaxed) > 0);
+            // Every byte read was verified, on the loader thread.
+            assert!(c.bytes_verified.load(Relaxed) > 0 && c.verify_ns.load(Relaxed) > 0);
+            // The streamed layer's matrices are views into its image, not copies.
+            let layer = streamer.get(n - 1).unwrap();
+            let gate = match &layer.ffn {
+                Ffn::Moe(m) => &m.gate,
+                Ffn::Dense(d) => &d.gate,
+            };
+            assert!(gate.borrows_image(), "{name}: a streamed layer's weights were copied");
         }
     }
 }
@@ -174,6 +186,9 @@ fn corrupt_streamed_spine_layer_is_caught() {
     let err = model.forward(&mut st, &mut StoreExperts::new(&store), 3, &mut logits).unwrap_err();
     let msg = format!("{err:#}");
     assert!(msg.contains("layers.6.self_attn.q_proj.weight") && msg.contains("checksum"), "{msg}");
+    // It was read twice (a corrupt read is retried once) before the step failed.
+    let retries = || model.spine_stream.as_ref().unwrap().lock().unwrap().counters.retries.load(Relaxed);
+    assert!(retries() >= 1);
     // The loader survives the fault: once the bytes are right again, the next token is exact.
     f.write_all_at(&b, t.offset + 5).unwrap();
     let reference = K3Model::load(&store, &RunConfig::default()).unwrap();

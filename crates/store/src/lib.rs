@@ -12,6 +12,7 @@ pub mod config;
 mod config_check;
 pub mod convert;
 pub mod error;
+pub mod image;
 pub mod manifest;
 pub mod presence;
 pub mod progress;
@@ -23,5 +24,6 @@ pub mod synth;
 
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
+pub use image::{Elems, ImageBytes, ImageVerifier, SpineImage};
 pub use manifest::{ExpertLayout, Manifest, SpineDtype};
-pub use store::{ExpertFiles, LoadedTensor, SpineData, SpineImage, SpineSource, SpineTable, Store};
+pub use store::{ExpertFiles, LoadedTensor, SpineData, SpineSource, SpineTable, Store};

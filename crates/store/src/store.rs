@@ -11,20 +11,22 @@ use half::bf16;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{StoreError, io_err};
+use crate::image::{Elems, checksum_error};
 use crate::manifest::*;
 use crate::presence::Presence;
 use crate::shard::Shard;
 
-/// One spine tensor in memory, in the dtype the store keeps it.
+/// One spine tensor in memory, in the dtype the store keeps it: owned, or (a streamed layer)
+/// views into the layer's image.
 #[derive(Debug, Clone)]
 pub enum SpineData {
-    F32(Vec<f32>),
+    F32(Elems<f32>),
     /// Raw bf16 bits.
-    Bf16(Vec<u16>),
+    Bf16(Elems<u16>),
     /// int8 values `[rows, cols]` and f32 scales `[rows, cols/group]`.
     Int8 {
-        q: Vec<i8>,
-        scales: Vec<f32>,
+        q: Elems<i8>,
+        scales: Elems<f32>,
         group: usize,
     },
 }
@@ -40,7 +42,7 @@ impl LoadedTensor {
     /// The tensor as f32 (dequantising if needed). Used for vectors and for the embedding row.
     pub fn to_f32(&self) -> Vec<f32> {
         match &self.data {
-            SpineData::F32(v) => v.clone(),
+            SpineData::F32(v) => v.to_vec(),
             SpineData::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
             SpineData::Int8 { q, scales, group } => crate::quant::dequantize_int8(q, scales, *group),
         }
@@ -211,7 +213,7 @@ impl Store {
         if t.scales_len > 0 {
             self.spine_file.read_exact_at(&mut scales, t.scales_offset).map_err(io_err(&spine_path))?;
         }
-        let data = TensorBytes::File { file: &self.spine_file, path: &spine_path };
+        let data = TensorBytes { file: &self.spine_file, path: &spine_path };
         decode_spine_tensor(t, data, &scales, &spine_path)
     }
 
@@ -256,8 +258,6 @@ impl SpineSource for Store {
     }
 }
 
-/// Bytes `[base, base + bytes.len())` of a store's spine file, read in one go (a streamed spine
-/// layer), serving its tensors with the same checks as the file.
 /// The 4096-aligned byte range of the spine file holding `layer`'s tensors.
 fn layer_range<'a>(tensors: impl Iterator<Item = &'a SpineTensor>, layer: usize) -> Option<(u64, u64)> {
     let (mut lo, mut hi) = (u64::MAX, 0u64);
@@ -289,43 +289,23 @@ impl SpineTable {
     pub fn layer_range(&self, layer: usize) -> Option<(u64, u64)> {
         layer_range(self.tensors.values(), layer)
     }
-}
 
-/// An in-memory image of part of the spine file (a layer's range), read by a loader.
-pub struct SpineImage<'a> {
-    pub table: &'a SpineTable,
-    /// Offset in the spine file of `bytes[0]`.
-    pub base: u64,
-    pub bytes: &'a [u8],
-}
+    pub fn tensor(&self, name: &str) -> Option<&SpineTensor> {
+        self.tensors.get(name)
+    }
 
-impl SpineSource for SpineImage<'_> {
-    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
-        let path = &self.table.path;
-        let t = self.table.tensors.get(name).ok_or_else(|| StoreError::Store {
-            path: path.clone(),
-            msg: format!("spine tensor '{name}' is not in the loaded layer image's table"),
-        })?;
-        let slice = |off: u64, len: u64| -> Result<&[u8], StoreError> {
-            let start = off.checked_sub(self.base).and_then(|s| usize::try_from(s).ok());
-            let range = start.and_then(|s| Some(s..s.checked_add(usize::try_from(len).ok()?)?));
-            range.and_then(|r| self.bytes.get(r)).ok_or_else(|| StoreError::Store {
-                path: path.clone(),
-                msg: format!("spine tensor '{name}' is outside the loaded layer image"),
-            })
-        };
-        let data = slice(t.offset, t.len)?;
-        let scales = if t.scales_len > 0 { slice(t.scales_offset, t.scales_len)? } else { &[] };
-        decode_spine_tensor(t, TensorBytes::Image(data), scales, path)
+    /// Layer `layer`'s tensors.
+    pub fn layer_tensors(&self, layer: usize) -> impl Iterator<Item = &SpineTensor> {
+        self.tensors.values().filter(move |t| t.layer == Some(layer))
     }
 }
 
-/// Where a spine tensor's bytes are: in the spine file (at the tensor's offset), or already in
-/// memory (a streamed layer's image, exactly the tensor's bytes).
+/// A spine tensor's bytes in the spine file (resident layers; streamed ones are views into a
+/// layer image, `image.rs`).
 #[derive(Clone, Copy)]
-enum TensorBytes<'a> {
-    File { file: &'a File, path: &'a Path },
-    Image(&'a [u8]),
+struct TensorBytes<'a> {
+    file: &'a File,
+    path: &'a Path,
 }
 
 /// Bytes read and converted per step when decoding from the file: the only memory a load holds
@@ -336,21 +316,46 @@ impl TensorBytes<'_> {
     /// Hand the tensor's `len` bytes at `offset` to `f` in order, in pieces of at most
     /// [`DECODE_CHUNK`] bytes (each a whole number of elements).
     fn for_each_chunk(&self, offset: u64, len: usize, mut f: impl FnMut(&[u8])) -> Result<(), StoreError> {
-        match self {
-            TensorBytes::Image(bytes) => bytes.chunks(DECODE_CHUNK).for_each(f),
-            TensorBytes::File { file, path } => {
-                let mut buf = vec![0u8; DECODE_CHUNK.min(len)];
-                let mut done = 0usize;
-                while done < len {
-                    let n = DECODE_CHUNK.min(len - done);
-                    file.read_exact_at(&mut buf[..n], offset + done as u64).map_err(io_err(*path))?;
-                    f(&buf[..n]);
-                    done += n;
-                }
-            }
+        let mut buf = vec![0u8; DECODE_CHUNK.min(len)];
+        let mut done = 0usize;
+        while done < len {
+            let n = DECODE_CHUNK.min(len - done);
+            self.file.read_exact_at(&mut buf[..n], offset + done as u64).map_err(io_err(self.path))?;
+            f(&buf[..n]);
+            done += n;
         }
         Ok(())
     }
+}
+
+/// A tensor's table entry checked against its shape before anything is read or allocated:
+/// the element count does not overflow, the length matches shape and dtype, and an int8
+/// tensor's group and scales (`scales_len` bytes) match. Returns (elements, bytes).
+pub(crate) fn check_tensor(
+    t: &SpineTensor,
+    scales_len: usize,
+    spine_path: &Path,
+) -> Result<(usize, usize), StoreError> {
+    let name = &t.name;
+    let bad =
+        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
+    let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
+    let esize = match t.dtype {
+        SpineDtype::F32 => 4,
+        SpineDtype::Bf16 => 2,
+        SpineDtype::Int8 => 1,
+    };
+    let len = usize::try_from(t.len).map_err(|_| bad("length does not match shape"))?;
+    if numel.checked_mul(esize) != Some(len) {
+        return Err(bad("length does not match shape"));
+    }
+    if t.dtype == SpineDtype::Int8 {
+        let cols = *t.shape.last().unwrap_or(&0);
+        if t.group == 0 || !cols.is_multiple_of(t.group) || Some(scales_len) != (numel / t.group).checked_mul(4) {
+            return Err(bad("int8 length, group or scales do not match shape"));
+        }
+    }
+    Ok((numel, len))
 }
 
 /// Decode a spine tensor into its in-memory form, verifying its checksum. The bytes are read
@@ -365,29 +370,7 @@ fn decode_spine_tensor(
     spine_path: &Path,
 ) -> Result<LoadedTensor, StoreError> {
     let name = &t.name;
-    let bad =
-        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
-    let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
-    let esize = match t.dtype {
-        SpineDtype::F32 => 4,
-        SpineDtype::Bf16 => 2,
-        SpineDtype::Int8 => 1,
-    };
-    let len = usize::try_from(t.len).map_err(|_| bad("length does not match shape"))?;
-    if numel.checked_mul(esize) != Some(len) {
-        return Err(bad("length does not match shape"));
-    }
-    if let TensorBytes::Image(b) = data
-        && b.len() != len
-    {
-        return Err(bad("image slice does not match the tensor's length"));
-    }
-    if t.dtype == SpineDtype::Int8 {
-        let cols = *t.shape.last().unwrap_or(&0);
-        if t.group == 0 || !cols.is_multiple_of(t.group) || Some(scales_raw.len()) != (numel / t.group).checked_mul(4) {
-            return Err(bad("int8 length, group or scales do not match shape"));
-        }
-    }
+    let (numel, len) = check_tensor(t, scales_raw.len(), spine_path)?;
     let mut h = Xxh3::new();
     let decoded = match t.dtype {
         SpineDtype::F32 => {
@@ -396,7 +379,7 @@ fn decode_spine_tensor(
                 h.update(c);
                 v.extend(c.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
             })?;
-            SpineData::F32(v)
+            SpineData::F32(v.into())
         }
         SpineDtype::Bf16 => {
             let mut v = Vec::with_capacity(numel);
@@ -404,7 +387,7 @@ fn decode_spine_tensor(
                 h.update(c);
                 v.extend(c.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
             })?;
-            SpineData::Bf16(v)
+            SpineData::Bf16(v.into())
         }
         SpineDtype::Int8 => {
             let mut q = Vec::with_capacity(numel);
@@ -412,16 +395,14 @@ fn decode_spine_tensor(
                 h.update(c);
                 q.extend(c.iter().map(|&b| b as i8));
             })?;
-            let scales = scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            SpineData::Int8 { q, scales, group: t.group }
+            let scales: Vec<f32> =
+                scales_raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            SpineData::Int8 { q: q.into(), scales: scales.into(), group: t.group }
         }
     };
     h.update(scales_raw);
     if h.digest() != t.xxh3 {
-        return Err(StoreError::Store {
-            path: spine_path.to_path_buf(),
-            msg: format!("spine tensor '{name}' fails its checksum: the spine file is corrupt"),
-        });
+        return Err(checksum_error(t, spine_path));
     }
     Ok(LoadedTensor { name: name.to_string(), shape: t.shape.clone(), data: decoded })
 }
@@ -487,6 +468,7 @@ fn verify_source_shard(path: &Path, recorded: Option<&SourceShard>) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::image::{ImageBytes, ImageVerifier, SpineImage};
 
     /// A bf16 tensor of `rows x cols` spanning several decode chunks, with its table entry.
     fn bf16_tensor(rows: usize, cols: usize, offset: u64) -> (SpineTensor, Vec<u8>, Vec<f32>) {
@@ -507,40 +489,103 @@ mod tests {
         (t, bytes, values)
     }
 
+    /// An in-memory layer image.
+    struct Bytes(Vec<u8>);
+    impl ImageBytes for Bytes {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    fn table(path: &Path, t: &SpineTensor) -> SpineTable {
+        SpineTable { path: path.to_path_buf(), tensors: [(t.name.clone(), t.clone())].into_iter().collect() }
+    }
+
+    /// `bytes` at `offset` of an image starting at 0, optionally verified already.
+    fn from_image(t: &SpineTensor, file_bytes: &[u8], path: &Path, verified: bool) -> Result<LoadedTensor, StoreError> {
+        let image: Arc<dyn ImageBytes> = Arc::new(Bytes(file_bytes.to_vec()));
+        let table = table(path, t);
+        SpineImage { table: &table, base: 0, image: &image, len: file_bytes.len(), verified }.load_spine(&t.name)
+    }
+
     #[test]
     fn bf16_tensors_decode_from_file_and_image() {
-        // 2.5 decode chunks, at an odd offset, so chunk edges fall mid-row.
+        // 2.5 decode chunks, at an odd offset (chunk edges fall mid-row, and the image cannot be
+        // viewed as u16: it is copied) and at an even one (viewed in place).
         let (rows, cols) = (5, DECODE_CHUNK / 4);
-        let (t, bytes, values) = bf16_tensor(rows, cols, 3);
+        for offset in [3u64, 4] {
+            let (t, bytes, values) = bf16_tensor(rows, cols, offset);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("spine.bin");
+            let mut file_bytes = vec![0xEEu8; offset as usize];
+            file_bytes.extend_from_slice(&bytes);
+            std::fs::write(&path, &file_bytes).unwrap();
+            let file = File::open(&path).unwrap();
+            let from_file = decode_spine_tensor(&t, TensorBytes { file: &file, path: &path }, &[], &path).unwrap();
+            let image = from_image(&t, &file_bytes, &path, false).unwrap();
+            let SpineData::Bf16(bits) = &image.data else { panic!("not bf16") };
+            assert_eq!(bits.is_view(), offset == 4, "aligned bytes are viewed, not copied");
+            for loaded in [from_file, image] {
+                assert_eq!(loaded.shape, vec![rows, cols]);
+                let SpineData::Bf16(bits) = &loaded.data else { panic!("not bf16") };
+                assert_eq!(bits.len(), rows * cols);
+                let expect: Vec<u16> = values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+                assert!(**bits == *expect);
+                assert_eq!(loaded.to_f32(), values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect::<Vec<_>>());
+            }
+            // A flipped byte is a checksum error, whichever chunk it is in, unless the image was
+            // verified as it landed (the loader's verifier, tested below, caught it then).
+            let mut bad = file_bytes.clone();
+            let last = bad.len() - 1;
+            bad[last] ^= 1;
+            let e = from_image(&t, &bad, &path, false).unwrap_err().to_string();
+            assert!(e.contains("checksum"), "{e}");
+            let mut verifier = ImageVerifier::new(&table(&path, &t), 0, 0);
+            verifier.advance(&bad, 1000);
+            let e = verifier.finish(&bad).unwrap_err().to_string();
+            assert!(e.contains("checksum"), "{e}");
+            // A shape that disagrees with the length, or overflows, is refused before any read.
+            let mut t2 = t.clone();
+            t2.shape = vec![usize::MAX, 3];
+            let e = from_image(&t2, &file_bytes, &path, true).unwrap_err().to_string();
+            assert!(e.contains("overflows"), "{e}");
+            t2.shape = vec![rows, cols + 1];
+            let e = from_image(&t2, &file_bytes, &path, true).unwrap_err().to_string();
+            assert!(e.contains("does not match"), "{e}");
+            // A table entry pointing outside the image is refused.
+            t2 = t.clone();
+            t2.offset += 8;
+            let e = from_image(&t2, &file_bytes, &path, true).unwrap_err().to_string();
+            assert!(e.contains("outside"), "{e}");
+        }
+    }
+
+    /// The verifier hashes pieces as they land, in any piece sizes, and agrees with hashing the
+    /// whole: a clean image passes, and one flipped byte anywhere fails.
+    #[test]
+    fn image_verifier_hashes_pieces_as_they_land() {
+        let (t, bytes, _) = bf16_tensor(3, 1000, 64);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("spine.bin");
-        let mut file_bytes = vec![0xEEu8; 3];
-        file_bytes.extend_from_slice(&bytes);
-        std::fs::write(&path, &file_bytes).unwrap();
-        let file = File::open(&path).unwrap();
-        let from_file = decode_spine_tensor(&t, TensorBytes::File { file: &file, path: &path }, &[], &path).unwrap();
-        let from_image = decode_spine_tensor(&t, TensorBytes::Image(&bytes), &[], &path).unwrap();
-        for loaded in [from_file, from_image] {
-            assert_eq!(loaded.shape, vec![rows, cols]);
-            let SpineData::Bf16(bits) = &loaded.data else { panic!("not bf16") };
-            assert_eq!(bits.len(), rows * cols);
-            let expect: Vec<u16> = values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            assert!(bits == &expect);
-            assert_eq!(loaded.to_f32(), values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect::<Vec<_>>());
+        let mut image = vec![0u8; 64];
+        image.extend_from_slice(&bytes);
+        let table = table(&path, &t);
+        for piece in [1usize, 7, 4096, 1 << 20] {
+            let mut v = ImageVerifier::new(&table, 0, 0);
+            let mut landed = 0;
+            while landed < image.len() {
+                landed = (landed + piece).min(image.len());
+                v.advance(&image, landed as u64);
+            }
+            v.finish(&image).unwrap();
+            assert_eq!(v.bytes_hashed, bytes.len() as u64);
         }
-        // A flipped byte is a checksum error, whichever chunk it is in.
-        let mut bad = bytes.clone();
-        let last = bad.len() - 1;
-        bad[last] ^= 1;
-        let e = decode_spine_tensor(&t, TensorBytes::Image(&bad), &[], &path).unwrap_err().to_string();
-        assert!(e.contains("checksum"), "{e}");
-        // A shape that disagrees with the length, or overflows, is refused before any read.
-        let mut t2 = t.clone();
-        t2.shape = vec![usize::MAX, 3];
-        let e = decode_spine_tensor(&t2, TensorBytes::Image(&bytes), &[], &path).unwrap_err().to_string();
-        assert!(e.contains("overflows"), "{e}");
-        t2.shape = vec![rows, cols + 1];
-        let e = decode_spine_tensor(&t2, TensorBytes::Image(&bytes), &[], &path).unwrap_err().to_string();
-        assert!(e.contains("does not match"), "{e}");
+        for flip in [64, 64 + bytes.len() / 2, image.len() - 1] {
+            let mut bad = image.clone();
+            bad[flip] ^= 0x10;
+            let mut v = ImageVerifier::new(&table, 0, 0);
+            v.advance(&bad, 100);
+            assert!(v.finish(&bad).is_err(), "flip at {flip}");
+        }
     }
 }

@@ -230,7 +230,7 @@ impl K3Model {
     pub fn spine_bytes_read(&self) -> u64 {
         self.spine_stream
             .as_ref()
-            .and_then(|s| s.lock().ok().map(|s| s.bytes_read.load(std::sync::atomic::Ordering::Relaxed)))
+            .and_then(|s| s.lock().ok().map(|s| s.counters.bytes_read.load(std::sync::atomic::Ordering::Relaxed)))
             .unwrap_or(0)
     }
 

@@ -1,126 +1,346 @@
 //! Spine layers that do not fit the memory budget are read from the spine file for every token
-//! by a loader thread, one layer ahead of the compute: while layer `l` computes, layer `l+1`'s
-//! image is decoded and layer `l+2`'s is already being read. The reads go through the same
-//! back-ends as expert reads (io_uring or the pread pool, O_DIRECT where the file system
-//! allows it), one aligned read per layer into one of two aligned buffers.
+//! by a loader thread, ahead of the compute. A layer's image is read with O_DIRECT (where the
+//! file system allows it) into one of two aligned buffers, in 4 MiB pieces kept in flight
+//! together; each tensor's checksum is fed as the pieces land, so verifying costs the loader
+//! only the last piece's hashing, never the engine thread. The model's tensors are views into
+//! the image (no copy, no allocation per token): the buffer goes back to the loader when the
+//! layer's last view is dropped, and the next layer's read starts at once. At most two layer
+//! images exist: the one being computed and the one being read.
 //!
-//! The loader does not know the model: the caller gives it the function that decodes a layer
-//! image into the model's layer type.
+//! The loader does not know the model: the caller gives it the function that turns a verified
+//! layer image into the model's layer type.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
-use deltafin_store::{SpineImage, SpineTable, Store};
+use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
 
 use super::aligned::AlignedBuf;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
 
-/// Decodes layer `l`'s image into the model's layer weights (runs on the loader thread).
+/// Decodes layer `l`'s verified image into the model's layer weights (runs on the loader
+/// thread; the weights may keep views into the image).
 pub type DecodeLayer<T> = Box<dyn Fn(&SpineImage<'_>, usize) -> Result<T> + Send>;
 
+/// Layer images alive at once: the one being computed and the one being read.
+pub const SPINE_BUFFERS: usize = 2;
+
+/// Bytes per read of a layer image; the pieces of a layer are in flight together.
+const PIECE: usize = 4 << 20;
+
+/// Reads of one layer in the device's hands at once.
+const PIECES_IN_FLIGHT: usize = 8;
+
+/// A failed or corrupt layer read is read once more before the step fails.
+const MAX_ATTEMPTS: u32 = 2;
+
+/// What the loader counts, shared with the engine for reports.
+#[derive(Debug, Default)]
+pub struct SpineCounters {
+    pub bytes_read: AtomicU64,
+    /// Bytes hashed to verify images, and the nanoseconds spent hashing (on the loader thread).
+    pub bytes_verified: AtomicU64,
+    pub verify_ns: AtomicU64,
+    /// Nanoseconds the drive had no spine read of ours while a streamed layer was still to be
+    /// read: the loader waited for a buffer (the engine still computing on both images).
+    pub idle_ns: AtomicU64,
+    /// Reads retried after an error or a checksum failure.
+    pub retries: AtomicU64,
+}
+
+/// Messages to the loader.
+enum Msg {
+    /// The engine needs layer `l` next (sent when the order changes: a sequence restarted or a
+    /// step ended early).
+    Want(usize),
+    /// A layer's last view was dropped: its buffer is free.
+    Back(AlignedBuf),
+    Stop,
+}
+
+/// A layer image lent to the model; dropping it hands the buffer back to the loader.
+struct Lease {
+    buf: Option<AlignedBuf>,
+    len: usize,
+    back: Sender<Msg>,
+}
+
+impl ImageBytes for Lease {
+    fn bytes(&self) -> &[u8] {
+        self.buf.as_ref().map(|b| &b.as_slice()[..self.len]).unwrap_or(&[])
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            // When the loader has stopped, the buffer is simply freed.
+            let _ = self.back.send(Msg::Back(b));
+        }
+    }
+}
+
 pub struct SpineStreamer<T> {
-    req: Option<Sender<usize>>,
+    inbox: Sender<Msg>,
     resp: Receiver<(usize, Result<T>)>,
     thread: Option<JoinHandle<()>>,
     /// Streamed layers in model order.
     layers: Vec<usize>,
-    /// The layer the loader is working on or has ready, not yet taken.
-    pending: Option<usize>,
-    pub bytes_read: Arc<AtomicU64>,
+    /// The layer the loader will send next, as far as this side knows.
+    expected: Option<usize>,
+    pub counters: Arc<SpineCounters>,
 }
 
-/// The loader thread's side: the reader, its two buffers, and the layer ranges.
+/// A layer being read: its buffer, which pieces have landed, and the verifier fed in order.
+struct Reading {
+    layer: usize,
+    buf: AlignedBuf,
+    lo: u64,
+    len: usize,
+    landed: Vec<bool>,
+    /// Pieces landed in order from the start (the verifier has seen them).
+    prefix: usize,
+    verifier: ImageVerifier,
+    error: Option<std::io::Error>,
+    attempts: u32,
+}
+
+/// The loader thread's side.
 struct Loader<T> {
     // Declared first so it is dropped first: it waits for reads in flight before the buffers
     // they write into are freed.
     backend: Box<dyn ReadBackend>,
-    bufs: [AlignedBuf; 2],
-    /// Buffers not being read into.
-    spare: Vec<usize>,
-    /// The layer being read and its buffer.
-    in_flight: Option<(usize, usize)>,
+    free: Vec<AlignedBuf>,
+    reading: Option<Reading>,
     table: SpineTable,
     /// (layer, aligned byte range), streamed layers in model order.
     ranges: Vec<(usize, (u64, u64))>,
+    /// Position in `ranges` of the next layer to read.
+    next: usize,
     decode: DecodeLayer<T>,
-    bytes_read: Arc<AtomicU64>,
+    counters: Arc<SpineCounters>,
     done: Vec<(u64, std::io::Result<()>)>,
+    inbox: Receiver<Msg>,
+    back: Sender<Msg>,
+    out: Sender<(usize, Result<T>)>,
+    /// Since when the loader has had a layer to read but no free buffer.
+    starved_since: Option<Instant>,
 }
 
 impl<T> Loader<T> {
-    fn range(&self, l: usize) -> Result<(u64, u64)> {
-        self.ranges.iter().find(|(x, _)| *x == l).map(|(_, r)| *r).ok_or_else(|| anyhow!("layer {l} is not streamed"))
+    fn position(&self, l: usize) -> Option<usize> {
+        self.ranges.iter().position(|(x, _)| *x == l)
     }
 
-    /// Start reading layer `l` into a spare buffer.
-    fn start(&mut self, l: usize) -> Result<()> {
-        let (lo, hi) = self.range(l)?;
-        let b = self.spare.pop().ok_or_else(|| anyhow!("no spine buffer free"))?;
-        let len = (hi - lo) as usize;
-        let req = ReadReq {
-            file: 0,
-            offset: lo,
-            len,
-            need: len,
-            buf: self.bufs[b].as_mut_ptr(),
-            tag: l as u64,
-            urgent: true,
-        };
-        if let Err(e) = self.backend.submit(&[req]) {
-            // Not taken (back-ends take all or nothing): the buffer is free again.
-            self.spare.push(b);
-            return Err(e.into());
+    /// Handle one message; false on Stop.
+    fn handle(&mut self, m: Msg) -> bool {
+        match m {
+            Msg::Back(b) => self.free.push(b),
+            Msg::Want(l) => {
+                if let Some(p) = self.position(l) {
+                    self.next = p;
+                    // A read of another layer in flight lands and is thrown away (`finish`).
+                }
+            }
+            Msg::Stop => return false,
         }
-        self.in_flight = Some((l, b));
+        true
+    }
+
+    /// Start reading the next layer into a free buffer, if there is one.
+    fn start(&mut self) {
+        if self.reading.is_some() || self.ranges.is_empty() {
+            return;
+        }
+        let Some(mut buf) = self.free.pop() else {
+            self.starved_since.get_or_insert_with(Instant::now);
+            return;
+        };
+        if let Some(t) = self.starved_since.take() {
+            self.counters.idle_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        let (layer, (lo, hi)) = self.ranges[self.next];
+        self.next = (self.next + 1) % self.ranges.len();
+        let len = (hi - lo) as usize;
+        let pieces = len.div_ceil(PIECE);
+        let reqs: Vec<ReadReq> = (0..pieces)
+            .map(|i| {
+                let off = i * PIECE;
+                let n = PIECE.min(len - off);
+                ReadReq {
+                    file: 0,
+                    offset: lo + off as u64,
+                    len: n,
+                    need: n,
+                    // SAFETY: `off + n <= len <= buf.len()`; the buffer is owned by `Reading`
+                    // until every piece has been reported (`finish`).
+                    buf: unsafe { buf.as_mut_ptr().add(off) },
+                    tag: i as u64,
+                    urgent: true,
+                }
+            })
+            .collect();
+        let verifier = ImageVerifier::new(&self.table, layer, lo);
+        let mut r =
+            Reading { layer, buf, lo, len, landed: vec![false; pieces], prefix: 0, verifier, error: None, attempts: 1 };
+        if let Err(e) = self.backend.submit(&reqs) {
+            // Not taken (back-ends take all or nothing): report it as this layer's failure.
+            r.error = Some(e);
+            r.landed.iter_mut().for_each(|l| *l = true);
+        }
+        self.reading = Some(r);
+    }
+
+    /// Resubmit every piece of the layer being read (a retry).
+    fn resubmit(&mut self) -> std::io::Result<()> {
+        let Some(r) = self.reading.as_mut() else { return Ok(()) };
+        let pieces = r.landed.len();
+        let base = r.buf.as_mut_ptr();
+        let reqs: Vec<ReadReq> = (0..pieces)
+            .map(|i| {
+                let off = i * PIECE;
+                let n = PIECE.min(r.len - off);
+                // SAFETY: as in `start`: inside the buffer, which `Reading` owns until the
+                // pieces are reported.
+                let buf = unsafe { base.add(off) };
+                ReadReq { file: 0, offset: r.lo + off as u64, len: n, need: n, buf, tag: i as u64, urgent: true }
+            })
+            .collect();
+        r.landed.iter_mut().for_each(|l| *l = false);
+        r.prefix = 0;
+        r.error = None;
+        r.verifier = ImageVerifier::new(&self.table, r.layer, r.lo);
+        self.counters.retries.fetch_add(1, Ordering::Relaxed);
+        self.backend.submit(&reqs)
+    }
+
+    /// Wait for the pieces in flight; feed landed prefixes to the verifier. Returns when the
+    /// layer being read has fully landed.
+    fn pump(&mut self) -> Result<()> {
+        loop {
+            let Some(r) = self.reading.as_mut() else { return Ok(()) };
+            if r.landed.iter().all(|&l| l) {
+                return Ok(());
+            }
+            self.backend.wait(&mut self.done)?;
+            let r = self.reading.as_mut().ok_or_else(|| anyhow!("spine read vanished"))?;
+            for (tag, res) in self.done.drain(..) {
+                let Some(slot) = r.landed.get_mut(tag as usize) else { continue };
+                *slot = true;
+                if let Err(e) = res {
+                    r.error.get_or_insert(e);
+                }
+            }
+            while r.prefix < r.landed.len() && r.landed[r.prefix] {
+                r.prefix += 1;
+            }
+            if r.error.is_none() {
+                let landed_to = r.lo + (r.prefix * PIECE).min(r.len) as u64;
+                r.verifier.advance(&r.buf.as_slice()[..r.len], landed_to);
+            }
+            if self.backend.in_flight() == 0 && !r.landed.iter().all(|&l| l) {
+                return Err(anyhow!("the spine read of layer {} was lost", r.layer));
+            }
+        }
+    }
+
+    /// The layer being read has landed: verify it, retry once if it failed, then decode it
+    /// and send it to the engine (or throw it away if the engine wants another layer).
+    fn finish(&mut self) -> Result<()> {
+        let Some(mut r) = self.reading.take() else { return Ok(()) };
+        let verified = match r.error.take() {
+            Some(e) => Err(anyhow!("reading spine layer {} from {}: {e}", r.layer, self.table.path().display())),
+            None => r.verifier.finish(&r.buf.as_slice()[..r.len]).map_err(anyhow::Error::from),
+        };
+        self.counters.bytes_verified.fetch_add(r.verifier.bytes_hashed, Ordering::Relaxed);
+        self.counters.verify_ns.fetch_add(r.verifier.hash_time.as_nanos() as u64, Ordering::Relaxed);
+        if verified.is_err() && r.attempts < MAX_ATTEMPTS {
+            r.attempts += 1;
+            let layer = r.layer;
+            self.reading = Some(r);
+            match self.resubmit() {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    // Not taken: the buffer is free; the step fails with this layer.
+                    if let Some(r) = self.reading.take() {
+                        self.free.push(r.buf);
+                    }
+                    let _ = self.out.send((layer, Err(anyhow!("re-reading spine layer {layer}: {e}"))));
+                    return Ok(());
+                }
+            }
+        }
+        self.counters.bytes_read.fetch_add(r.len as u64 * u64::from(r.attempts), Ordering::Relaxed);
+        let layer = r.layer;
+        let result = match verified {
+            Ok(()) => {
+                let (lo, len) = (r.lo, r.len);
+                let image: Arc<dyn ImageBytes> = Arc::new(Lease { buf: Some(r.buf), len, back: self.back.clone() });
+                let img = SpineImage { table: &self.table, base: lo, image: &image, len, verified: true };
+                (self.decode)(&img, layer)
+                // `image` drops here; views in the decoded layer keep the buffer lent.
+            }
+            Err(e) => {
+                self.free.push(r.buf);
+                Err(e)
+            }
+        };
+        // The engine has hung up only when the streamer is being dropped.
+        let _ = self.out.send((layer, result));
         Ok(())
     }
 
-    /// Wait for the read in flight; returns its layer, buffer and result.
-    fn finish(&mut self) -> Result<(usize, usize, std::io::Result<()>)> {
-        let (l, b) = self.in_flight.take().ok_or_else(|| anyhow!("no spine read in flight"))?;
-        loop {
-            self.backend.wait(&mut self.done)?;
-            if let Some(i) = self.done.iter().position(|(tag, _)| *tag == l as u64) {
-                let (_, res) = self.done.swap_remove(i);
-                return Ok((l, b, res));
+    fn run(mut self) {
+        let mut running = true;
+        while running {
+            // Take every message waiting; block for one only when there is nothing to read.
+            loop {
+                let m = if self.reading.is_none() && (self.free.is_empty() || self.ranges.is_empty()) {
+                    match self.inbox.recv() {
+                        Ok(m) => m,
+                        Err(_) => {
+                            running = false;
+                            break;
+                        }
+                    }
+                } else {
+                    match self.inbox.try_recv() {
+                        Ok(m) => m,
+                        Err(_) => break,
+                    }
+                };
+                if !self.handle(m) {
+                    running = false;
+                    break;
+                }
             }
-            anyhow::ensure!(self.backend.in_flight() > 0, "the spine read of layer {l} was lost");
+            if !running {
+                break;
+            }
+            self.start();
+            if self.reading.is_some() {
+                let pumped = self.pump().and_then(|()| self.finish());
+                if let Err(e) = pumped {
+                    // The back-end failed: nothing more can be read; say so to the engine.
+                    tracing::error!("spine loader stopped: {e:#}");
+                    let layer = self.reading.as_ref().map(|r| r.layer).unwrap_or(0);
+                    let _ = self.out.send((layer, Err(e)));
+                    // The buffer of a lost read may still be written: leak it rather than reuse.
+                    if let Some(r) = self.reading.take() {
+                        std::mem::forget(r.buf);
+                    }
+                    break;
+                }
+            }
         }
-    }
-
-    /// Layer `l`, decoded; the next streamed layer's read is started before decoding.
-    fn load(&mut self, l: usize) -> Result<T> {
-        if self.in_flight.is_some_and(|(x, _)| x != l) {
-            // A read we will not use (a sequence restarted): let it land, keep its buffer.
-            let (_, b, _) = self.finish()?;
-            self.spare.push(b);
+        // Let an outstanding read land before its buffer is freed.
+        if self.reading.is_some() {
+            let _ = self.pump();
         }
-        if self.in_flight.is_none() {
-            self.start(l)?;
-        }
-        let (got, b, res) = self.finish()?;
-        // Keep the drive busy: read the next streamed layer while this one decodes.
-        let pos = self.ranges.iter().position(|(x, _)| *x == got).unwrap_or(0);
-        let next = self.ranges[(pos + 1) % self.ranges.len()].0;
-        if next != got
-            && let Err(e) = self.start(next)
-        {
-            // Only the read ahead is lost: the next load starts its own read.
-            tracing::warn!("spine read ahead of layer {next} not started: {e:#}");
-        }
-        let decoded = (|| -> Result<T> {
-            res.map_err(|e| anyhow!("reading spine layer {got} from {}: {e}", self.table.path().display()))?;
-            let (lo, hi) = self.range(got)?;
-            let len = (hi - lo) as usize;
-            self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
-            let image = SpineImage { table: &self.table, base: lo, bytes: &self.bufs[b].as_slice()[..len] };
-            (self.decode)(&image, got)
-        })();
-        self.spare.push(b);
-        decoded
     }
 }
 
@@ -141,70 +361,57 @@ impl<T: Send + 'static> SpineStreamer<T> {
         let path = table.path().to_path_buf();
         let (files, _direct) =
             open_files(std::slice::from_ref(&path), true).map_err(|e| anyhow!("opening {}: {e}", path.display()))?;
-        let backend = make_backend(Arc::new(files), backend, 2)?;
-        let bytes_read = Arc::new(AtomicU64::new(0));
-        let mut loader = Loader {
+        let backend = make_backend(Arc::new(files), backend, PIECES_IN_FLIGHT)?;
+        let counters = Arc::new(SpineCounters::default());
+        let (tx, inbox) = channel::<Msg>();
+        let (out, resp) = channel();
+        let loader = Loader {
             backend,
-            bufs: [AlignedBuf::new(max_len), AlignedBuf::new(max_len)],
-            spare: vec![1, 0],
-            in_flight: None,
+            free: (0..SPINE_BUFFERS).map(|_| AlignedBuf::new(max_len)).collect(),
+            reading: None,
             table,
             ranges,
+            next: 0,
             decode,
-            bytes_read: bytes_read.clone(),
+            counters: counters.clone(),
             done: Vec::new(),
+            inbox,
+            back: tx.clone(),
+            out,
+            starved_since: None,
         };
-        let (rtx, rrx) = channel::<usize>();
-        let (dtx, drx) = channel();
-        let thread = std::thread::Builder::new().name("spine-loader".into()).spawn(move || {
-            while let Ok(l) = rrx.recv() {
-                if dtx.send((l, loader.load(l))).is_err() {
-                    break;
-                }
-            }
-            // Let an outstanding read land before its buffer is freed.
-            if loader.in_flight.is_some() {
-                let _ = loader.finish();
-            }
-        })?;
-        Ok(SpineStreamer { req: Some(rtx), resp: drx, thread: Some(thread), layers, pending: None, bytes_read })
+        let thread = std::thread::Builder::new().name("spine-loader".into()).spawn(move || loader.run())?;
+        Ok(SpineStreamer { inbox: tx, resp, thread: Some(thread), expected: layers.first().copied(), layers, counters })
     }
 
-    fn request(&mut self, l: usize) -> Result<()> {
-        self.req
-            .as_ref()
-            .ok_or_else(|| anyhow!("spine loader stopped"))?
-            .send(l)
-            .map_err(|_| anyhow!("spine loader stopped"))?;
-        self.pending = Some(l);
-        Ok(())
-    }
-
-    /// Layer `l`'s weights; starts loading the next streamed layer before returning.
+    /// Layer `l`'s weights (views into its image, lent until the layer is dropped).
     pub fn get(&mut self, l: usize) -> Result<T> {
-        if self.pending != Some(l) {
-            // Drain a load we will not use (a sequence restarted), then ask for this one.
-            if self.pending.take().is_some() {
-                let _ = self.resp.recv();
+        if self.expected != Some(l) {
+            // The order changed (a step ended early, or a sequence restarted mid-way): layers
+            // already read for the old order are thrown away as they arrive.
+            self.inbox.send(Msg::Want(l)).map_err(|_| anyhow!("spine loader stopped"))?;
+        }
+        let pos = self.layers.iter().position(|&x| x == l).ok_or_else(|| anyhow!("layer {l} is not streamed"))?;
+        self.expected = Some(self.layers[(pos + 1) % self.layers.len()]);
+        loop {
+            let (got, layer) = self.resp.recv().map_err(|_| anyhow!("spine loader stopped"))?;
+            if got == l {
+                return layer;
             }
-            self.request(l)?;
+            // Dropping it hands its buffer back.
         }
-        let (got, layer) = self.resp.recv().map_err(|_| anyhow!("spine loader stopped"))?;
-        self.pending = None;
-        if got != l {
-            return Err(anyhow!("spine loader returned layer {got} for {l}"));
-        }
-        let layer = layer?;
-        let pos = self.layers.iter().position(|&x| x == l).unwrap_or(0);
-        let next = self.layers[(pos + 1) % self.layers.len()];
-        self.request(next)?;
-        Ok(layer)
+    }
+
+    /// Seconds the loader spent verifying checksums, and bytes verified.
+    pub fn verify_cost(&self) -> (Duration, u64) {
+        let c = &self.counters;
+        (Duration::from_nanos(c.verify_ns.load(Ordering::Relaxed)), c.bytes_verified.load(Ordering::Relaxed))
     }
 }
 
 impl<T> Drop for SpineStreamer<T> {
     fn drop(&mut self) {
-        self.req = None;
+        let _ = self.inbox.send(Msg::Stop);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -1,0 +1,256 @@
+//! Streamed spine layers: a layer's bytes are read in one aligned image, verified against each
+//! tensor's checksum as the pieces land, and the model's tensors are views into that image: no
+//! copy, no allocation per token. The image's buffer lives as long as any view of it.
+
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::StoreError;
+use crate::manifest::{SpineDtype, SpineTensor};
+use crate::store::{LoadedTensor, SpineData, SpineSource, SpineTable, check_tensor};
+
+/// Bytes that decoded spine tensors may view in place: a streamed layer's image (an aligned
+/// read buffer owned by the loader's pool).
+pub trait ImageBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+/// A spine tensor's elements: owned (decoded from the spine file), or viewed in place in a
+/// shared layer image.
+#[derive(Clone)]
+pub enum Elems<T> {
+    Owned(Vec<T>),
+    /// `len` elements at byte `start` of the image. Built only by [`view_or_copy`], which checks
+    /// that the range is inside the image and aligned for `T`.
+    View {
+        image: Arc<dyn ImageBytes>,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl<T: bytemuck::Pod> std::ops::Deref for Elems<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Elems::Owned(v) => v,
+            // In bounds and aligned: checked when the view was made, and the image never moves.
+            Elems::View { image, start, len } => {
+                bytemuck::cast_slice(&image.bytes()[*start..*start + *len * std::mem::size_of::<T>()])
+            }
+        }
+    }
+}
+
+impl<T> From<Vec<T>> for Elems<T> {
+    fn from(v: Vec<T>) -> Self {
+        Elems::Owned(v)
+    }
+}
+
+impl<T: bytemuck::Pod> std::fmt::Debug for Elems<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if matches!(self, Elems::Owned(_)) { "owned" } else { "view" };
+        write!(f, "Elems({kind}, {} elements)", self.len())
+    }
+}
+
+impl<T: bytemuck::Pod> Elems<T> {
+    /// Whether the elements are a view into a shared image (no copy was made).
+    pub fn is_view(&self) -> bool {
+        matches!(self, Elems::View { .. })
+    }
+}
+
+/// `len` bytes at `start` of `image` as elements of `T`: a view when the host is little-endian
+/// (the file's order) and the bytes are aligned for `T`, else a copy.
+fn view_or_copy<T: bytemuck::Pod>(
+    image: &Arc<dyn ImageBytes>,
+    start: usize,
+    len: usize,
+    from_le: fn(&[u8]) -> T,
+) -> Elems<T> {
+    let size = std::mem::size_of::<T>();
+    let bytes = &image.bytes()[start..start + len];
+    if cfg!(target_endian = "little") && bytemuck::try_cast_slice::<u8, T>(bytes).is_ok() {
+        Elems::View { image: image.clone(), start, len: len / size }
+    } else {
+        Elems::Owned(bytes.chunks_exact(size).map(from_le).collect())
+    }
+}
+
+/// An in-memory image of a layer's range of the spine file, read by a loader.
+pub struct SpineImage<'a> {
+    pub table: &'a SpineTable,
+    /// Offset in the spine file of the image's first byte.
+    pub base: u64,
+    /// The image; its first `len` bytes hold the layer's range.
+    pub image: &'a Arc<dyn ImageBytes>,
+    pub len: usize,
+    /// Every tensor of the layer was verified as the image landed ([`ImageVerifier`]); when
+    /// false, each tensor is hashed as it is loaded.
+    pub verified: bool,
+}
+
+impl SpineSource for SpineImage<'_> {
+    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
+        let path = self.table.path();
+        let t = self.table.tensor(name).ok_or_else(|| StoreError::Store {
+            path: path.to_path_buf(),
+            msg: format!("spine tensor '{name}' is not in the loaded layer image's table"),
+        })?;
+        let range = |off: u64, len: u64| -> Result<(usize, usize), StoreError> {
+            let start = off.checked_sub(self.base).and_then(|s| usize::try_from(s).ok());
+            let len = usize::try_from(len).ok();
+            match (start, len) {
+                (Some(s), Some(l)) if s.checked_add(l).is_some_and(|end| end <= self.len) => Ok((s, l)),
+                _ => Err(StoreError::Store {
+                    path: path.to_path_buf(),
+                    msg: format!("spine tensor '{name}' is outside the loaded layer image"),
+                }),
+            }
+        };
+        let (d0, dn) = range(t.offset, t.len)?;
+        let (s0, sn) = if t.scales_len > 0 { range(t.scales_offset, t.scales_len)? } else { (0, 0) };
+        let bytes = self.image.bytes();
+        check_tensor(t, sn, path)?;
+        if !self.verified {
+            let mut h = Xxh3::new();
+            h.update(&bytes[d0..d0 + dn]);
+            h.update(&bytes[s0..s0 + sn]);
+            if h.digest() != t.xxh3 {
+                return Err(checksum_error(t, path));
+            }
+        }
+        let f32_le = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let data = match t.dtype {
+            SpineDtype::F32 => SpineData::F32(view_or_copy(self.image, d0, dn, f32_le)),
+            SpineDtype::Bf16 => SpineData::Bf16(view_or_copy(self.image, d0, dn, |b| u16::from_le_bytes([b[0], b[1]]))),
+            SpineDtype::Int8 => SpineData::Int8 {
+                q: view_or_copy(self.image, d0, dn, |b| b[0] as i8),
+                scales: view_or_copy(self.image, s0, sn, f32_le),
+                group: t.group,
+            },
+        };
+        Ok(LoadedTensor { name: t.name.clone(), shape: t.shape.clone(), data })
+    }
+}
+
+pub(crate) fn checksum_error(t: &SpineTensor, path: &std::path::Path) -> StoreError {
+    StoreError::Store {
+        path: path.to_path_buf(),
+        msg: format!("spine tensor '{}' fails its checksum: the spine file is corrupt", t.name),
+    }
+}
+
+/// One stretch of the file that a tensor's checksum covers: its data, then its scales.
+struct Segment {
+    start: u64,
+    end: u64,
+    tensor: usize,
+}
+
+/// Verifies a layer image's tensors while it is being read: each time a longer prefix of the
+/// image has landed, the new bytes are fed to their tensors' hashers in file order, so when the
+/// last piece lands only that piece is left to hash, and the next read need not wait for a
+/// whole layer's hashing. A tensor whose scales lie before its data (no writer of ours does
+/// that) is hashed whole at the end.
+pub struct ImageVerifier {
+    base: u64,
+    segments: Vec<Segment>,
+    /// The segment being hashed, and how far into the image the hashing has come.
+    next: usize,
+    hashed_to: u64,
+    tensors: Vec<SpineTensor>,
+    hashers: Vec<Xxh3>,
+    /// Tensors to hash whole when everything has landed.
+    at_end: Vec<usize>,
+    path: std::path::PathBuf,
+    /// Bytes hashed, and the time spent hashing (the verification cost reported per token).
+    pub bytes_hashed: u64,
+    pub hash_time: std::time::Duration,
+}
+
+impl ImageVerifier {
+    /// For `layer`'s tensors in an image starting at file offset `base`.
+    pub fn new(table: &SpineTable, layer: usize, base: u64) -> Self {
+        let tensors: Vec<SpineTensor> = table.layer_tensors(layer).cloned().collect();
+        let mut segments = Vec::new();
+        let mut at_end = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            if t.scales_len > 0 && t.scales_offset < t.offset + t.len {
+                at_end.push(i);
+                continue;
+            }
+            segments.push(Segment { start: t.offset, end: t.offset + t.len, tensor: i });
+            if t.scales_len > 0 {
+                segments.push(Segment { start: t.scales_offset, end: t.scales_offset + t.scales_len, tensor: i });
+            }
+        }
+        segments.sort_by_key(|s| s.start);
+        let hashers = tensors.iter().map(|_| Xxh3::new()).collect();
+        ImageVerifier {
+            base,
+            segments,
+            next: 0,
+            hashed_to: base,
+            tensors,
+            hashers,
+            at_end,
+            path: table.path().to_path_buf(),
+            bytes_hashed: 0,
+            hash_time: std::time::Duration::ZERO,
+        }
+    }
+
+    /// The image's bytes up to file offset `landed` are in `image` (which starts at `base`):
+    /// hash what has not been hashed yet.
+    pub fn advance(&mut self, image: &[u8], landed: u64) {
+        let t0 = std::time::Instant::now();
+        while let Some(s) = self.segments.get(self.next) {
+            let from = self.hashed_to.max(s.start);
+            let to = s.end.min(landed);
+            if from < to {
+                let (a, b) = ((from - self.base) as usize, (to - self.base) as usize);
+                if let Some(bytes) = image.get(a..b) {
+                    self.hashers[s.tensor].update(bytes);
+                    self.bytes_hashed += (b - a) as u64;
+                }
+                self.hashed_to = to;
+            }
+            if landed >= s.end {
+                self.next += 1;
+            } else {
+                break;
+            }
+        }
+        self.hash_time += t0.elapsed();
+    }
+
+    /// Everything has landed: check every tensor's digest.
+    pub fn finish(&mut self, image: &[u8]) -> Result<(), StoreError> {
+        let end = self.segments.iter().map(|s| s.end).max().unwrap_or(self.base);
+        self.advance(image, end);
+        let t0 = std::time::Instant::now();
+        for &i in &self.at_end {
+            let t = &self.tensors[i];
+            let slice = |off: u64, len: u64| {
+                off.checked_sub(self.base).and_then(|a| image.get(a as usize..(a + len) as usize)).unwrap_or(&[])
+            };
+            self.hashers[i].update(slice(t.offset, t.len));
+            self.hashers[i].update(slice(t.scales_offset, t.scales_len));
+            self.bytes_hashed += t.len + t.scales_len;
+        }
+        self.hash_time += t0.elapsed();
+        if self.next < self.segments.len() {
+            return Err(StoreError::Store { path: self.path.clone(), msg: "spine layer image is incomplete".into() });
+        }
+        for (t, h) in self.tensors.iter().zip(&self.hashers) {
+            if h.digest() != t.xxh3 {
+                return Err(checksum_error(t, &self.path));
+            }
+        }
+        Ok(())
+    }
+}
