@@ -3,6 +3,7 @@
 mod bench;
 mod install_cmd;
 mod kernel_bench;
+mod plan_cmd;
 mod run;
 mod serve_cmd;
 mod trace_cmd;
@@ -84,6 +85,9 @@ enum Cmd {
     /// Router traces.
     #[command(subcommand)]
     Trace(trace_cmd::TraceCmd),
+    /// The memory plan for a model config at given budgets (no weights needed): what is
+    /// resident, what is streamed, prompt chunk sizes, bytes read per token.
+    Plan(plan_cmd::PlanArgs),
     /// Raw O_DIRECT read bandwidth of a store's expert files (the limit bench compares with).
     #[command(hide = true)]
     ProbeDisk(bench::ProbeArgs),
@@ -152,6 +156,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::ProbeDisk(a) => bench::probe(a),
         Cmd::Trace(t) => trace_cmd::run(t),
+        Cmd::Plan(a) => plan_cmd::plan(a),
         Cmd::Install(a) => install_cmd::install(a),
         Cmd::Warmup(a) => install_cmd::warmup(a),
         Cmd::Synth { preset, layers, experts, spine, seed, out } => {

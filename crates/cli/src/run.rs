@@ -279,6 +279,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             },
             "plan": s.plan,
             "stream": report,
+            "spine": s.model.spine_report(),
             "fetch": s.experts.fetch_stats(),
             "memory_budget_bytes": s.plan.budget_bytes,
             "peak_rss_bytes": peak_rss_bytes(),

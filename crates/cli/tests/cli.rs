@@ -168,3 +168,22 @@ fn long_prompts_run_in_budget_sized_chunks() {
     ]);
     assert!(err.contains("--prefill-chunk 1000000 needs"), "{err}");
 }
+
+/// `plan` needs no weights: Kimi K3 on paper at 24 and 64 GB. At 24 GB most of the spine is
+/// streamed and prompt chunks still get thousands of tokens; at 64 GB everything is resident.
+#[test]
+fn plan_for_kimi_k3_on_paper() {
+    let out = ok(&["plan", "--preset", "kimi-k3", "--memory-budget", "24G,64G", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(v["model"]["record_bytes"], 17_547_264);
+    let plans = v["plans"].as_array().unwrap();
+    let (small, big) = (&plans[0]["plan"], &plans[1]["plan"]);
+    assert!(small["spine_streamed_layers"].as_u64().unwrap() > 40, "{small}");
+    assert!(small["prefill_chunk"].as_u64().unwrap() >= 1000, "{small}");
+    assert!(small["budget_bytes"].as_u64().unwrap() == 24 << 30);
+    assert_eq!(big["spine_streamed_layers"], 0);
+    let read = |p: &serde_json::Value| p["read_bytes_per_token"].as_u64().unwrap();
+    assert!(read(&plans[0]) > read(&plans[1]));
+    let err = fails(&["plan", "--preset", "kimi-k3", "--memory-budget", "2G"]);
+    assert!(err.contains("below the minimum"), "{err}");
+}

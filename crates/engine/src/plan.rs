@@ -137,24 +137,20 @@ pub fn prompt_flops(m: &Manifest, experts_per_token: usize, tokens: usize, chunk
     per_token * t + mla_flops + kda_flops + head
 }
 
-/// Share of the memory left after the spine, state and I/O buffers that prompt chunks may take
-/// when the expert cache could use it all; the cache keeps the rest for decoding.
-const PREFILL_SHARE_PERCENT: u64 = 25;
+/// Share of the memory beyond the minimum (embeddings, head, two streamed layer images, state,
+/// I/O buffers) that prompt chunks take; resident spine layers and the expert cache share the
+/// rest. On Kimi K3 at 24 GB this is about 1.9 GB: 3,000-token chunks, for 3.5 resident layers
+/// (1.9 GB more read per token).
+const PREFILL_SHARE_PERCENT: u64 = 10;
 
 /// The prompt chunk: `forced` (`--prefill-chunk`), else as many tokens as fit in
-/// [`PREFILL_SHARE_PERCENT`] of `free` (or all that a full expert cache leaves over, when
-/// that is more), at least one, at most `context` (a longer prompt goes in several chunks).
-fn choose_prefill_chunk(
-    free: u64,
-    full_cache: u64,
-    per_token: u64,
-    context: usize,
-    forced: Option<usize>,
-) -> (usize, String) {
+/// [`PREFILL_SHARE_PERCENT`] of `avail`, at least one, at most `context` (a longer prompt goes
+/// in several chunks).
+fn choose_prefill_chunk(avail: u64, per_token: u64, context: usize, forced: Option<usize>) -> (usize, String) {
     if let Some(n) = forced {
         return (n.max(1), "--prefill-chunk".into());
     }
-    let share = (free / 100 * PREFILL_SHARE_PERCENT).max(free.saturating_sub(full_cache));
+    let share = avail / 100 * PREFILL_SHARE_PERCENT;
     let n = (share / per_token.max(1)).clamp(1, context.max(1) as u64) as usize;
     let why = if n == context.max(1) { "the context length" } else { "the memory budget" };
     (n, format!("sized from {why}"))
@@ -203,14 +199,31 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
     let (per_layer_spine, other_spine) = spine_layer_bytes(m);
-    let rest = state + io + FIXED_OVERHEAD;
+    let moe_layers = m.experts.layers.len();
+    let experts = m.config.num_experts;
+    // Prompt chunks get their memory before resident spine layers: one more chunk of a long
+    // prompt re-reads every streamed layer and most experts (tens of GB on K3), while one
+    // resident layer less costs one layer's bytes per token.
+    let minimum = other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0);
+    let per_token = prefill_token_bytes(m, experts_per_token);
+    let beyond_minimum = budget.saturating_sub(minimum + state + io + FIXED_OVERHEAD);
+    let (mut chunk, mut chunk_source) = choose_prefill_chunk(beyond_minimum, per_token, context, prefill_chunk);
+    let prefill = per_token.saturating_mul(chunk as u64);
+    let rest = state + io + FIXED_OVERHEAD + prefill;
     let (resident, stream_reserve) =
         choose_resident(&per_layer_spine, other_spine, rest, budget, resident_layers).unwrap_or((0, u64::MAX / 4));
     let streamed_bytes: u64 = per_layer_spine[resident..].iter().sum();
     let spine = other_spine + per_layer_spine[..resident].iter().sum::<u64>();
     let fixed = spine.saturating_add(stream_reserve) + rest;
-    let moe_layers = m.experts.layers.len();
-    let experts = m.config.num_experts;
+    if prefill_chunk.is_some() && budget < fixed {
+        bail!(
+            "--prefill-chunk {chunk} needs {} of activations ({} per token), but the memory budget {} leaves {} after the spine, state and buffers; use a smaller chunk or a larger budget",
+            human(prefill),
+            human(per_token),
+            human(budget),
+            human(beyond_minimum)
+        );
+    }
     if budget < fixed {
         bail!(
             "memory budget {} ({budget_source}) is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens{snapshot_note}, I/O buffers {}, overhead {})",
@@ -224,21 +237,21 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         );
     }
     let free = budget - fixed;
-    let full_cache = slot.saturating_mul(moe_layers as u64 * experts as u64);
-    let per_token = prefill_token_bytes(m, experts_per_token);
-    let (chunk, chunk_source) = choose_prefill_chunk(free, full_cache, per_token, context, prefill_chunk);
-    let prefill = per_token.saturating_mul(chunk as u64);
-    if prefill > free {
-        bail!(
-            "--prefill-chunk {chunk} needs {} of activations ({} per token), but the memory budget {} leaves {} after the spine, state and buffers; use a smaller chunk or a larger budget",
-            human(prefill),
-            human(per_token),
-            human(budget),
-            human(free)
-        );
-    }
-    let slots_total = (free - prefill).checked_div(slot).unwrap_or(0);
+    let slots_total = free.checked_div(slot).unwrap_or(0);
     let per_layer = (slots_total as usize).checked_div(moe_layers).unwrap_or(0).min(experts);
+    let mut prefill = prefill;
+    if prefill_chunk.is_none() && per_layer == experts {
+        // Everything is resident and cached: what is left goes to longer prompt chunks.
+        let left = free - slot * (per_layer * moe_layers) as u64;
+        let more = (left / per_token.max(1)).min(context.saturating_sub(chunk) as u64) as usize;
+        if more > 0 {
+            chunk += more;
+            prefill += more as u64 * per_token;
+            if chunk == context.max(1) {
+                chunk_source = "sized from the context length".into();
+            }
+        }
+    }
     let miss = if experts == 0 { 0.0 } else { 1.0 - per_layer as f64 / experts as f64 };
     let record = m.experts.record_bytes;
     Ok(Plan {
@@ -553,15 +566,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefill_chunks_take_a_share_of_what_is_left_or_what_a_full_cache_leaves() {
-        // 25% of 1000 bytes at 10 per token, when the cache could use everything.
-        assert_eq!(choose_prefill_chunk(1000, 10_000, 10, 4096, None).0, 25);
-        // A full cache takes 200: the other 800 go to prompts.
-        assert_eq!(choose_prefill_chunk(1000, 200, 10, 4096, None).0, 80);
+    fn prefill_chunks_take_a_share_of_what_is_beyond_the_minimum() {
+        // 10% of 1000 bytes at 10 per token.
+        assert_eq!(choose_prefill_chunk(1000, 10, 4096, None).0, 10);
         // Never more than the context, never fewer than one token.
-        assert_eq!(choose_prefill_chunk(1 << 40, 0, 10, 4096, None).0, 4096);
-        assert_eq!(choose_prefill_chunk(0, 0, 10, 4096, None).0, 1);
-        assert_eq!(choose_prefill_chunk(1000, 0, 10, 4096, Some(3)), (3, "--prefill-chunk".into()));
+        assert_eq!(choose_prefill_chunk(1 << 40, 10, 4096, None).0, 4096);
+        assert_eq!(choose_prefill_chunk(0, 10, 4096, None).0, 1);
+        assert_eq!(choose_prefill_chunk(1000, 10, 4096, Some(3)), (3, "--prefill-chunk".into()));
     }
 
     #[test]

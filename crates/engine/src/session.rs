@@ -89,6 +89,9 @@ pub struct StreamReport {
     pub prefetch_recall: Option<f64>,
     pub expert_bytes_read: u64,
     pub io_wait_s: f64,
+    /// Seconds spent verifying expert records on arrival (assembly and xxh3, engine thread).
+    pub verify_s: f64,
+    pub bytes_verified: u64,
     pub per_layer: Vec<(usize, LayerStats)>,
 }
 
@@ -180,6 +183,8 @@ impl Session {
                 .then(|| t.prefetch_used as f64 / demand_misses_or_covered as f64),
             expert_bytes_read: t.bytes_read,
             io_wait_s: self.experts.io_wait.as_secs_f64(),
+            verify_s: self.experts.verify_time.as_secs_f64(),
+            bytes_verified: self.experts.bytes_verified,
             per_layer,
         }
     }

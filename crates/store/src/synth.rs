@@ -249,3 +249,116 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
     manifest.save(out)?;
     Ok(manifest)
 }
+
+/// Kimi K3 as released: 93 layers (the first dense, 92 with 896 routed experts, top-16), 69 KDA
+/// and 24 MLA layers, the real per-layer spine. The exact positions of the MLA layers do not
+/// change a memory plan (their spine sizes do, and the count is the release's): here every
+/// fourth layer and the last.
+pub fn k3_release_config() -> K3Config {
+    let mut c = k3_config(93, 896, SynthSpine::Real);
+    c.first_k_dense_replace = 1;
+    let full: Vec<usize> = (1..=93).filter(|i| i % 4 == 0 || *i == 93).collect();
+    c.linear_attn_config.kda_layers = (1..=93).filter(|i| !full.contains(i)).collect();
+    c.linear_attn_config.full_attn_layers = full;
+    c
+}
+
+/// The manifest a store of `cfg` would have (int8 spine with per-row scales, packed 4096-aligned
+/// expert records), without any weights: what `deltafin plan` needs to plan memory for a model
+/// that is not on this machine.
+pub fn paper_manifest(cfg: &K3Config) -> Manifest {
+    let mut pos = 0u64;
+    let mut tensors = Vec::new();
+    let mut last_layer = None;
+    for spec in spine_specs(cfg) {
+        if last_layer != Some(spec.layer) {
+            pos = align_up(pos, IO_ALIGN);
+            last_layer = Some(spec.layer);
+        }
+        pos = align_up(pos, 64);
+        let shape = match &spec.shape {
+            ShapeRule::Exact(s) => s.clone(),
+            ShapeRule::Numel(n) | ShapeRule::AtLeast(n) => vec![*n],
+        };
+        let numel: usize = shape.iter().product();
+        let offset = pos;
+        let (dtype, len, scales_offset, scales_len, group) = if spec.role == Role::Matrix {
+            let q = numel as u64;
+            let scales_offset = align_up(offset + q, 64);
+            (SpineDtype::Int8, q, scales_offset, shape[0] as u64 * 4, shape[1])
+        } else {
+            (SpineDtype::F32, numel as u64 * 4, 0, 0, 0)
+        };
+        pos = if scales_len > 0 { scales_offset + scales_len } else { offset + len };
+        tensors.push(SpineTensor {
+            name: spec.name,
+            layer: spec.layer,
+            dtype,
+            shape,
+            offset,
+            len,
+            scales_offset,
+            scales_len,
+            group,
+            xxh3: 0,
+        });
+    }
+    let parts = expert_parts(cfg);
+    let (part_meta, record_bytes) = record_parts(&parts);
+    let stride = align_up(record_bytes, IO_ALIGN);
+    let moe = cfg.moe_layers();
+    let layers = moe
+        .iter()
+        .enumerate()
+        .map(|(f, &l)| ExpertLayer {
+            layer: l,
+            experts: (0..cfg.num_experts)
+                .map(|e| ExpertLocation { ranges: vec![[f as u64, e as u64 * stride, record_bytes]], xxh3: 0 })
+                .collect(),
+        })
+        .collect();
+    Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        arch: "kimi_k3".into(),
+        config: cfg.clone(),
+        source: SourceInfo { dir: String::new(), prefix: "paper:".into(), shards: Vec::new() },
+        spine: SpineInfo {
+            file: "spine.bin".into(),
+            matrix_dtype: SpineDtype::Int8,
+            int8_group: 0,
+            bytes: align_up(pos, IO_ALIGN),
+            tensors,
+        },
+        experts: ExpertsInfo {
+            layout: ExpertLayout::Pack,
+            format: "mxfp4".into(),
+            record_bytes,
+            parts: part_meta,
+            files: moe.iter().map(|l| format!("experts/layer-{l:03}.bin")).collect(),
+            layers,
+        },
+        tokenizer: None,
+        origin: None,
+        streaming: None,
+    }
+}
+
+#[cfg(test)]
+mod paper_tests {
+    use super::*;
+
+    /// The paper manifest of the release has the release's sizes (MODELS.md): 92 routed layers
+    /// of 896 experts of 17,547,264 bytes, 69 KDA and 24 MLA layers, and an int8 spine of
+    /// about 60 GB.
+    #[test]
+    fn the_release_on_paper() {
+        let c = k3_release_config();
+        assert_eq!((c.linear_attn_config.kda_layers.len(), c.linear_attn_config.full_attn_layers.len()), (69, 24));
+        let m = paper_manifest(&c);
+        assert_eq!(m.experts.layers.len(), 92);
+        assert_eq!(m.experts.record_bytes, 17_547_264);
+        let gb = m.spine.bytes as f64 / 1e9;
+        assert!((50.0..70.0).contains(&gb), "int8 spine {gb} GB");
+    }
+}

@@ -62,6 +62,18 @@ impl Default for RunConfig {
     }
 }
 
+/// The spine loader's figures for a run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SpineReport {
+    pub bytes_read: u64,
+    /// Bytes hashed against the tensors' checksums, and the seconds that took (loader thread).
+    pub bytes_verified: u64,
+    pub verify_s: f64,
+    /// Seconds the loader had a layer to read but both images were still in use.
+    pub disk_idle_s: f64,
+    pub retries: u64,
+}
+
 pub enum Attention {
     Kda(Box<Kda>),
     Mla(Box<Mla>),
@@ -224,6 +236,20 @@ impl K3Model {
     /// How this model runs.
     pub fn run(&self) -> &RunConfig {
         &self.run
+    }
+
+    /// What the spine loader did so far (streamed layers only).
+    pub fn spine_report(&self) -> Option<SpineReport> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.spine_stream.as_ref()?.lock().ok()?;
+        let c = &s.counters;
+        Some(SpineReport {
+            bytes_read: c.bytes_read.load(Relaxed),
+            bytes_verified: c.bytes_verified.load(Relaxed),
+            verify_s: c.verify_ns.load(Relaxed) as f64 * 1e-9,
+            disk_idle_s: c.idle_ns.load(Relaxed) as f64 * 1e-9,
+            retries: c.retries.load(Relaxed),
+        })
     }
 
     /// Spine bytes read from disk so far (the streamed layers; 0 when all are resident).

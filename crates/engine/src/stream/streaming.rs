@@ -123,6 +123,10 @@ pub struct StreamingExperts {
     pub stats: HashMap<usize, LayerStats>,
     bytes_read: u64,
     pub io_wait: Duration,
+    /// Time spent assembling and hashing records on arrival (on the engine thread), and the
+    /// bytes hashed: the cost of verification, reported per run.
+    pub verify_time: Duration,
+    pub bytes_verified: u64,
     paths: Vec<PathBuf>,
     // Buffers reused from call to call so the per-layer path allocates nothing once warm.
     reqs: Vec<ReadReq>,
@@ -188,6 +192,8 @@ impl StreamingExperts {
             stats: HashMap::new(),
             bytes_read: 0,
             io_wait: Duration::ZERO,
+            verify_time: Duration::ZERO,
+            bytes_verified: 0,
             paths,
             opts,
             reqs: Vec::new(),
@@ -407,7 +413,13 @@ impl StreamingExperts {
                 let path = self.paths.get(file).map(|p| p.display().to_string()).unwrap_or_default();
                 Some((FaultKind::Io, format!("reading layer {} expert {} from {path}: {e}", key.0, key.1)))
             }
-            None => match self.finalize(buf, key) {
+            None => match {
+                let t0 = Instant::now();
+                let r = self.finalize(buf, key);
+                self.verify_time += t0.elapsed();
+                self.bytes_verified += self.record_bytes as u64;
+                r
+            } {
                 Ok(start) => {
                     self.data_start[buf] = start;
                     None
