@@ -353,6 +353,14 @@ impl StreamingExperts {
     /// Move each range's bytes to their place in the canonical record and check the checksum.
     /// Returns where the record starts in the buffer.
     fn finalize(&mut self, buf: usize, key: (usize, usize)) -> std::result::Result<usize, String> {
+        let t0 = Instant::now();
+        let r = self.assemble_and_check(buf, key);
+        self.verify_time += t0.elapsed();
+        self.bytes_verified += self.record_bytes as u64;
+        r
+    }
+
+    fn assemble_and_check(&mut self, buf: usize, key: (usize, usize)) -> std::result::Result<usize, String> {
         let locs = Arc::clone(&self.locs);
         let loc = locs.get(&key.0).and_then(|v| v.get(key.1)).ok_or("no such record in the manifest")?;
         let b = self.bufs[buf].as_mut_slice();
@@ -413,13 +421,7 @@ impl StreamingExperts {
                 let path = self.paths.get(file).map(|p| p.display().to_string()).unwrap_or_default();
                 Some((FaultKind::Io, format!("reading layer {} expert {} from {path}: {e}", key.0, key.1)))
             }
-            None => match {
-                let t0 = Instant::now();
-                let r = self.finalize(buf, key);
-                self.verify_time += t0.elapsed();
-                self.bytes_verified += self.record_bytes as u64;
-                r
-            } {
+            None => match self.finalize(buf, key) {
                 Ok(start) => {
                     self.data_start[buf] = start;
                     None
