@@ -118,72 +118,86 @@ impl Kda {
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
     pub fn forward(&self, st: &mut KdaState, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
+        self.forward_chunk(st, x, 1, out, sc)
+    }
+
+    /// `t_n` tokens in order: the projections of the whole chunk first (each matrix read once
+    /// per share of tokens, [`Linear::forward_batch`]), then the short conv and the delta-rule
+    /// recurrence token by token, then the output projection of the chunk. Per token the
+    /// arithmetic is exactly the single-token step's. Shapes: xs, outs `[T, hidden]` (xs
+    /// already normed).
+    pub fn forward_chunk(&self, st: &mut KdaState, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
         let (nh, d) = (self.heads, self.head_dim);
         let p = nh * d;
-        let mut pre = sc.take(p); // [P] projection before the conv
-        let mut q = sc.take(p); // [P]
-        let mut k = sc.take(p); // [P]
-        let mut v = sc.take(p); // [P]
-        for (i, (proj, dst)) in
-            [(&self.q_proj, &mut q), (&self.k_proj, &mut k), (&self.v_proj, &mut v)].into_iter().enumerate()
-        {
-            proj.forward(x, &mut pre);
-            Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre, dst);
+        let mut pre = [sc.take(t_n * p), sc.take(t_n * p), sc.take(t_n * p)]; // [T, P] q, k, v before the conv
+        for (proj, dst) in [&self.q_proj, &self.k_proj, &self.v_proj].into_iter().zip(pre.iter_mut()) {
+            proj.forward_batch(xs, t_n, dst);
         }
-        // L2-normalise q and k per head (eps added to the sum of squares); q also takes the
-        // 1/sqrt(D) readout scale.
-        let scale = (d as f32).powf(-0.5);
-        for h in 0..nh {
-            for (t, s) in [(&mut q, scale), (&mut k, 1.0)] {
-                let seg = &mut t[h * d..(h + 1) * d];
-                let ss: f32 = seg.iter().map(|v| v * v).sum();
-                let inv = s / (ss + 1e-6).sqrt();
-                seg.iter_mut().for_each(|v| *v *= inv);
-            }
-        }
-        let mut fa = sc.take(d); // [D]
-        self.f_a.forward(x, &mut fa);
-        let mut a = sc.take(p); // [P] decay logits
-        self.f_b.forward(&fa, &mut a);
-        let mut b = sc.take(nh); // [heads]
-        self.b_proj.forward(x, &mut b);
-
-        let mut y = sc.take(p); // [P]
-        let mut g = sc.take(d); // [Dk] decay of this head
-        let mut delta = sc.take(d); // [Dv]
-        for h in 0..nh {
-            let ea = self.a_log[h].exp();
-            for j in 0..d {
-                let z = a[h * d + j] + self.dt_bias[h * d + j];
-                g[j] = match self.lower_bound {
-                    Some(lb) => (lb * sigmoid(ea * z)).exp(),
-                    None => (-ea * softplus(z)).exp(),
-                };
-            }
-            let beta = sigmoid(b[h]);
-            let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
-            let (qh, kh, vh) = (&q[h * d..(h + 1) * d], &k[h * d..(h + 1) * d], &v[h * d..(h + 1) * d]);
-            kda_head_step(s, qh, kh, vh, &g, beta, &mut delta, &mut y[h * d..(h + 1) * d]);
-        }
-        let mut gate = sc.take(p); // [P]
+        let mut fa = sc.take(t_n * d); // [T, D]
+        self.f_a.forward_batch(xs, t_n, &mut fa);
+        let mut a = sc.take(t_n * p); // [T, P] decay logits
+        self.f_b.forward_batch(&fa, t_n, &mut a);
+        let mut b = sc.take(t_n * nh); // [T, heads]
+        self.b_proj.forward_batch(xs, t_n, &mut b);
+        let mut gate = sc.take(t_n * p); // [T, P]
         match &self.gate {
-            Gate::FullRank(gp) => gp.forward(x, &mut gate),
+            Gate::FullRank(gp) => gp.forward_batch(xs, t_n, &mut gate),
             Gate::LowRank(ga, gb) => {
-                let mut t = sc.take(d); // [D]
-                ga.forward(x, &mut t);
-                gb.forward(&t, &mut gate);
+                let mut t = sc.take(t_n * d); // [T, D]
+                ga.forward_batch(xs, t_n, &mut t);
+                gb.forward_batch(&t, t_n, &mut gate);
                 sc.give(t);
             }
         }
-        for h in 0..nh {
-            let seg = &mut y[h * d..(h + 1) * d];
-            rms_norm_inplace(seg, &self.o_norm, self.eps);
-            for (j, v) in seg.iter_mut().enumerate() {
-                *v *= sigmoid(gate[h * d + j]);
+        let mut q = sc.take(p); // [P]
+        let mut k = sc.take(p); // [P]
+        let mut v = sc.take(p); // [P]
+        let mut ys = sc.take(t_n * p); // [T, P]
+        let mut g = sc.take(d); // [Dk] decay of this head
+        let mut delta = sc.take(d); // [Dv]
+        let scale = (d as f32).powf(-0.5);
+        for t in 0..t_n {
+            let span = t * p..(t + 1) * p;
+            for (i, dst) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+                Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre[i][span.clone()], dst);
+            }
+            // L2-normalise q and k per head (eps added to the sum of squares); q also takes the
+            // 1/sqrt(D) readout scale.
+            for h in 0..nh {
+                for (tq, s) in [(&mut q, scale), (&mut k, 1.0)] {
+                    let seg = &mut tq[h * d..(h + 1) * d];
+                    let ss: f32 = seg.iter().map(|v| v * v).sum();
+                    let inv = s / (ss + 1e-6).sqrt();
+                    seg.iter_mut().for_each(|v| *v *= inv);
+                }
+            }
+            let (a_t, b_t, y) = (&a[span.clone()], &b[t * nh..(t + 1) * nh], &mut ys[span.clone()]);
+            for h in 0..nh {
+                let ea = self.a_log[h].exp();
+                for j in 0..d {
+                    let z = a_t[h * d + j] + self.dt_bias[h * d + j];
+                    g[j] = match self.lower_bound {
+                        Some(lb) => (lb * sigmoid(ea * z)).exp(),
+                        None => (-ea * softplus(z)).exp(),
+                    };
+                }
+                let beta = sigmoid(b_t[h]);
+                let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
+                let (qh, kh, vh) = (&q[h * d..(h + 1) * d], &k[h * d..(h + 1) * d], &v[h * d..(h + 1) * d]);
+                kda_head_step(s, qh, kh, vh, &g, beta, &mut delta, &mut y[h * d..(h + 1) * d]);
+            }
+            let gate_t = &gate[span];
+            for h in 0..nh {
+                let seg = &mut y[h * d..(h + 1) * d];
+                rms_norm_inplace(seg, &self.o_norm, self.eps);
+                for (j, v) in seg.iter_mut().enumerate() {
+                    *v *= sigmoid(gate_t[h * d + j]);
+                }
             }
         }
-        self.o_proj.forward(&y, out);
-        for buf in [pre, q, k, v, fa, a, b, y, g, delta, gate] {
+        self.o_proj.forward_batch(&ys, t_n, outs);
+        let [p0, p1, p2] = pre;
+        for buf in [p0, p1, p2, fa, a, b, gate, q, k, v, ys, g, delta] {
             sc.give(buf);
         }
     }

@@ -94,54 +94,76 @@ impl Mla {
 
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
     pub fn forward(&self, st: &mut MlaState, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
+        self.forward_chunk(st, x, 1, out, sc)
+    }
+
+    /// `t_n` tokens in order, causally: the chunk's projections at once (each matrix read once
+    /// per share of tokens), every token's latent appended to the cache, then each head's
+    /// absorbed attention for every token, token `t` over the positions up to its own (the
+    /// head's rows of `kv_b` stay in cache across the chunk), then the output projection of
+    /// the chunk. Per token the arithmetic is exactly the single-token step's. Shapes: xs, outs
+    /// `[T, hidden]` (xs already normed).
+    pub fn forward_chunk(&self, st: &mut MlaState, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
         let (nh, nope, rope, vd, kvl) = (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
         let qd = nope + rope;
-        let mut q = sc.take(nh * qd); // [heads, nope + rope]
+        let mut q = sc.take(t_n * nh * qd); // [T, heads, nope + rope]
         match &self.q {
             QProj::LowRank { a, norm, b } => {
-                let mut t = sc.take(a.rows); // [q_lora]
-                a.forward(x, &mut t);
-                rms_norm_inplace(&mut t, norm, LORA_NORM_EPS);
-                b.forward(&t, &mut q);
+                let r = a.rows;
+                let mut t = sc.take(t_n * r); // [T, q_lora]
+                a.forward_batch(xs, t_n, &mut t);
+                for i in 0..t_n {
+                    rms_norm_inplace(&mut t[i * r..(i + 1) * r], norm, LORA_NORM_EPS);
+                }
+                b.forward_batch(&t, t_n, &mut q);
                 sc.give(t);
             }
-            QProj::Full(p) => p.forward(x, &mut q),
+            QProj::Full(p) => p.forward_batch(xs, t_n, &mut q),
         }
-        let mut ckv = sc.take(kvl + rope); // [kv_lora + rope]
-        self.kv_a.forward(x, &mut ckv);
-        rms_norm_inplace(&mut ckv[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
-        st.latents.extend_from_slice(&ckv[..kvl]);
-        st.k_pe.extend_from_slice(&ckv[kvl..]);
-        st.len += 1;
-        let t_len = st.len;
+        let w = kvl + rope;
+        let mut ckv = sc.take(t_n * w); // [T, kv_lora + rope]
+        self.kv_a.forward_batch(xs, t_n, &mut ckv);
+        let first = st.len; // positions already cached before this chunk
+        for i in 0..t_n {
+            let c = &mut ckv[i * w..(i + 1) * w];
+            rms_norm_inplace(&mut c[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
+            st.latents.extend_from_slice(&c[..kvl]);
+            st.k_pe.extend_from_slice(&c[kvl..]);
+            st.len += 1;
+        }
 
         let scale = (qd as f32).powf(-0.5);
-        let mut attn = sc.take(nh * vd); // [heads, v]
+        let mut attn = sc.take(t_n * nh * vd); // [T, heads, v]
         let mut q_lat = sc.take(kvl); // [kv_lora]
-        let mut scores = sc.take(t_len); // [t]
+        let mut scores = sc.take(st.len); // [t]
         let mut o_lat = sc.take(kvl); // [kv_lora]
         for h in 0..nh {
-            let qh = &q[h * qd..(h + 1) * qd];
-            // Absorb the key projection: q_lat = W_k^T q_nope.
-            q_lat.fill(0.0);
             let krow = h * (nope + vd);
-            for (n, &qn) in qh[..nope].iter().enumerate() {
-                self.kv_b.axpy_row(krow + n, qn, &mut q_lat);
+            for i in 0..t_n {
+                let qh = &q[(i * nh + h) * qd..(i * nh + h + 1) * qd];
+                // Absorb the key projection: q_lat = W_k^T q_nope.
+                q_lat.fill(0.0);
+                for (n, &qn) in qh[..nope].iter().enumerate() {
+                    self.kv_b.axpy_row(krow + n, qn, &mut q_lat);
+                }
+                // Causal: token i sees the cached positions and the chunk's up to itself.
+                let len = first + i + 1;
+                let (lat, pe) = (&st.latents[..len * kvl], &st.k_pe[..len * rope]);
+                mla_head_attend(&q_lat, &qh[nope..], lat, pe, scale, &mut scores[..len], &mut o_lat);
+                // Absorb the value projection: out_h = W_v o_lat.
+                let dst = &mut attn[(i * nh + h) * vd..(i * nh + h + 1) * vd];
+                self.kv_b.forward_rows(krow + nope, vd, &o_lat, dst);
             }
-
-            mla_head_attend(&q_lat, &qh[nope..], &st.latents, &st.k_pe, scale, &mut scores, &mut o_lat);
-            // Absorb the value projection: out_h = W_v o_lat.
-            self.kv_b.forward_rows(krow + nope, vd, &o_lat, &mut attn[h * vd..(h + 1) * vd]);
         }
         if let Some(g) = &self.gate {
-            let mut gv = sc.take(nh * vd); // [heads * v]
-            g.forward(x, &mut gv);
+            let mut gv = sc.take(t_n * nh * vd); // [T, heads * v]
+            g.forward_batch(xs, t_n, &mut gv);
             for (a, &gg) in attn.iter_mut().zip(&gv) {
                 *a *= sigmoid(gg);
             }
             sc.give(gv);
         }
-        self.o_proj.forward(&attn, out);
+        self.o_proj.forward_batch(&attn, t_n, outs);
         for buf in [q, ckv, attn, q_lat, scores, o_lat] {
             sc.give(buf);
         }

@@ -49,4 +49,26 @@ impl GatedMlp {
         sc.give(u);
         sc.give(a);
     }
+
+    /// [`Self::forward`] for `t_n` tokens at once, bit-identical per token (each matrix is read
+    /// once per share of tokens, not once per token). Shapes: xs, outs `[T, hidden]`.
+    pub fn forward_batch(&self, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
+        if t_n == 1 {
+            return self.forward(xs, outs, sc);
+        }
+        let inter = self.gate.rows;
+        let mut g = sc.take(t_n * inter); // [T, inter]
+        let mut u = sc.take(t_n * inter); // [T, inter]
+        self.gate.forward_batch(xs, t_n, &mut g);
+        self.up.forward_batch(xs, t_n, &mut u);
+        let mut a = sc.take(t_n * inter); // [T, inter]
+        for t in 0..t_n {
+            let r = t * inter..(t + 1) * inter;
+            situ(&g[r.clone()], &u[r.clone()], self.beta, self.linear_beta, &mut a[r]);
+        }
+        self.down.forward_batch(&a, t_n, outs);
+        sc.give(g);
+        sc.give(u);
+        sc.give(a);
+    }
 }

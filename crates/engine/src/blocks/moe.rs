@@ -127,10 +127,9 @@ impl LatentMoe {
         })
     }
 
-    /// Route one token: the router's top-k, or a pinned choice re-weighted by this router.
-    /// Shapes: x `[hidden]`, logits `[E]` scratch.
-    fn route(&self, x: &[f32], r: &mut Routing, logits: &mut [f32], sc: &mut Scratch) -> Result<()> {
-        self.gate.forward(x, logits);
+    /// Route one token from its router logits: the top-k, or a pinned choice re-weighted by
+    /// this router. Shapes: logits `[E]`.
+    fn route(&self, logits: &[f32], r: &mut Routing, sc: &mut Scratch) -> Result<()> {
         if r.pinned {
             anyhow::ensure!(r.experts.iter().all(|&e| e < self.gate.rows), "pinned expert id out of range");
             weights_for(logits, &r.experts, self.renormalize, self.scaling, &mut r.weights);
@@ -187,9 +186,9 @@ impl LatentMoe {
         Ok(())
     }
 
-    /// The routed sum of one token, normed and projected back, plus its shared experts.
-    /// Shapes: eo `[k, LAT]` in routing order, shared and out `[hidden]`.
-    fn combine(&self, weights: &[f32], eo: &[f32], shared: &[f32], acc: &mut [f32], out: &mut [f32]) {
+    /// The routed sum of one token, normed (the input of the projection back). Shapes: eo
+    /// `[k, LAT]` in routing order, acc `[LAT]`.
+    fn routed_sum(&self, weights: &[f32], eo: &[f32], acc: &mut [f32]) {
         let lat = self.latent;
         acc.fill(0.0);
         for (slot, &w) in weights.iter().enumerate() {
@@ -199,15 +198,6 @@ impl LatentMoe {
         }
         if let Some(n) = &self.norm {
             rms_norm_inplace(acc, n, self.eps);
-        }
-        match &self.up {
-            Some(up) => up.forward(acc, out),
-            None => out.copy_from_slice(acc),
-        }
-        if self.shared.is_some() {
-            for (o, v) in out.iter_mut().zip(shared) {
-                *o += v;
-            }
         }
     }
 
@@ -234,10 +224,12 @@ impl LatentMoe {
         let h = self.gate.cols;
         let t_n = routings.len();
         let (i, lat) = (self.inter, self.latent);
-        let mut logits = sc.take(self.gate.rows); // [E]
+        let e_n = self.gate.rows;
+        let mut logits = sc.take(t_n * e_n); // [T, E] router logits
+        self.gate.forward_batch(xs, t_n, &mut logits);
         let mut union = sc.take_ids(); // distinct experts of the chunk, first-use order
         for (t, r) in routings.iter_mut().enumerate() {
-            self.route(&xs[t * h..(t + 1) * h], r, &mut logits, sc)?;
+            self.route(&logits[t * e_n..(t + 1) * e_n], r, sc)?;
             r.predicted_next.clear();
             for &e in &r.experts {
                 anyhow::ensure!(e < self.gate.rows, "expert id out of range");
@@ -250,9 +242,7 @@ impl LatentMoe {
 
         let mut shared = sc.take(t_n * h); // [T, hidden]
         if let Some(sh) = &self.shared {
-            for t in 0..t_n {
-                sh.forward(&xs[t * h..(t + 1) * h], &mut shared[t * h..(t + 1) * h], sc);
-            }
+            sh.forward_batch(xs, t_n, &mut shared, sc);
         }
         if let (Some(n), Some(r)) = (run.next, routings.last_mut()) {
             n.predict(&xs[(t_n - 1) * h..], &mut r.predicted_next, sc);
@@ -264,14 +254,13 @@ impl LatentMoe {
         let mut xl = sc.take(t_n * lat); // [T, LAT] each token's latent expert input
         let mut xqs = std::mem::take(&mut sc.xqs); // [T] xl quantised (approximate mode)
         xqs.resize_with(t_n.max(xqs.len()), QuantizedX::default);
-        for t in 0..t_n {
-            let dst = &mut xl[t * lat..(t + 1) * lat];
-            match &self.down {
-                Some(d) => d.forward(&xs[t * h..(t + 1) * h], dst),
-                None => dst.copy_from_slice(&xs[t * h..(t + 1) * h]),
-            }
-            if run.approx {
-                xqs[t].quantize(dst);
+        match &self.down {
+            Some(d) => d.forward_batch(xs, t_n, &mut xl),
+            None => xl.copy_from_slice(&xs[..t_n * h]),
+        }
+        if run.approx {
+            for t in 0..t_n {
+                xqs[t].quantize(&xl[t * lat..(t + 1) * lat]);
             }
         }
         let k = self.top_k.max(routings.iter().map(|r| r.experts.len()).max().unwrap_or(0));
@@ -319,10 +308,19 @@ impl LatentMoe {
             "expert source did not deliver every expert of layer {}",
             self.layer
         );
-        let mut acc = sc.take(lat); // [LAT] weighted sum of one token's expert outputs
+        let mut acc = sc.take(t_n * lat); // [T, LAT] each token's weighted, normed expert sum
         for (t, r) in routings.iter().enumerate() {
             let eo_t = &eo[t * k * lat..(t * k + r.experts.len()) * lat];
-            self.combine(&r.weights, eo_t, &shared[t * h..(t + 1) * h], &mut acc, &mut outs[t * h..(t + 1) * h]);
+            self.routed_sum(&r.weights, eo_t, &mut acc[t * lat..(t + 1) * lat]);
+        }
+        match &self.up {
+            Some(up) => up.forward_batch(&acc, t_n, &mut outs[..t_n * h]),
+            None => outs[..t_n * h].copy_from_slice(&acc),
+        }
+        if self.shared.is_some() {
+            for (o, v) in outs[..t_n * h].iter_mut().zip(&shared) {
+                *o += v;
+            }
         }
         for buf in [logits, shared, xl, eo, a, gu, acc, xb, ab, ob] {
             sc.give(buf);

@@ -1,7 +1,10 @@
 //! The one token path: a chunk of one or more tokens goes through the model layer by layer, so
 //! each layer's spine is fetched once and each distinct expert is read once for the whole chunk.
-//! Decode is a chunk of one. Per token the arithmetic does not depend on the chunk it rides in:
-//! logits and state are bit-identical however a prompt is cut.
+//! Decode is a chunk of one. Within a chunk every spine matrix is applied to all of the chunk's
+//! tokens at once (`Linear::forward_batch`: read from memory once per share of tokens, not once
+//! per token); only the attention recurrence and the residual bookkeeping go token by token.
+//! Per token the arithmetic does not depend on the chunk it rides in: logits and state are
+//! bit-identical however a prompt is cut.
 
 use anyhow::Result;
 use deltafin_kernels::ops::rms_norm;
@@ -11,7 +14,6 @@ use super::{Attention, Ffn, K3Model, Layer};
 use crate::blocks::attn_res::ResidualBlocks;
 use crate::blocks::moe::MoeRun;
 use crate::experts::ExpertSource;
-use crate::scratch::Scratch;
 
 impl K3Model {
     /// Run one token through the model, advancing `st`; writes the next-token logits.
@@ -72,16 +74,25 @@ impl K3Model {
         let mut y = sc.take(h); // [H] attention output
         for l in 0..self.layers.len() {
             let layer = self.layer(l)?;
+            // Attention: each token's input mixed and normed, the chunk's attention (its
+            // projections batched, its recurrence token by token), then each token's running
+            // sum and the FFN's normed input.
+            let restart = self.block_restart(&layer, l);
+            for t in 0..t_n {
+                let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
+                self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
+            }
+            match (&layer.attn, &mut states[l]) {
+                (Attention::Kda(k), LayerState::Kda(s)) => k.forward_chunk(s, &normed, t_n, &mut ys, sc),
+                (Attention::Mla(m), LayerState::Mla(s)) => m.forward_chunk(s, &normed, t_n, &mut ys, sc),
+                _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
+            }
             for t in 0..t_n {
                 let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
-                self.attention_part(&layer, l, &mut states[l], &mut blocks[t], x, &mut hmix, nm, &mut y, sc)?;
+                self.post_attention(&layer, &mut blocks[t], restart, x, &ys[t * h..(t + 1) * h], &mut hmix, nm);
             }
             match &layer.ffn {
-                Ffn::Dense(m) => {
-                    for t in 0..t_n {
-                        m.forward(&normed[t * h..(t + 1) * h], &mut ys[t * h..(t + 1) * h], sc);
-                    }
-                }
+                Ffn::Dense(m) => m.forward_batch(&normed, t_n, &mut ys, sc),
                 Ffn::Moe(m) => {
                     // A pinned routing (a study's override, set before a token) applies to the
                     // chunk's first token; the state keeps the last token's routing.
@@ -116,43 +127,50 @@ impl K3Model {
         Ok(())
     }
 
-    /// Everything of layer `l` for one token up to the FFN: residual mixing, attention, the
-    /// running sum, and the FFN's normed input (left in `normed`).
-    /// Shapes: x, hmix, normed, y `[hidden]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_part(
+    /// Whether layer `l` starts an attention-residual block: the running sum is stored as a
+    /// block and restarts from the attention output.
+    fn block_restart(&self, layer: &Layer, l: usize) -> bool {
+        layer.res_w.is_some() && self.config.attn_res_block_size.is_some_and(|b| l.is_multiple_of(b))
+    }
+
+    /// One token's attention input: the plain residual or the block mix, normed (into
+    /// `normed`); at a block start the running sum is stored as a block.
+    /// Shapes: x, hmix, normed `[hidden]`.
+    fn pre_attention(
         &self,
         layer: &Layer,
-        l: usize,
-        state: &mut LayerState,
         blocks: &mut ResidualBlocks,
-        x: &mut [f32],
+        restart: bool,
+        x: &[f32],
         hmix: &mut [f32],
         normed: &mut [f32],
-        y: &mut [f32],
-        sc: &mut Scratch,
-    ) -> Result<()> {
-        let c = &self.config;
-        // The attention sub-layer reads either the plain residual or the block mix. At a block
-        // start the running sum is stored as a block and restarts from the attention output.
-        let block_start = c.attn_res_block_size.is_some_and(|b| l.is_multiple_of(b));
-        let mut restart = false;
+    ) {
         match &layer.res_w {
             Some((w_attn, _)) => {
                 blocks.mix(x, w_attn, hmix);
-                if block_start {
+                if restart {
                     blocks.push(x);
-                    restart = true;
                 }
             }
             None => hmix.copy_from_slice(x),
         }
-        rms_norm(hmix, &layer.input_norm, c.rms_norm_eps, normed);
-        match (&layer.attn, state) {
-            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(s, normed, y, sc),
-            (Attention::Mla(m), LayerState::Mla(s)) => m.forward(s, normed, y, sc),
-            _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
-        }
+        rms_norm(hmix, &layer.input_norm, self.config.rms_norm_eps, normed);
+    }
+
+    /// One token after attention: the running sum (restarted from the attention output at a
+    /// block start), then the FFN's normed input (into `normed`).
+    /// Shapes: x, y, hmix, normed `[hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    fn post_attention(
+        &self,
+        layer: &Layer,
+        blocks: &mut ResidualBlocks,
+        restart: bool,
+        x: &mut [f32],
+        y: &[f32],
+        hmix: &mut [f32],
+        normed: &mut [f32],
+    ) {
         if restart {
             x.copy_from_slice(y);
         } else {
@@ -162,7 +180,6 @@ impl K3Model {
             Some((_, w_mlp)) => blocks.mix(x, w_mlp, hmix),
             None => hmix.copy_from_slice(x),
         }
-        rms_norm(hmix, &layer.post_norm, c.rms_norm_eps, normed);
-        Ok(())
+        rms_norm(hmix, &layer.post_norm, self.config.rms_norm_eps, normed);
     }
 }
