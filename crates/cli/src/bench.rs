@@ -232,6 +232,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                         ("prefetch", "on") => vec![],
                         ("prefetch", "off") => vec!["--no-prefetch".to_string()],
                         ("prefetch", _) => bail!("--vary prefetch=on,off"),
+                        // The default: the flag left out (e.g. prefill-chunk=32,auto).
+                        (_, "auto") => vec![],
                         (f, v) => vec![format!("--{f}"), v.to_string()],
                     };
                     Ok((format!("{flag}={v}"), extra))
@@ -249,7 +251,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let p = run_self(&pa)?;
             pa.push("--batched".into());
             let pb = run_self(&pa)?;
-            let mut ga = without_flag(&gen_args, extra.first().map(String::as_str));
+            let varied = format!("--{}", a.vary.as_deref().and_then(|v| v.split_once('=')).map(|(f, _)| f).unwrap_or(""));
+            let mut ga = without_flag(&gen_args, extra.first().map(String::as_str).or(Some(varied.as_str())));
             ga.extend(extra.iter().cloned());
             // The compute roof of this moment, for the time-to-first-token floor.
             let peak_gflops = deltafin_kernels::roofline::fma_peak_gflops(deltafin_engine::threads(), 0.3);
@@ -392,6 +395,8 @@ impl Acc {
         let med = |v: &[f64]| median(&mut v.to_vec());
         let first = &self.runs[0]["run"];
         let prefill = json!({
+            // The drive's idle share of a decode step: 1 - (bytes per token / raw bandwidth) / step.
+            "disk_idle_fraction": 1.0 - med(&self.floor) / med(&self.spt),
             "ttft_floor_s": med(&self.ttft_floor),
             "ttft_vs_floor": med(&self.ttft) / med(&self.ttft_floor),
             "prefill_tokens": prompt.len(),

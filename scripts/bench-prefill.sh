@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Reproduce BENCHMARKS.md section 9 (issue 12): time to first token against its floor for
+# prompts of 100, 1,000 and 4,000 tokens (chunks of 32 against chunks sized from the budget),
+# and decode with the spine streamed, on a K3-shaped store larger than this machine's RAM with
+# K3's real per-layer spine. Results land in bench-results/prefill-*.json.
+#   BENCH_DIR   where the store is written (default /work/bench; 26 GB)
+#   EXPERTS     experts per layer (default 640: 22.5 GB of experts, 26 GB with the spine;
+#               896 needs 35 GB free)
+#   RUNS        runs per configuration (default 3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${BENCH_DIR:-/work/bench}
+experts=${EXPERTS:-640}
+runs=${RUNS:-3}
+bin=${DELTAFIN_BIN:-target/release/deltafin}
+[ -n "${DELTAFIN_BIN:-}" ] || cargo build --release --locked -q
+store="$dir/k3-real2-$experts"
+mkdir -p "$dir" bench-results
+[ -f "$store/manifest.json" ] || $bin synth --preset kimi-k3 --layers 2 --experts "$experts" --spine real --out "$store"
+# 1. TTFT: chunks of 32 against the budget's chunk (6 GiB), interleaved.
+for n in 100 1000; do
+  $bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 3 --no-prefetch --prompt-length "$n" \
+    --vary prefill-chunk=32,auto --json > "bench-results/prefill-ttft-$n.json"
+done
+$bin bench --model "$store" --memory-budget 6G --runs 1 --max-tokens 3 --no-prefetch --prompt-length 4000 \
+  --json > bench-results/prefill-ttft-4000.json
+# 2. Decode with every spine layer streamed (budget below the spine), against resident.
+$bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 6 --no-prefetch --probe-reads 64 \
+  --vary resident-spine-layers=2,0 --json > bench-results/prefill-decode-streamed-spine.json
