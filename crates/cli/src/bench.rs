@@ -251,7 +251,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let p = run_self(&pa)?;
             pa.push("--batched".into());
             let pb = run_self(&pa)?;
-            let varied = format!("--{}", a.vary.as_deref().and_then(|v| v.split_once('=')).map(|(f, _)| f).unwrap_or(""));
+            let varied =
+                format!("--{}", a.vary.as_deref().and_then(|v| v.split_once('=')).map(|(f, _)| f).unwrap_or(""));
             let mut ga = without_flag(&gen_args, extra.first().map(String::as_str).or(Some(varied.as_str())));
             ga.extend(extra.iter().cloned());
             // The compute roof of this moment, for the time-to-first-token floor.
@@ -344,6 +345,8 @@ struct Acc {
     prefill_spine: Vec<f64>,
     prefill_flops: Vec<f64>,
     peak_gflops: Vec<f64>,
+    /// Per run: the disk's idle share of the steady decode steps (measured by the run).
+    idle: Vec<f64>,
 }
 
 impl Acc {
@@ -389,14 +392,17 @@ impl Acc {
         self.prefill_spine.push(pr["spine_bytes_read"].as_f64().unwrap_or(f64::NAN));
         self.prefill_flops.push(flops);
         self.peak_gflops.push(peak_gflops);
+        let idle = list(&g["timing"]["decode_step_disk_idle_s"]);
+        let s_idle = &idle[1.min(idle.len())..];
+        self.idle.push(s_idle.iter().sum::<f64>() / s_steps.iter().sum::<f64>().max(1e-12));
     }
 
     fn summary(&self, label: &str, a: &BenchArgs, prompt: &[u32], store: &std::path::Path) -> Value {
         let med = |v: &[f64]| median(&mut v.to_vec());
         let first = &self.runs[0]["run"];
         let prefill = json!({
-            // The drive's idle share of a decode step: 1 - (bytes per token / raw bandwidth) / step.
-            "disk_idle_fraction": 1.0 - med(&self.floor) / med(&self.spt),
+            // The share of each steady decode step with no read of the run in flight.
+            "disk_idle_fraction": med(&self.idle),
             "ttft_floor_s": med(&self.ttft_floor),
             "ttft_vs_floor": med(&self.ttft) / med(&self.ttft_floor),
             "prefill_tokens": prompt.len(),
@@ -430,7 +436,7 @@ impl Acc {
                 "s_per_token": stat(&self.spt), "raw_gbps": stat(&self.raw), "raw_batched_gbps": stat(&self.raw_batched),
                 "achieved_gbps": stat(&self.ach), "bandwidth_fraction": stat(&self.frac), "hit_rate": stat(&self.hit),
                 "peak_rss_bytes": stat(&self.rss), "ttft_s": stat(&self.ttft), "ttft_floor_s": stat(&self.ttft_floor),
-                "peak_gflops": stat(&self.peak_gflops),
+                "peak_gflops": stat(&self.peak_gflops), "disk_idle_fraction": stat(&self.idle),
             },
             "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
             "prompt_tokens": prompt,

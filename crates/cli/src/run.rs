@@ -273,6 +273,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
                 "prompt_flops": deltafin_engine::plan::prompt_flops(&store.manifest, s.model.config.num_experts_per_token, g.prompt_tokens.len(), g.timing.prompt.chunks),
                 "decode_step_s": g.timing.decode_step_s,
                 "decode_step_bytes": g.timing.decode_step_bytes,
+                "decode_step_disk_idle_s": g.timing.decode_step_disk_idle_s,
                 "decode_tokens_per_s": decode_tps,
                 "total_s": g.timing.total_s,
                 "expert_bytes_read": g.timing.expert_bytes_read,

@@ -198,6 +198,9 @@ pub struct Timing {
     pub decode_step_s: Vec<f64>,
     /// Expert bytes read during each decode step.
     pub decode_step_bytes: Vec<u64>,
+    /// Seconds of each decode step during which no read of the run was in flight (experts or
+    /// streamed spine): the drive idled. Empty when the source reports no activity.
+    pub decode_step_disk_idle_s: Vec<f64>,
     pub total_s: f64,
     pub expert_bytes_read: u64,
     /// What the prompt took (bytes, distinct experts, chunks).
@@ -235,12 +238,20 @@ struct Greedy {
     prompt_logits: Vec<f32>,
     prompt_s: f64,
     stopped_at_eos: bool,
-    /// When the step in progress started, and the byte count then.
-    step_start: Option<(Instant, u64)>,
+    /// When the step in progress started, the byte count then, and the disk's idle time then.
+    step_start: Option<(Instant, u64, f64)>,
+    activity: Option<std::sync::Arc<crate::stream::activity::DiskActivity>>,
+    step_idle: Vec<f64>,
     last_bytes: u64,
     steps: Vec<f64>,
     step_bytes: Vec<u64>,
     prompt_stats: PromptStats,
+}
+
+impl Greedy {
+    fn idle_s(&self) -> f64 {
+        self.activity.as_ref().map(|a| a.idle().as_secs_f64()).unwrap_or(0.0)
+    }
 }
 
 impl Driver for Greedy {
@@ -266,14 +277,17 @@ impl Driver for Greedy {
         if self.tokens.len() == self.max_tokens {
             return Ok(None);
         }
-        self.step_start = Some((Instant::now(), self.last_bytes));
+        self.step_start = Some((Instant::now(), self.last_bytes, self.idle_s()));
         Ok(Some(next))
     }
 
     fn after_step(&mut self, expert_bytes_read: u64) {
-        if let Some((t0, b0)) = self.step_start.take() {
+        if let Some((t0, b0, idle0)) = self.step_start.take() {
             self.steps.push(t0.elapsed().as_secs_f64());
             self.step_bytes.push(expert_bytes_read - b0);
+            if self.activity.is_some() {
+                self.step_idle.push(self.idle_s() - idle0);
+            }
         }
         self.last_bytes = expert_bytes_read;
     }
@@ -314,6 +328,8 @@ pub fn generate_with(
         steps: Vec::new(),
         step_bytes: Vec::new(),
         prompt_stats: PromptStats::default(),
+        activity: model.run().disk_activity.clone(),
+        step_idle: Vec::new(),
     };
     let mut st = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
@@ -326,6 +342,7 @@ pub fn generate_with(
             prompt_s: greedy.prompt_s,
             decode_step_s: greedy.steps,
             decode_step_bytes: greedy.step_bytes,
+            decode_step_disk_idle_s: greedy.step_idle,
             total_s: greedy.start.elapsed().as_secs_f64(),
             expert_bytes_read: experts.bytes_read() - bytes0,
             prompt: greedy.prompt_stats,

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use crate::k3::{K3Model, RunConfig};
 use crate::plan::{Budget, Plan, PlanRequest, default_budget, make_plan};
+use crate::stream::activity::{DiskActivity, Watched};
 use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
@@ -103,6 +104,9 @@ impl Session {
         let prefetch_buffers = if opts.prefetch { k } else { 0 };
         let io_buffers = k + prefetch_buffers;
         let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
+        // Both read back-ends (experts, streamed spine) report to one activity: the disk's
+        // idle time.
+        let activity = Arc::new(DiskActivity::default());
         let req = PlanRequest {
             context: opts.context_tokens,
             experts_per_token: k,
@@ -123,9 +127,11 @@ impl Session {
                 approx: opts.approx,
                 io_backend: opts.backend,
                 prefill_chunk: plan.prefill_chunk,
+                disk_activity: Some(activity.clone()),
             },
         )?;
-        let mut experts = StreamingExperts::new(
+        let watch = activity.clone();
+        let mut experts = StreamingExperts::with_backend(
             store,
             StreamOptions {
                 cache_slots_per_layer: plan.cache_slots_per_layer,
@@ -136,6 +142,7 @@ impl Session {
                 io_buffers,
                 prefetch_buffers,
             },
+            move |b| Watched::wrap(b, watch),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
         Ok(Session { model, experts, plan, default_top_k })

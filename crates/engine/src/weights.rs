@@ -72,6 +72,14 @@ impl Linear {
             let n_tok = o.len() / rows.max(1);
             for r0 in (0..rows).step_by(block) {
                 let n = block.min(rows - r0);
+                if let SpineData::Int8 { q, scales, group } = &self.data {
+                    // Several tokens share each widened weight chunk (bit-identical per token).
+                    let g = cols / group;
+                    let (qb, sb) = (&q[r0 * cols..(r0 + n) * cols], &scales[r0 * g..(r0 + n) * g]);
+                    let x = &xs[t0 * cols..(t0 + n_tok) * cols];
+                    k::int8_matvec_multi(qb, sb, *group, n, cols, x, n_tok, &mut o[r0..], rows);
+                    continue;
+                }
                 for j in 0..n_tok {
                     let x = &xs[(t0 + j) * cols..(t0 + j + 1) * cols];
                     self.rows_serial(r0, x, &mut o[j * rows + r0..j * rows + r0 + n]);
@@ -174,7 +182,23 @@ mod tests {
     /// every storage dtype, with blocks of rows that do not divide the matrix.
     #[test]
     fn batched_forward_is_bit_identical_to_one_token_at_a_time() {
-        let (rows, cols) = (301, 515);
+        let rows = 301;
+        // Per-row and group-wise int8 scales a multiple of 16 wide (the four-token kernel's
+        // case), and an odd group with f32 and bf16 (the one-token kernels').
+        let int8 = |cols: usize, group: usize| {
+            let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+            let (q, s) = quantize_int8(&w, cols, group);
+            Linear {
+                name: format!("q{group}"),
+                rows,
+                cols,
+                data: SpineData::Int8 { q: q.into(), scales: s.into(), group },
+            }
+        };
+        for m in [int8(512, 512), int8(512, 32)] {
+            check_batches(&m);
+        }
+        let cols = 515;
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
         let (q, s) = quantize_int8(&w, cols, 5);
         let mats = [
@@ -187,17 +211,22 @@ mod tests {
                 data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<_>>().into()),
             },
         ];
+        for m in &mats {
+            check_batches(m);
+        }
+    }
+
+    fn check_batches(m: &Linear) {
+        let (rows, cols) = (m.rows, m.cols);
         for t_n in [1, 2, 7, 40] {
             let xs: Vec<f32> = (0..t_n * cols).map(|i| (i as f32 * 0.013).sin()).collect();
-            for m in &mats {
-                let mut batch = vec![0f32; t_n * rows];
-                m.forward_batch(&xs, t_n, &mut batch);
-                for t in 0..t_n {
-                    let mut one = vec![0f32; rows];
-                    m.forward(&xs[t * cols..(t + 1) * cols], &mut one);
-                    let got = &batch[t * rows..(t + 1) * rows];
-                    assert!(one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "{} token {t}/{t_n}", m.name);
-                }
+            let mut batch = vec![0f32; t_n * rows];
+            m.forward_batch(&xs, t_n, &mut batch);
+            for t in 0..t_n {
+                let mut one = vec![0f32; rows];
+                m.forward(&xs[t * cols..(t + 1) * cols], &mut one);
+                let got = &batch[t * rows..(t + 1) * rows];
+                assert!(one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "{} token {t}/{t_n}", m.name);
             }
         }
     }

@@ -84,6 +84,68 @@ pub fn int8_matvec_on(
     }
 }
 
+/// [`int8_matvec`] for `n` inputs `xs` `[n, cols]`: `out[j * stride + r] = (W xs[j])[r]`. On
+/// AVX-512 (group a multiple of 16) four inputs share each widened weight chunk
+/// ([`avx512::int8_matvec_x4`]); other paths and the last `n % 4` inputs run [`int8_matvec_on`]
+/// per input. Per input bit-identical to [`int8_matvec_on`] on the same path.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matvec_multi_on(
+    path: Path,
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(xs.len() >= n * cols && stride >= rows);
+    assert!(n == 0 || out.len() >= (n - 1) * stride + rows);
+    let mut j = 0;
+    #[cfg(target_arch = "x86_64")]
+    if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
+        check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
+        while j + 4 <= n {
+            // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output
+            // span checked above.
+            unsafe {
+                avx512::int8_matvec_x4(q, scales, group, rows, cols, &xs[j * cols..], &mut out[j * stride..], stride)
+            };
+            j += 4;
+        }
+    }
+    for j in j..n {
+        int8_matvec_on(
+            path,
+            q,
+            scales,
+            group,
+            rows,
+            cols,
+            &xs[j * cols..(j + 1) * cols],
+            &mut out[j * stride..j * stride + rows],
+        );
+    }
+}
+
+/// [`int8_matvec_multi_on`] on the best path.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matvec_multi(
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    int8_matvec_multi_on(Path::best(), q, scales, group, rows, cols, xs, n, out, stride);
+}
+
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn check_int8(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &[f32]) {
     assert!(group > 0 && cols.is_multiple_of(group), "int8 group must divide the row");
@@ -101,6 +163,38 @@ mod tests {
 
     fn naive(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
         (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum()).collect()
+    }
+
+    /// Several inputs at once give, input by input, exactly the one-input kernel's result on
+    /// every available path (AVX-512's four-input kernel included), on odd row counts, groups
+    /// and input counts.
+    #[test]
+    fn int8_multi_input_is_bit_identical_to_one_input() {
+        for path in [Path::Avx512, Path::Avx2, Path::Neon, Path::Scalar] {
+            if !path.available() {
+                println!("SKIPPED: path {path:?} not available on this CPU");
+                continue;
+            }
+            for &(rows, cols, group) in &[(1, 16, 16), (3, 64, 32), (7, 96, 48), (5, 160, 160), (4, 40, 8)] {
+                let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 7919 % 255) as i32 - 127) as i8).collect();
+                let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 0.001).collect();
+                for n in [1, 3, 4, 5, 9] {
+                    let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let stride = rows + 2;
+                    let mut multi = vec![f32::NAN; n * stride];
+                    int8_matvec_multi_on(path, &q, &s, group, rows, cols, &xs, n, &mut multi, stride);
+                    for j in 0..n {
+                        let mut one = vec![0f32; rows];
+                        int8_matvec_on(path, &q, &s, group, rows, cols, &xs[j * cols..(j + 1) * cols], &mut one);
+                        let got = &multi[j * stride..j * stride + rows];
+                        assert!(
+                            one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{path:?} {rows}x{cols}/{group} input {j} of {n}: {one:?} vs {got:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The dispatched (vectorised) instantiations against the scalar ones, on odd shapes.

@@ -7,7 +7,7 @@
 pub mod forward;
 pub mod state;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use deltafin_store::{AttnKind, K3Config, SpineSource, Store};
@@ -19,6 +19,7 @@ use crate::blocks::mlp::GatedMlp;
 use crate::blocks::moe::{LatentMoe, Routing};
 use crate::experts::RecordLayout;
 use crate::scratch::Scratch;
+use crate::stream::activity::DiskActivity;
 use crate::stream::reader::BackendKind;
 use crate::stream::spine::SpineStreamer;
 use crate::weights::{Linear, load_vec};
@@ -45,6 +46,8 @@ pub struct RunConfig {
     pub io_backend: Option<BackendKind>,
     /// Prompt tokens processed together (the memory plan sizes it from the budget).
     pub prefill_chunk: usize,
+    /// Where the spine loader reports its reads (the run's disk idle time).
+    pub disk_activity: Option<Arc<DiskActivity>>,
 }
 
 impl Default for RunConfig {
@@ -58,6 +61,7 @@ impl Default for RunConfig {
             approx: false,
             io_backend: None,
             prefill_chunk: crate::generate::PROMPT_CHUNK,
+            disk_activity: None,
         }
     }
 }
@@ -208,6 +212,7 @@ impl K3Model {
                 store,
                 (resident..c.num_hidden_layers).collect(),
                 run.io_backend,
+                run.disk_activity.clone(),
                 Box::new(move |image, l| load_layer(image, &cfg, l, &layout)),
             )?))
         } else {

@@ -1,6 +1,7 @@
 //! Streaming routed experts from disk: aligned buffers, read back-ends, cache policies, and the
 //! streaming expert source the model reads through.
 
+pub mod activity;
 pub mod aligned;
 pub mod cache;
 pub mod geometry;

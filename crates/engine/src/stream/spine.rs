@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow};
 use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
 
+use super::activity::{DiskActivity, Watched};
 use super::aligned::AlignedBuf;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
 
@@ -350,6 +351,7 @@ impl<T: Send + 'static> SpineStreamer<T> {
         store: &Store,
         layers: Vec<usize>,
         backend: Option<BackendKind>,
+        activity: Option<Arc<DiskActivity>>,
         decode: DecodeLayer<T>,
     ) -> Result<Self> {
         let table = store.spine_table(&layers);
@@ -361,7 +363,10 @@ impl<T: Send + 'static> SpineStreamer<T> {
         let path = table.path().to_path_buf();
         let (files, _direct) =
             open_files(std::slice::from_ref(&path), true).map_err(|e| anyhow!("opening {}: {e}", path.display()))?;
-        let backend = make_backend(Arc::new(files), backend, PIECES_IN_FLIGHT)?;
+        let mut backend = make_backend(Arc::new(files), backend, PIECES_IN_FLIGHT)?;
+        if let Some(a) = activity {
+            backend = Watched::wrap(backend, a);
+        }
         let counters = Arc::new(SpineCounters::default());
         let (tx, inbox) = channel::<Msg>();
         let (out, resp) = channel();
