@@ -396,3 +396,43 @@ fn records_of_many_ranges_read_back_exactly() {
         src.check_idle().unwrap();
     }
 }
+
+/// With no cache slots (the plan when the spine is streamed), a prefetch that lands before its
+/// layer begins waits in its buffer and is used, never read twice; one its layer does not ask
+/// for is dropped when the layer begins; every buffer is accounted for afterwards.
+#[test]
+fn prefetches_land_without_cache_slots_and_are_used() {
+    let _w = Watchdog::start("landing");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 0, true, &rules);
+    let mut direct = StoreExperts::new(&f.store);
+    src.prefetch(layer, &[3, 5]).unwrap();
+    src.finish_prefetches().unwrap();
+    assert!(!src.is_cached(layer, 3), "no slot to cache it in");
+    let read_before = src.total_stats().demand_reads;
+    let mut got = Vec::new();
+    src.begin(layer, &[5, 6]).unwrap();
+    src.drain(&mut |i, rec| {
+        got.push((i, rec.to_vec()));
+        Ok(())
+    })
+    .unwrap();
+    let t = src.total_stats();
+    assert_eq!(t.prefetch_used, 1, "the landed prefetch of 5 was used");
+    assert_eq!(t.demand_reads - read_before, 1, "only 6 was read on demand");
+    // The bytes are the expert's own.
+    got.sort_by_key(|(i, _)| *i);
+    let mut want = Vec::new();
+    direct.begin(layer, &[5, 6]).unwrap();
+    direct
+        .drain(&mut |_, rec| {
+            want.push(rec.to_vec());
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(got.into_iter().map(|(_, r)| r).collect::<Vec<_>>(), want);
+    // 3 was a wrong guess: dropped when its layer began, its buffer back in the pool.
+    src.check_idle().unwrap();
+}

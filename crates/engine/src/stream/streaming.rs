@@ -112,6 +112,11 @@ pub struct StreamingExperts {
     prefetch_in_flight: usize,
     /// Per buffer: it holds a cached record brought in by prefetch and not used yet.
     prefetched_unused: Vec<bool>,
+    /// Prefetched records the cache had no room for (no slots, as when the spine is streamed,
+    /// or every slot pinned), held in their read buffers until their layer asks for them or
+    /// passes them by: a prefetch that lands early is never thrown away unused. At most
+    /// `prefetch_buffers` (they count against the prefetch room).
+    landed: HashMap<(usize, usize), usize>,
     /// Buffers whose reads could not be confirmed landed (the back-end failed while they were
     /// in flight): never reused, so the kernel can never write into a buffer in use.
     lost: usize,
@@ -184,6 +189,7 @@ impl StreamingExperts {
             pending_prefetch: VecDeque::new(),
             prefetch_in_flight: 0,
             prefetched_unused: vec![false; n_bufs],
+            landed: HashMap::new(),
             lost: 0,
             next_tag: 0,
             demand: None,
@@ -479,6 +485,10 @@ impl StreamingExperts {
                 let cache = self.caches.entry(f.key.0).or_insert_with(|| LayerCache::new(0, self.opts.policy));
                 match cache.insert(f.key.1, f.buf, &mut self.free) {
                     Ok(()) => self.prefetched_unused[f.buf] = true,
+                    // No room in the cache: it waits in its buffer for its layer.
+                    Err(b) if self.landed.len() < self.opts.prefetch_buffers => {
+                        self.landed.insert(f.key, b);
+                    }
                     Err(b) => self.free.push(b),
                 }
             }
@@ -497,9 +507,10 @@ impl StreamingExperts {
         anyhow::ensure!(self.backend.in_flight() == 0, "{} reads are in flight", self.backend.in_flight());
         let cached: usize = self.caches.values().map(|c| c.len()).sum();
         anyhow::ensure!(
-            self.free.len() + cached + self.lost == self.bufs.len(),
-            "buffers unaccounted for: {} free + {cached} cached + {} retired of {}",
+            self.free.len() + cached + self.landed.len() + self.lost == self.bufs.len(),
+            "buffers unaccounted for: {} free + {cached} cached + {} landed prefetches + {} retired of {}",
             self.free.len(),
+            self.landed.len(),
             self.lost,
             self.bufs.len()
         );
@@ -546,6 +557,7 @@ impl StreamingExperts {
         self.by_key.clear();
         self.pending_prefetch.clear();
         self.prefetch_in_flight = 0;
+        self.free.extend(self.landed.drain().map(|(_, b)| b));
         if let Some(d) = self.demand.take() {
             let cache = self.caches.entry(d.layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
             for i in (0..d.experts.len()).filter(|&i| !d.delivered[i]) {
@@ -563,12 +575,12 @@ impl StreamingExperts {
 
     /// Submit queued prefetches while prefetch buffers are available.
     fn pump_prefetch(&mut self) -> Result<()> {
-        while self.prefetch_in_flight < self.opts.prefetch_buffers && !self.free.is_empty() {
+        while self.prefetch_in_flight + self.landed.len() < self.opts.prefetch_buffers && !self.free.is_empty() {
             let Some(key) = self.pending_prefetch.pop_front() else {
                 break;
             };
             let cached = self.caches.get(&key.0).is_some_and(|c| c.contains(key.1));
-            if cached || self.by_key.contains_key(&key) {
+            if cached || self.by_key.contains_key(&key) || self.landed.contains_key(&key) {
                 continue;
             }
             if let Err(e) = self.start_read(key, false) {
@@ -724,7 +736,13 @@ impl StreamingExperts {
             let st = self.stats.entry(layer).or_default();
             st.accesses += 1;
             let cache = self.caches.entry(layer).or_insert_with(|| LayerCache::new(0, self.opts.policy));
-            if let Some(b) = cache.get(e) {
+            if let Some(b) = self.landed.remove(&(layer, e)) {
+                // A prefetch that landed outside the cache: used from its buffer, then cached
+                // or freed like a fresh read.
+                d.ready[i] = Some(b);
+                st.hits += 1;
+                st.prefetch_used += 1;
+            } else if let Some(b) = cache.get(e) {
                 cache.pin(e);
                 d.ready[i] = Some(b);
                 d.cached[i] = true;
@@ -744,6 +762,16 @@ impl StreamingExperts {
             }
         }
         self.demand = Some(d);
+        // Landed prefetches of this layer that were not asked for, or of earlier layers, were
+        // wrong guesses: their buffers go back.
+        let free = &mut self.free;
+        self.landed.retain(|k, b| {
+            let keep = k.0 > layer;
+            if !keep {
+                free.push(*b);
+            }
+            keep
+        });
         for &e in &misses {
             if self.free.is_empty() {
                 if let Some(d) = self.demand.as_mut() {
