@@ -102,6 +102,13 @@ impl ReadBackend for Watched {
         r
     }
 
+    fn poll(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        let before = out.len();
+        let r = self.inner.poll(out);
+        self.activity.finished(out.len() - before);
+        r
+    }
+
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
     }

@@ -9,3 +9,4 @@ pub mod probe;
 pub mod reader;
 pub mod spine;
 pub mod streaming;
+pub mod verify;

@@ -60,6 +60,11 @@ pub trait ReadBackend: Send {
     /// Block until at least one completion is available (if any read is in flight), and append
     /// every available completion to `out` as `(tag, result)`.
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()>;
+    /// Append the completions available now, without blocking. A back-end that cannot tell
+    /// appends none (its reads then come back through [`Self::wait`]).
+    fn poll(&mut self, _out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        Ok(())
+    }
     fn in_flight(&self) -> usize;
 }
 
@@ -208,7 +213,13 @@ impl ReadBackend for PreadPool {
         let first = self.done.recv().map_err(|_| io::Error::other("I/O threads stopped"))?;
         out.push(first);
         self.in_flight -= 1;
-        while let Ok(c) = self.done.try_recv() {
+        self.poll(out)
+    }
+
+    fn poll(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        while self.in_flight > 0
+            && let Ok(c) = self.done.try_recv()
+        {
             out.push(c);
             self.in_flight -= 1;
         }
@@ -334,6 +345,21 @@ impl ReadBackend for Uring {
     }
 
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        self.reap(out, true)
+    }
+
+    fn poll(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
+        self.reap(out, false)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Uring {
+    /// Take the completions in the ring; with `block`, wait for at least one first.
+    fn reap(&mut self, out: &mut Vec<(u64, io::Result<()>)>, block: bool) -> io::Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -345,6 +371,10 @@ impl ReadBackend for Uring {
             got.clear();
             for cqe in self.ring.completion() {
                 got.push((cqe.user_data(), cqe.result()));
+            }
+            if got.is_empty() && !block {
+                self.cqes = got;
+                return Ok(());
             }
             if got.is_empty() {
                 match self.ring.submit_and_wait(1) {
@@ -387,10 +417,6 @@ impl ReadBackend for Uring {
             self.push_backlog();
             return Ok(());
         }
-    }
-
-    fn in_flight(&self) -> usize {
-        self.pending.len()
     }
 }
 

@@ -19,12 +19,12 @@ use deltafin_store::Store;
 use deltafin_store::manifest::ExpertLocation;
 use deltafin_store::presence::{ExpertFetcher, FetchStats, Presence};
 use serde::Serialize;
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::aligned::AlignedBuf;
 use super::cache::{LayerCache, Policy};
 use super::geometry;
 use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
+use super::verify::{RecordCheck, Verifier};
 use crate::experts::ExpertSource;
 use crate::fault::{FaultKind, FaultStats, FetchFault, ReadFault};
 
@@ -74,6 +74,10 @@ struct Flight {
 /// Reads of a record before a fault ends the step.
 const MAX_ATTEMPTS: u8 = 2;
 
+/// How long the engine waits for a check before looking at the reads again, while both are
+/// outstanding.
+const CHECK_POLL: Duration = Duration::from_micros(200);
+
 #[derive(Default)]
 struct Demand {
     layer: usize,
@@ -92,6 +96,12 @@ pub struct StreamingExperts {
     // Declared first so it is dropped first: it waits for in-flight reads before the buffers
     // they write into are freed.
     backend: Box<dyn ReadBackend>,
+    // Dropped next: it finishes the check in hand (its buffer still alive) and stops.
+    verifier: Option<Verifier>,
+    /// Checks handed to the verifier whose results have not come back.
+    verifying: usize,
+    /// How a record is checked (on the verifier thread, or here when it is unavailable).
+    check: RecordCheck,
     pub backend_kind: BackendKind,
     pub o_direct: bool,
     locs: Arc<HashMap<usize, Vec<ExpertLocation>>>,
@@ -171,16 +181,29 @@ impl StreamingExperts {
         let n_bufs = opts.cache_slots_per_layer * layers + opts.io_buffers.max(1);
         let bufs: Vec<AlignedBuf> = (0..n_bufs).map(|_| AlignedBuf::new(slot_bytes)).collect();
         let caches = locs.keys().map(|&l| (l, LayerCache::new(opts.cache_slots_per_layer, opts.policy))).collect();
+        let locs = Arc::new(locs);
+        let check = RecordCheck {
+            locs: locs.clone(),
+            presence: store.experts.presence().cloned(),
+            record_bytes: ex.record_bytes as usize,
+        };
+        // Without a verifier thread (the OS refused one) records are checked in place.
+        let verifier = Verifier::start(check.clone(), n_bufs)
+            .map_err(|e| tracing::warn!("expert verifier thread not started ({e}); checking records in place"))
+            .ok();
         Ok(StreamingExperts {
             backend_kind: backend.kind(),
             backend,
+            verifier,
+            verifying: 0,
+            check,
             o_direct,
             record_bytes: ex.record_bytes as usize,
             slot_bytes,
             data_start: vec![0; bufs.len()],
             free: (0..bufs.len()).rev().collect(),
             bufs,
-            locs: Arc::new(locs),
+            locs,
             caches,
             flights: HashMap::new(),
             tags: HashMap::new(),
@@ -356,33 +379,6 @@ impl StreamingExperts {
         Ok(())
     }
 
-    /// Move each range's bytes to their place in the canonical record and check the checksum.
-    /// Returns where the record starts in the buffer.
-    fn finalize(&mut self, buf: usize, key: (usize, usize)) -> std::result::Result<usize, String> {
-        let t0 = Instant::now();
-        let r = self.assemble_and_check(buf, key);
-        self.verify_time += t0.elapsed();
-        self.bytes_verified += self.record_bytes as u64;
-        r
-    }
-
-    fn assemble_and_check(&mut self, buf: usize, key: (usize, usize)) -> std::result::Result<usize, String> {
-        let locs = Arc::clone(&self.locs);
-        let loc = locs.get(&key.0).and_then(|v| v.get(key.1)).ok_or("no such record in the manifest")?;
-        let b = self.bufs[buf].as_mut_slice();
-        let start = geometry::assemble(loc, b);
-        let rec = b.get(start..start + self.record_bytes).ok_or("the record does not fit its buffer")?;
-        let expected = match &self.presence {
-            None => loc.xxh3,
-            Some(p) => p.get(key.0, key.1).ok_or("the record is not present in this streaming store")?,
-        };
-        let actual = xxh3_64(rec);
-        if actual != expected {
-            return Err(format!("checksum mismatch (stored {expected:016x}, read {actual:016x})"));
-        }
-        Ok(start)
-    }
-
     /// Reap completions; finished demanded records are returned as (demand index, buffer). A
     /// record whose read failed or whose bytes fail the checksum is read once more; when a
     /// demanded record's retry fails too, the step ends with its [`ReadFault`], after every
@@ -391,7 +387,15 @@ impl StreamingExperts {
         let mut done = std::mem::take(&mut self.done_buf);
         done.clear();
         let t0 = Instant::now();
-        let waited = self.backend.wait(&mut done);
+        let waited = if self.verifying > 0 {
+            // Checks and reads both finish: wait briefly for a check, then take whatever reads
+            // have landed without blocking.
+            let wait = if self.backend.in_flight() > 0 { CHECK_POLL } else { Duration::from_secs(1) };
+            self.collect_checked(ready, Some(wait));
+            self.backend.poll(&mut done)
+        } else {
+            self.backend.wait(&mut done)
+        };
         self.io_wait += t0.elapsed();
         for (tag, res) in done.drain(..) {
             let Some((id, file)) = self.tags.remove(&tag) else {
@@ -410,6 +414,7 @@ impl StreamingExperts {
         }
         self.done_buf = done;
         waited?;
+        self.collect_checked(ready, None);
         match self.failure.take() {
             Some(fault) => Err(fault.into()),
             None => Ok(()),
@@ -420,24 +425,77 @@ impl StreamingExperts {
     /// (a prefetch), read it again (a first fault) or give up on it.
     fn complete(&mut self, id: u64, ready: &mut Vec<(usize, usize)>) {
         let Some(f) = self.flights.get_mut(&id) else { return };
-        let (key, buf, demanded, attempts) = (f.key, f.buf, f.demanded, f.attempts);
-        let fault = match f.error.take() {
-            Some((file, e)) => {
-                self.faults.read_errors += 1;
-                let path = self.paths.get(file).map(|p| p.display().to_string()).unwrap_or_default();
-                Some((FaultKind::Io, format!("reading layer {} expert {} from {path}: {e}", key.0, key.1)))
+        let (key, buf) = (f.key, f.buf);
+        if let Some((file, e)) = f.error.take() {
+            self.faults.read_errors += 1;
+            let path = self.paths.get(file).map(|p| p.display().to_string()).unwrap_or_default();
+            let detail = format!("reading layer {} expert {} from {path}: {e}", key.0, key.1);
+            return self.settle_flight(id, Some((FaultKind::Io, detail)), ready);
+        }
+        // The checksum is checked on the verifier thread; the flight keeps its buffer until the
+        // result comes back (`collect_checked`).
+        if let Some(v) = &self.verifier
+            && v.submit(id, key, self.bufs[buf].as_mut_slice())
+        {
+            self.verifying += 1;
+            return;
+        }
+        let t0 = Instant::now();
+        let checked = self.check.check(key, self.bufs[buf].as_mut_slice());
+        self.verify_time += t0.elapsed();
+        self.checked(id, checked, ready);
+    }
+
+    /// Flight `id`'s checksum check came back: `Ok(start)` of the record in its buffer, or why
+    /// it was rejected.
+    fn checked(&mut self, id: u64, result: std::result::Result<usize, String>, ready: &mut Vec<(usize, usize)>) {
+        let Some(f) = self.flights.get(&id) else { return };
+        let (key, buf) = (f.key, f.buf);
+        self.bytes_verified += self.record_bytes as u64;
+        let fault = match result {
+            Ok(start) => {
+                self.data_start[buf] = start;
+                None
             }
-            None => match self.finalize(buf, key) {
-                Ok(start) => {
-                    self.data_start[buf] = start;
-                    None
-                }
-                Err(msg) => {
-                    self.faults.checksum_failures += 1;
-                    Some((FaultKind::Checksum, format!("layer {} expert {}: {msg}", key.0, key.1)))
-                }
-            },
+            Err(msg) => {
+                self.faults.checksum_failures += 1;
+                Some((FaultKind::Checksum, format!("layer {} expert {}: {msg}", key.0, key.1)))
+            }
         };
+        self.settle_flight(id, fault, ready);
+    }
+
+    /// Take the checks the verifier has finished; with `wait`, wait up to that long for the
+    /// first.
+    fn collect_checked(&mut self, ready: &mut Vec<(usize, usize)>, wait: Option<Duration>) {
+        let mut wait = wait;
+        while self.verifying > 0 {
+            let Some(c) = self.verifier.as_ref().and_then(|v| v.next(wait.take())) else { break };
+            self.verifying -= 1;
+            self.verify_time += c.took;
+            self.checked(c.id, c.result, ready);
+        }
+    }
+
+    /// Wait until every check handed to the verifier has come back, discarding the results
+    /// (a reset: every flight's buffer is freed next, so none may still be in the verifier's
+    /// hands).
+    fn discard_checks(&mut self) {
+        while self.verifying > 0 {
+            // `None`: the thread is gone and touches no buffer any more.
+            if self.verifier.as_ref().and_then(|v| v.next_blocking()).is_none() {
+                self.verifying = 0;
+                break;
+            }
+            self.verifying -= 1;
+        }
+    }
+
+    /// A flight's reads and check are done: hand it to the demand, cache it (a prefetch), read
+    /// it again (a first fault) or give up on it.
+    fn settle_flight(&mut self, id: u64, fault: Option<(FaultKind, String)>, ready: &mut Vec<(usize, usize)>) {
+        let Some(f) = self.flights.get(&id) else { return };
+        let (key, demanded, attempts) = (f.key, f.demanded, f.attempts);
         if let Some((kind, detail)) = fault {
             if demanded && attempts < MAX_ATTEMPTS {
                 tracing::warn!("{detail}; reading it again");
@@ -505,6 +563,7 @@ impl StreamingExperts {
             self.flights.len()
         );
         anyhow::ensure!(self.backend.in_flight() == 0, "{} reads are in flight", self.backend.in_flight());
+        anyhow::ensure!(self.verifying == 0, "{} checks are with the verifier", self.verifying);
         let cached: usize = self.caches.values().map(|c| c.len()).sum();
         anyhow::ensure!(
             self.free.len() + cached + self.landed.len() + self.lost == self.bufs.len(),
@@ -522,7 +581,7 @@ impl StreamingExperts {
     pub fn finish_prefetches(&mut self) -> Result<()> {
         anyhow::ensure!(self.demand.is_none(), "a step is open");
         let mut ready = Vec::new();
-        while !self.flights.is_empty() && self.backend.in_flight() > 0 {
+        while !self.flights.is_empty() && (self.backend.in_flight() > 0 || self.verifying > 0) {
             self.reap(&mut ready)?;
         }
         Ok(())
@@ -545,6 +604,7 @@ impl StreamingExperts {
         }
         done.clear();
         self.done_buf = done;
+        self.discard_checks();
         let landed = self.backend.in_flight() == 0;
         for (_, f) in self.flights.drain() {
             if landed {
@@ -806,7 +866,7 @@ impl StreamingExperts {
             }
             // Buffers freed by prefetches that landed let waiting misses start.
             self.start_queued()?;
-            if self.backend.in_flight() == 0 {
+            if self.backend.in_flight() == 0 && self.verifying == 0 {
                 // Waiting would return at once forever: a demand that nothing is reading.
                 self.queue_buf = queue;
                 bail!("expert source: layer {layer} waits for records that no read will deliver");
