@@ -17,13 +17,16 @@ bin=${DELTAFIN_BIN:-target/release/deltafin}
 store="$dir/k3-real2-$experts"
 mkdir -p "$dir" bench-results
 [ -f "$store/manifest.json" ] || $bin synth --preset kimi-k3 --layers 2 --experts "$experts" --spine real --out "$store"
-# 1. TTFT: chunks of 32 against the budget's chunk (6 GiB), interleaved.
-for n in 100 1000; do
-  $bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 3 --no-prefetch --prompt-length "$n" \
-    --vary prefill-chunk=32,auto --json > "bench-results/prefill-ttft-$n.json"
-done
+# 1. TTFT: chunks of 32 against the budget's chunk (6 GiB) and the whole prompt, interleaved.
+$bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 3 --no-prefetch --prompt-length 100 \
+  --vary prefill-chunk=32,auto --json > bench-results/prefill-ttft-100.json
+$bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 3 --no-prefetch --prompt-length 1000 \
+  --vary prefill-chunk=32,auto,1000 --json > bench-results/prefill-ttft-1000.json
 $bin bench --model "$store" --memory-budget 6G --runs 1 --max-tokens 3 --no-prefetch --prompt-length 4000 \
   --json > bench-results/prefill-ttft-4000.json
-# 2. Decode with every spine layer streamed (budget below the spine), against resident.
-$bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 6 --no-prefetch --probe-reads 64 \
+# 2. Decode with every spine layer streamed against resident (same 6 GiB budget), and streamed
+#    at 4.5 GiB (close to the minimum: embeddings, head, two layer images, buffers).
+$bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 8 --no-prefetch --probe-reads 64 \
   --vary resident-spine-layers=2,0 --json > bench-results/prefill-decode-streamed-spine.json
+$bin bench --model "$store" --memory-budget 4.5G --resident-spine-layers 0 --runs "$runs" --max-tokens 8 --no-prefetch \
+  --probe-reads 64 --json > bench-results/prefill-decode-streamed-spine-4.5g.json
