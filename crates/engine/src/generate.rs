@@ -14,10 +14,6 @@ use crate::k3::{K3Model, K3State};
 use crate::study::routing::RoutingOverride;
 use crate::study::trace::TraceWriter;
 
-/// Prompt tokens processed together when no memory plan sized the chunk (a model loaded
-/// directly, as tests do); a session's plan sizes it from the budget (`RunConfig::prefill_chunk`).
-pub const PROMPT_CHUNK: usize = 32;
-
 /// What a caller of [`run`] decides along the way.
 pub trait Driver {
     /// Polled before each prompt chunk: false stops the run (cancellation).

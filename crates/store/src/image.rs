@@ -8,60 +8,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::StoreError;
 use crate::manifest::{SpineDtype, SpineTensor};
-use crate::store::{LoadedTensor, SpineData, SpineSource, SpineTable, check_tensor};
-
-/// Bytes that decoded spine tensors may view in place: a streamed layer's image (an aligned
-/// read buffer owned by the loader's pool).
-pub trait ImageBytes: Send + Sync {
-    fn bytes(&self) -> &[u8];
-}
-
-/// A spine tensor's elements: owned (decoded from the spine file), or viewed in place in a
-/// shared layer image.
-#[derive(Clone)]
-pub enum Elems<T> {
-    Owned(Vec<T>),
-    /// `len` elements at byte `start` of the image. Built only by [`view_or_copy`], which checks
-    /// that the range is inside the image and aligned for `T`.
-    View {
-        image: Arc<dyn ImageBytes>,
-        start: usize,
-        len: usize,
-    },
-}
-
-impl<T: bytemuck::Pod> std::ops::Deref for Elems<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        match self {
-            Elems::Owned(v) => v,
-            // In bounds and aligned: checked when the view was made, and the image never moves.
-            Elems::View { image, start, len } => {
-                bytemuck::cast_slice(&image.bytes()[*start..*start + *len * std::mem::size_of::<T>()])
-            }
-        }
-    }
-}
-
-impl<T> From<Vec<T>> for Elems<T> {
-    fn from(v: Vec<T>) -> Self {
-        Elems::Owned(v)
-    }
-}
-
-impl<T: bytemuck::Pod> std::fmt::Debug for Elems<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = if matches!(self, Elems::Owned(_)) { "owned" } else { "view" };
-        write!(f, "Elems({kind}, {} elements)", self.len())
-    }
-}
-
-impl<T: bytemuck::Pod> Elems<T> {
-    /// Whether the elements are a view into a shared image (no copy was made).
-    pub fn is_view(&self) -> bool {
-        matches!(self, Elems::View { .. })
-    }
-}
+use crate::spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable, check_tensor, checksum_error};
 
 /// `len` bytes at `start` of `image` as elements of `T`: a view when the host is little-endian
 /// (the file's order) and the bytes are aligned for `T`, else a copy.
@@ -134,13 +81,6 @@ impl SpineSource for SpineImage<'_> {
             },
         };
         Ok(LoadedTensor { name: t.name.clone(), shape: t.shape.clone(), data })
-    }
-}
-
-pub(crate) fn checksum_error(t: &SpineTensor, path: &std::path::Path) -> StoreError {
-    StoreError::Store {
-        path: path.to_path_buf(),
-        msg: format!("spine tensor '{}' fails its checksum: the spine file is corrupt", t.name),
     }
 }
 

@@ -19,11 +19,13 @@ pub mod progress;
 pub mod quant;
 pub mod schema;
 pub mod shard;
+pub mod spine;
 pub mod store;
 pub mod synth;
 
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
-pub use image::{Elems, ImageBytes, ImageVerifier, SpineImage};
+pub use image::{ImageVerifier, SpineImage};
 pub use manifest::{ExpertLayout, Manifest, SpineDtype};
-pub use store::{ExpertFiles, LoadedTensor, SpineData, SpineSource, SpineTable, Store};
+pub use spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable};
+pub use store::{ExpertFiles, Store};

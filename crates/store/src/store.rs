@@ -7,47 +7,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use half::bf16;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{StoreError, io_err};
-use crate::image::{Elems, checksum_error};
 use crate::manifest::*;
 use crate::presence::Presence;
 use crate::shard::Shard;
-
-/// One spine tensor in memory, in the dtype the store keeps it: owned, or (a streamed layer)
-/// views into the layer's image.
-#[derive(Debug, Clone)]
-pub enum SpineData {
-    F32(Elems<f32>),
-    /// Raw bf16 bits.
-    Bf16(Elems<u16>),
-    /// int8 values `[rows, cols]` and f32 scales `[rows, cols/group]`.
-    Int8 {
-        q: Elems<i8>,
-        scales: Elems<f32>,
-        group: usize,
-    },
-}
-
-#[derive(Debug, Clone)]
-pub struct LoadedTensor {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub data: SpineData,
-}
-
-impl LoadedTensor {
-    /// The tensor as f32 (dequantising if needed). Used for vectors and for the embedding row.
-    pub fn to_f32(&self) -> Vec<f32> {
-        match &self.data {
-            SpineData::F32(v) => v.to_vec(),
-            SpineData::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
-            SpineData::Int8 { q, scales, group } => crate::quant::dequantize_int8(q, scales, *group),
-        }
-    }
-}
+use crate::spine::{LoadedTensor, SpineData, SpineSource, SpineTable, check_tensor, checksum_error, layer_range};
 
 pub struct Store {
     pub dir: PathBuf,
@@ -247,56 +213,9 @@ impl Store {
     }
 }
 
-/// Where spine tensors come from: the store's file, or an in-memory image of part of it.
-pub trait SpineSource {
-    fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError>;
-}
-
 impl SpineSource for Store {
     fn load_spine(&self, name: &str) -> Result<LoadedTensor, StoreError> {
         Store::load_spine(self, name)
-    }
-}
-
-/// The 4096-aligned byte range of the spine file holding `layer`'s tensors.
-fn layer_range<'a>(tensors: impl Iterator<Item = &'a SpineTensor>, layer: usize) -> Option<(u64, u64)> {
-    let (mut lo, mut hi) = (u64::MAX, 0u64);
-    for t in tensors.filter(|t| t.layer == Some(layer)) {
-        lo = lo.min(t.offset);
-        hi = hi.max(t.offset + t.len);
-        if t.scales_len > 0 {
-            lo = lo.min(t.scales_offset);
-            hi = hi.max(t.scales_offset + t.scales_len);
-        }
-    }
-    (hi > 0).then(|| (lo / 4096 * 4096, hi.div_ceil(4096) * 4096))
-}
-
-/// Some layers' spine tensor table: where each tensor sits in the spine file.
-#[derive(Debug, Clone)]
-pub struct SpineTable {
-    path: PathBuf,
-    tensors: HashMap<String, SpineTensor>,
-}
-
-impl SpineTable {
-    /// The spine file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The byte range of the spine file holding layer `layer`'s tensors (4096-aligned).
-    pub fn layer_range(&self, layer: usize) -> Option<(u64, u64)> {
-        layer_range(self.tensors.values(), layer)
-    }
-
-    pub fn tensor(&self, name: &str) -> Option<&SpineTensor> {
-        self.tensors.get(name)
-    }
-
-    /// Layer `layer`'s tensors.
-    pub fn layer_tensors(&self, layer: usize) -> impl Iterator<Item = &SpineTensor> {
-        self.tensors.values().filter(move |t| t.layer == Some(layer))
     }
 }
 
@@ -326,36 +245,6 @@ impl TensorBytes<'_> {
         }
         Ok(())
     }
-}
-
-/// A tensor's table entry checked against its shape before anything is read or allocated:
-/// the element count does not overflow, the length matches shape and dtype, and an int8
-/// tensor's group and scales (`scales_len` bytes) match. Returns (elements, bytes).
-pub(crate) fn check_tensor(
-    t: &SpineTensor,
-    scales_len: usize,
-    spine_path: &Path,
-) -> Result<(usize, usize), StoreError> {
-    let name = &t.name;
-    let bad =
-        |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
-    let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
-    let esize = match t.dtype {
-        SpineDtype::F32 => 4,
-        SpineDtype::Bf16 => 2,
-        SpineDtype::Int8 => 1,
-    };
-    let len = usize::try_from(t.len).map_err(|_| bad("length does not match shape"))?;
-    if numel.checked_mul(esize) != Some(len) {
-        return Err(bad("length does not match shape"));
-    }
-    if t.dtype == SpineDtype::Int8 {
-        let cols = *t.shape.last().unwrap_or(&0);
-        if t.group == 0 || !cols.is_multiple_of(t.group) || Some(scales_len) != (numel / t.group).checked_mul(4) {
-            return Err(bad("int8 length, group or scales do not match shape"));
-        }
-    }
-    Ok((numel, len))
 }
 
 /// Decode a spine tensor into its in-memory form, verifying its checksum. The bytes are read
@@ -467,8 +356,11 @@ fn verify_source_shard(path: &Path, recorded: Option<&SourceShard>) -> Result<()
 
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
-    use crate::image::{ImageBytes, ImageVerifier, SpineImage};
+    use crate::image::{ImageVerifier, SpineImage};
+    use crate::spine::ImageBytes;
 
     /// A bf16 tensor of `rows x cols` spanning several decode chunks, with its table entry.
     fn bf16_tensor(rows: usize, cols: usize, offset: u64) -> (SpineTensor, Vec<u8>, Vec<f32>) {

@@ -26,6 +26,10 @@ use crate::weights::{Linear, load_vec};
 
 pub use state::{K3State, LayerState};
 
+/// Prompt tokens processed together when no memory plan sized the chunk (a model loaded
+/// directly, as tests do); a session's plan sizes it from the budget.
+pub const DEFAULT_PREFILL_CHUNK: usize = 32;
+
 /// How a loaded model runs: fixed at load, read everywhere, patched nowhere.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
@@ -60,7 +64,7 @@ impl Default for RunConfig {
             context_reserve: 256,
             approx: false,
             io_backend: None,
-            prefill_chunk: crate::generate::PROMPT_CHUNK,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             disk_activity: None,
         }
     }
