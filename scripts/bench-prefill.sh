@@ -24,6 +24,8 @@ $bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 3 --n
   --vary prefill-chunk=32,auto,1000 --json > bench-results/prefill-ttft-1000.json
 $bin bench --model "$store" --memory-budget 6G --runs 1 --max-tokens 3 --no-prefetch --prompt-length 4000 \
   --json > bench-results/prefill-ttft-4000.json
+$bin bench --model "$store" --memory-budget 6G --runs 1 --max-tokens 3 --no-prefetch --prompt-length 4000 \
+  --prefill-chunk 32 --json > bench-results/prefill-ttft-4000-chunk32.json
 # 2. Decode with every spine layer streamed against resident (same 6 GiB budget), and streamed
 #    at 4.5 GiB (close to the minimum: embeddings, head, two layer images, buffers).
 $bin bench --model "$store" --memory-budget 6G --runs "$runs" --max-tokens 8 --no-prefetch --probe-reads 64 \
