@@ -16,7 +16,8 @@ use crate::study::trace::TraceWriter;
 
 /// What a caller of [`run`] decides along the way.
 pub trait Driver {
-    /// Polled before each prompt chunk: false stops the run (cancellation).
+    /// Polled before each prompt chunk and after each layer of it: false stops the run
+    /// (cancellation; a chunk stopped part-way leaves the state to be discarded).
     fn keep_going(&mut self) -> bool {
         true
     }
@@ -134,13 +135,19 @@ pub fn run(
             return Ok(Ended::Cancelled);
         }
         let before = progress.layers_done;
+        let progress_hook = &mut hooks.progress;
         let mut on_layer = |l: usize| {
-            if let Some(p) = hooks.progress.as_deref_mut() {
+            if let Some(p) = progress_hook.as_deref_mut() {
                 progress.layers_done = before + (l as u64 + 1) * tokens.len() as u64;
                 p(progress);
             }
+            // A large chunk can take minutes: a cancellation is honoured between layers.
+            driver.keep_going()
         };
-        step(model, &mut distinct, st, tokens, logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut on_layer)?;
+        let (routing, trace) = (&mut hooks.routing, &mut hooks.trace);
+        if !step(model, &mut distinct, st, tokens, logits, routing, trace, hooks.seq, &mut on_layer)? {
+            return Ok(Ended::Cancelled);
+        }
         progress.layers_done = before + layers * tokens.len() as u64;
         driver.after_step(distinct.bytes_read());
     }
@@ -155,14 +162,14 @@ pub fn run(
         spine_bytes_read: model.spine_bytes_read() - spine0,
     });
     while let Some(token) = driver.next(logits)? {
-        step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| {})?;
+        step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;
         driver.after_step(experts.bytes_read());
     }
     Ok(Ended::Done)
 }
 
 /// One chunk through the model; per token, the routing override before and the trace after;
-/// `on_layer` after each layer.
+/// `on_layer` after each layer. False: `on_layer` stopped the chunk part-way.
 #[allow(clippy::too_many_arguments)]
 fn step(
     model: &K3Model,
@@ -173,17 +180,19 @@ fn step(
     routing: &mut Option<&mut RoutingOverride>,
     trace: &mut Option<&mut TraceWriter>,
     seq: usize,
-    on_layer: &mut dyn FnMut(usize),
-) -> Result<()> {
+    on_layer: &mut dyn FnMut(usize) -> bool,
+) -> Result<bool> {
     if let Some(r) = routing.as_deref_mut() {
         r.apply(model, st);
     }
     let pos = st.position;
-    model.forward_chunk_with(st, experts, tokens, logits, on_layer)?;
+    if !model.forward_chunk_with(st, experts, tokens, logits, on_layer)? {
+        return Ok(false);
+    }
     if let Some(t) = trace.as_deref_mut() {
         t.record(seq, pos, tokens[0], &st.routing)?;
     }
-    Ok(())
+    Ok(true)
 }
 
 #[derive(Debug, Clone, Serialize)]

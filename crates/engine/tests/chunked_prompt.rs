@@ -109,3 +109,51 @@ fn the_generation_loop_gives_the_same_tokens_for_every_chunk_size() {
         }
     }
 }
+
+/// A cancellation is honoured between the layers of a chunk, not only between chunks: a long
+/// prompt in one budget-sized chunk stops within a layer of the request, and the source is
+/// left ready for the next request, which gives the same tokens as a fresh run.
+#[test]
+fn a_cancelled_prompt_stops_between_layers() {
+    use deltafin_engine::generate::{Driver, Ended, GenerateHooks, run};
+
+    struct StopAfter {
+        polls: usize,
+        allowed: usize,
+    }
+    impl Driver for StopAfter {
+        fn keep_going(&mut self) -> bool {
+            self.polls += 1;
+            self.polls <= self.allowed
+        }
+        fn next(&mut self, _logits: &[f32]) -> anyhow::Result<Option<u32>> {
+            panic!("a cancelled prompt must not reach decoding")
+        }
+    }
+
+    let dir = convert_fixture(FIXTURES[0], SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let vocab = store.manifest.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..120u32).map(|i| (i * 37 + 11) % vocab).collect();
+    for resident in [None, Some(0)] {
+        let run_config = RunConfig { resident_layers: resident, prefill_chunk: prompt.len(), ..Default::default() };
+        let model = K3Model::load(&store, &run_config).unwrap();
+        let layers = model.layers.len();
+        assert!(layers >= 3);
+        let mut src = StoreExperts::new(&store);
+        // One poll before the chunk, then one per layer: stop after the second layer.
+        let mut d = StopAfter { polls: 0, allowed: 3 };
+        let mut st = model.new_state();
+        let mut logits = vec![0f32; model.config.vocab_size];
+        let ended =
+            run(&model, &mut src, &mut st, &mut logits, &prompt, &mut GenerateHooks::default(), &mut d).unwrap();
+        assert_eq!(ended, Ended::Cancelled);
+        assert_eq!(d.polls, 4, "stopped at the first poll that said no, within the chunk");
+        assert_eq!(st.position, 0, "the part-way state is not advanced");
+        // The next request on the same model and source runs as if nothing happened.
+        let after = generate_greedy(&model, &mut src, &prompt[..20], 3, None).unwrap();
+        let fresh = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt[..20], 3, None).unwrap();
+        assert_eq!(after.tokens, fresh.tokens);
+        assert!(same(&after.prompt_logits, &fresh.prompt_logits));
+    }
+}

@@ -37,18 +37,21 @@ impl K3Model {
         tokens: &[u32],
         logits: &mut [f32],
     ) -> Result<()> {
-        self.forward_chunk_with(st, experts, tokens, logits, &mut |_| {})
+        self.forward_chunk_with(st, experts, tokens, logits, &mut |_| true)?;
+        Ok(())
     }
 
-    /// [`Self::forward_chunk`], calling `on_layer(l)` after each layer (prompt progress).
+    /// [`Self::forward_chunk`], calling `on_layer(l)` after each layer (prompt progress and
+    /// cancellation): when it returns false before the last layer, the chunk stops there and
+    /// this returns `Ok(false)`; `st` is then part-way through the chunk and must be discarded.
     pub fn forward_chunk_with(
         &self,
         st: &mut K3State,
         experts: &mut dyn ExpertSource,
         tokens: &[u32],
         logits: &mut [f32],
-        on_layer: &mut dyn FnMut(usize),
-    ) -> Result<()> {
+        on_layer: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool> {
         let c = &self.config;
         let h = c.hidden_size;
         let t_n = tokens.len();
@@ -107,7 +110,13 @@ impl K3Model {
                 }
             }
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
-            on_layer(l);
+            if !on_layer(l) && l + 1 < self.layers.len() {
+                // Stopped between layers: no read is open, the buffers go back.
+                for buf in [xs, normed, ys, hmix, y] {
+                    sc.give(buf);
+                }
+                return Ok(false);
+            }
         }
         let last = &xs[(t_n - 1) * h..];
         if let Some(w) = &self.output_res_w {
@@ -124,7 +133,7 @@ impl K3Model {
             sc.give(buf);
         }
         st.position += t_n;
-        Ok(())
+        Ok(true)
     }
 
     /// Whether layer `l` starts an attention-residual block: the running sum is stored as a
