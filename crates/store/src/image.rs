@@ -58,6 +58,12 @@ impl SpineSource for SpineImage<'_> {
                 }),
             }
         };
+        if self.len > self.image.bytes().len() {
+            return Err(StoreError::Store {
+                path: path.to_path_buf(),
+                msg: format!("the layer image holds {} bytes, not {}", self.image.bytes().len(), self.len),
+            });
+        }
         let (d0, dn) = range(t.offset, t.len)?;
         let (s0, sn) = if t.scales_len > 0 { range(t.scales_offset, t.scales_len)? } else { (0, 0) };
         let bytes = self.image.bytes();

@@ -444,6 +444,11 @@ mod tests {
             t2.shape = vec![rows, cols + 1];
             let e = from_image(&t2, &file_bytes, &path, true).unwrap_err().to_string();
             assert!(e.contains("does not match"), "{e}");
+            // An image said to be longer than its bytes is refused.
+            let image: Arc<dyn ImageBytes> = Arc::new(Bytes(file_bytes.clone()));
+            let tb = table(&path, &t);
+            let long = SpineImage { table: &tb, base: 0, image: &image, len: file_bytes.len() + 1, verified: true };
+            assert!(long.load_spine(&t.name).unwrap_err().to_string().contains("holds"));
             // A table entry pointing outside the image is refused.
             t2 = t.clone();
             t2.offset += 8;
