@@ -87,17 +87,52 @@ pub fn spine_layer_bytes(m: &Manifest) -> (Vec<u64>, u64) {
     (per, other)
 }
 
-/// Activation bytes one prompt token holds while its chunk goes through a layer: the running
-/// sums, normed inputs and outputs `[T, H]` x 3, the shared experts' outputs `[T, H]`, the
-/// block attention residuals `[T, blocks, H]`, the latent inputs `[T, LAT]`, each routed
-/// expert's output `[T, k, LAT]`, one expert's batch `[n, LAT]` x 2 and `[n, I]`, and the
-/// int8 copy of the latent input (approximate mode). Per-token attention scratch does not grow
-/// with the chunk (KDA and MLA run token by token inside it) and is in [`FIXED_OVERHEAD`].
+/// Activation bytes one prompt token holds while its chunk goes through a layer. Throughout:
+/// the running sums, normed inputs and sub-layer outputs `[T, H]` x 3 and the block attention
+/// residuals `[T, blocks, H]`. On top, the largest of the phases, whose buffers the chunk's
+/// scratch pool reuses from one phase to the next:
+/// - KDA: q, k, v before the conv, decay logits, gate and output `[T, P]` x 6;
+/// - MLA: queries `[T, heads, nope + rope]`, latents `[T, kv_lora + rope]`, the output and its
+///   gate `[T, heads, v]` x 2, the query's low-rank input `[T, q_lora]`;
+/// - a dense MLP: gate, up and activations `[T, I_dense]` x 3;
+/// - latent MoE: router logits `[T, E]`, the shared experts' outputs `[T, H]` and their
+///   gate, up and activations `[T, I_shared]` x 3, the latent inputs `[T, LAT]`, each routed
+///   expert's output `[T, k, LAT]`, one expert's batch `[n, LAT]` x 2 and `[n, I]`, and the
+///   int8 copy of the latent input (approximate mode).
+///
+/// Per-token scratch of the recurrences does not grow with the chunk and is in
+/// [`FIXED_OVERHEAD`].
 pub fn prefill_token_bytes(m: &Manifest, experts_per_token: usize) -> u64 {
     let c = &m.config;
+    let lac = &c.linear_attn_config;
     let (h, lat, i) = (c.hidden_size, c.expert_input_dim(), c.moe_intermediate_size);
     let blocks = c.attn_res_block_size.map(|b| c.num_hidden_layers.div_ceil(b.max(1)) + 1).unwrap_or(0);
-    let floats = 4 * h + blocks * h + lat * (3 + experts_per_token) + i;
+    let throughout = (3 + blocks) * h;
+    let kda = 6 * lac.num_heads * lac.head_dim;
+    let heads = c.num_attention_heads;
+    let mla = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        + c.kv_lora_rank
+        + c.qk_rope_head_dim
+        + 2 * heads * c.v_head_dim
+        + c.q_lora_rank.unwrap_or(0);
+    let dense = 3 * c.intermediate_size;
+    let shared = 3 * i * c.num_shared_experts;
+    let moe = c.num_experts + h + shared + lat * (3 + experts_per_token) + i;
+    // Only the kinds of layer the model has.
+    let layers = 0..c.num_hidden_layers;
+    let has = |f: &dyn Fn(usize) -> bool| layers.clone().any(f);
+    let phase = [
+        (has(&|l| c.attn_kind(l) == AttnKind::Kda), kda),
+        (has(&|l| c.attn_kind(l) == AttnKind::Mla), mla),
+        (has(&|l| !c.is_moe_layer(l)), dense),
+        (has(&|l| c.is_moe_layer(l)), moe),
+    ]
+    .iter()
+    .filter(|(present, _)| *present)
+    .map(|(_, floats)| *floats)
+    .max()
+    .unwrap_or(0);
+    let floats = throughout + phase;
     (4 * floats + lat + 3 * 8 * experts_per_token) as u64
 }
 
@@ -139,8 +174,8 @@ pub fn prompt_flops(m: &Manifest, experts_per_token: usize, tokens: usize, chunk
 
 /// Share of the memory beyond the minimum (embeddings, head, two streamed layer images, state,
 /// I/O buffers) that prompt chunks take; resident spine layers and the expert cache share the
-/// rest. On Kimi K3 at 24 GB this is about 1.9 GB: 3,000-token chunks, for 3.5 resident layers
-/// (1.9 GB more read per token).
+/// rest. On Kimi K3 at 24 GiB this is about 1.8 GiB (`deltafin plan --preset kimi-k3`), for
+/// three resident layers fewer (1.6 GiB more read per token).
 const PREFILL_SHARE_PERCENT: u64 = 10;
 
 /// The prompt chunk: `forced` (`--prefill-chunk`), else as many tokens as fit in
@@ -228,7 +263,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         bail!(
             "memory budget {} ({budget_source}) is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens{snapshot_note}, I/O buffers {}, overhead {})",
             human(budget),
-            human(other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0) + rest),
+            human(minimum + rest),
             human(other_spine),
             human(STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0)),
             human(state),
@@ -564,6 +599,22 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prompt token reserves what stays alive through the chunk plus its layers' largest
+    /// phase: on the K3 release the dense first layer's MLP; without it, the MoE, which is
+    /// larger than the batched KDA projections.
+    #[test]
+    fn a_prompt_token_reserves_its_largest_phase() {
+        let mut c = deltafin_store::synth::k3_release_config();
+        let throughout = 4 * (3 + 93usize.div_ceil(12) + 1) * c.hidden_size;
+        let with_dense = prefill_token_bytes(&deltafin_store::synth::paper_manifest(&c), 16) as usize;
+        assert!(with_dense >= throughout + 4 * 3 * c.intermediate_size, "{with_dense}");
+        c.first_k_dense_replace = 0;
+        let moe_only = prefill_token_bytes(&deltafin_store::synth::paper_manifest(&c), 16) as usize;
+        let kda = 4 * 6 * c.linear_attn_config.num_heads * c.linear_attn_config.head_dim;
+        let moe = 4 * (c.hidden_size + c.expert_input_dim() * 19);
+        assert!(moe_only < with_dense && moe_only >= throughout + moe.max(kda), "{moe_only}");
+    }
 
     #[test]
     fn prefill_chunks_take_a_share_of_what_is_beyond_the_minimum() {

@@ -16,7 +16,7 @@ use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress};
 use crate::error::{StoreError, io_err};
 use crate::manifest::record_parts;
 use crate::manifest::*;
-use crate::schema::{Role, ShapeRule, expert_parts, spine_specs};
+use crate::schema::{Role, ShapeRule, SpineSpec, expert_parts, spine_specs};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SynthSpine {
@@ -132,10 +132,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
             last_layer = Some(spec.layer);
         }
         w.pad_to(64)?;
-        let shape = match &spec.shape {
-            ShapeRule::Exact(s) => s.clone(),
-            ShapeRule::Numel(n) | ShapeRule::AtLeast(n) => vec![*n],
-        };
+        let shape = spec_shape(&spec);
         let mut h = Xxh3::new();
         let offset = w.pos;
         let (mut scales_offset, mut scales_len, mut group) = (0, 0, 0);
@@ -221,31 +218,7 @@ pub fn synth(out: &Path, o: &SynthOptions) -> Result<Manifest, StoreError> {
         layers.push(ExpertLayer { layer: l, experts });
     }
     bar.finish_and_clear();
-    let manifest = Manifest {
-        format: FORMAT_NAME.into(),
-        version: FORMAT_VERSION,
-        arch: "kimi_k3".into(),
-        config: cfg,
-        source: SourceInfo { dir: String::new(), prefix: "synthetic:".into(), shards: Vec::new() },
-        spine: SpineInfo {
-            file: "spine.bin".into(),
-            matrix_dtype: SpineDtype::Int8,
-            int8_group: 0,
-            bytes: spine_bytes,
-            tensors,
-        },
-        experts: ExpertsInfo {
-            layout: ExpertLayout::Pack,
-            format: "mxfp4".into(),
-            record_bytes,
-            parts: part_meta,
-            files,
-            layers,
-        },
-        tokenizer: None,
-        origin: None,
-        streaming: None,
-    };
+    let manifest = packed_manifest(cfg, "synthetic:", spine_bytes, tensors, files, layers);
     manifest.save(out)?;
     Ok(manifest)
 }
@@ -276,10 +249,7 @@ pub fn paper_manifest(cfg: &K3Config) -> Manifest {
             last_layer = Some(spec.layer);
         }
         pos = align_up(pos, 64);
-        let shape = match &spec.shape {
-            ShapeRule::Exact(s) => s.clone(),
-            ShapeRule::Numel(n) | ShapeRule::AtLeast(n) => vec![*n],
-        };
+        let shape = spec_shape(&spec);
         let numel: usize = shape.iter().product();
         let offset = pos;
         let (dtype, len, scales_offset, scales_len, group) = if spec.role == Role::Matrix {
@@ -303,8 +273,7 @@ pub fn paper_manifest(cfg: &K3Config) -> Manifest {
             xxh3: 0,
         });
     }
-    let parts = expert_parts(cfg);
-    let (part_meta, record_bytes) = record_parts(&parts);
+    let (_, record_bytes) = record_parts(&expert_parts(cfg));
     let stride = align_up(record_bytes, IO_ALIGN);
     let moe = cfg.moe_layers();
     let layers = moe
@@ -317,27 +286,43 @@ pub fn paper_manifest(cfg: &K3Config) -> Manifest {
                 .collect(),
         })
         .collect();
+    let files = moe.iter().map(|l| format!("experts/layer-{l:03}.bin")).collect();
+    packed_manifest(cfg.clone(), "paper:", align_up(pos, IO_ALIGN), tensors, files, layers)
+}
+
+/// A spec's shape as stored: the exact shape, or the one-dimensional length a rule names.
+fn spec_shape(spec: &SpineSpec) -> Vec<usize> {
+    match &spec.shape {
+        ShapeRule::Exact(s) => s.clone(),
+        ShapeRule::Numel(n) | ShapeRule::AtLeast(n) => vec![*n],
+    }
+}
+
+/// The manifest of a store laid out here: an int8 spine (per-row scales) of `spine_bytes`, and
+/// packed 4096-aligned expert records in `files`, one per MoE layer.
+fn packed_manifest(
+    cfg: K3Config,
+    prefix: &str,
+    spine_bytes: u64,
+    tensors: Vec<SpineTensor>,
+    files: Vec<String>,
+    layers: Vec<ExpertLayer>,
+) -> Manifest {
+    let (parts, record_bytes) = record_parts(&expert_parts(&cfg));
     Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         arch: "kimi_k3".into(),
-        config: cfg.clone(),
-        source: SourceInfo { dir: String::new(), prefix: "paper:".into(), shards: Vec::new() },
+        config: cfg,
+        source: SourceInfo { dir: String::new(), prefix: prefix.into(), shards: Vec::new() },
         spine: SpineInfo {
             file: "spine.bin".into(),
             matrix_dtype: SpineDtype::Int8,
             int8_group: 0,
-            bytes: align_up(pos, IO_ALIGN),
+            bytes: spine_bytes,
             tensors,
         },
-        experts: ExpertsInfo {
-            layout: ExpertLayout::Pack,
-            format: "mxfp4".into(),
-            record_bytes,
-            parts: part_meta,
-            files: moe.iter().map(|l| format!("experts/layer-{l:03}.bin")).collect(),
-            layers,
-        },
+        experts: ExpertsInfo { layout: ExpertLayout::Pack, format: "mxfp4".into(), record_bytes, parts, files, layers },
         tokenizer: None,
         origin: None,
         streaming: None,

@@ -77,8 +77,6 @@ pub struct SpineReport {
     /// Bytes hashed against the tensors' checksums, and the seconds that took (loader thread).
     pub bytes_verified: u64,
     pub verify_s: f64,
-    /// Seconds the loader had a layer to read but both images were still in use.
-    pub disk_idle_s: f64,
     pub retries: u64,
 }
 
@@ -256,17 +254,13 @@ impl K3Model {
             bytes_read: c.bytes_read.load(Relaxed),
             bytes_verified: c.bytes_verified.load(Relaxed),
             verify_s: c.verify_ns.load(Relaxed) as f64 * 1e-9,
-            disk_idle_s: c.idle_ns.load(Relaxed) as f64 * 1e-9,
             retries: c.retries.load(Relaxed),
         })
     }
 
     /// Spine bytes read from disk so far (the streamed layers; 0 when all are resident).
     pub fn spine_bytes_read(&self) -> u64 {
-        self.spine_stream
-            .as_ref()
-            .and_then(|s| s.lock().ok().map(|s| s.counters.bytes_read.load(std::sync::atomic::Ordering::Relaxed)))
-            .unwrap_or(0)
+        self.spine_report().map(|r| r.bytes_read).unwrap_or(0)
     }
 
     /// The next MoE layer after `l`, when predictions are wanted (prefetch or traces).

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Result, anyhow};
 use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
@@ -46,9 +46,6 @@ pub struct SpineCounters {
     /// Bytes hashed to verify images, and the nanoseconds spent hashing (on the loader thread).
     pub bytes_verified: AtomicU64,
     pub verify_ns: AtomicU64,
-    /// Nanoseconds the drive had no spine read of ours while a streamed layer was still to be
-    /// read: the loader waited for a buffer (the engine still computing on both images).
-    pub idle_ns: AtomicU64,
     /// Reads retried after an error or a checksum failure.
     pub retries: AtomicU64,
 }
@@ -128,8 +125,6 @@ struct Loader<T> {
     inbox: Receiver<Msg>,
     back: Sender<Msg>,
     out: Sender<(usize, Result<T>)>,
-    /// Since when the loader has had a layer to read but no free buffer.
-    starved_since: Option<Instant>,
 }
 
 impl<T> Loader<T> {
@@ -157,13 +152,7 @@ impl<T> Loader<T> {
         if self.reading.is_some() || self.ranges.is_empty() {
             return;
         }
-        let Some(mut buf) = self.free.pop() else {
-            self.starved_since.get_or_insert_with(Instant::now);
-            return;
-        };
-        if let Some(t) = self.starved_since.take() {
-            self.counters.idle_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        }
+        let Some(mut buf) = self.free.pop() else { return };
         let (layer, (lo, hi)) = self.ranges[self.next];
         self.next = (self.next + 1) % self.ranges.len();
         let len = (hi - lo) as usize;
@@ -383,7 +372,6 @@ impl<T: Send + 'static> SpineStreamer<T> {
             inbox,
             back: tx.clone(),
             out,
-            starved_since: None,
         };
         let thread = std::thread::Builder::new().name("spine-loader".into()).spawn(move || loader.run())?;
         Ok(SpineStreamer { inbox: tx, resp, thread: Some(thread), expected: layers.first().copied(), layers, counters })
