@@ -259,9 +259,13 @@ def test_queue_of_two_is_fifo(start_server, script_file):
 
 
 def test_keep_alive_comments_flow_while_the_prompt_is_processed(start_server):
-    """A slow prompt (every 32-token chunk held 250 ms) and a 0.1 s keep-alive: comment lines
-    must arrive before the first data chunk, so clients with read timeouts stay connected."""
-    server = start_server("--token-delay-ms", "250", "--keep-alive-s", "0.1")
+    """A slow prompt (every 8-token chunk held 250 ms, so the prompt takes over a second) and a
+    0.1 s keep-alive: comment lines must arrive before the first data chunk, so clients with read
+    timeouts stay connected. The chunk is forced: the plan's own chunk would take the whole prompt
+    in one step, and one 250 ms step leaves only two keep-alive periods."""
+    server = start_server(
+        "--token-delay-ms", "250", "--keep-alive-s", "0.1", "--prefill-chunk", "8"
+    )
     conn = socket.create_connection((server.host, server.port), timeout=CLIENT_TIMEOUT)
     try:
         body = json.dumps({
