@@ -200,7 +200,61 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
             }));
         }
     }
+    // Prompt chunks, which are compute-bound: FLOPs per second against the FMA roof. The spine's
+    // int8 product over a chunk of tokens, and one expert applied to the tokens that chose it
+    // (about 18 per expert per layer in a 1,000-token K3 prompt: 1,000 x 16 of 896).
+    let mut chunk_rows = Vec::new();
+    {
+        let (rows, cols, n) = (12288usize, 7168usize, 64usize);
+        let q: Vec<i8> = bytemuck_i8(&fill(rows * cols, 31)).to_vec();
+        let scales = vec![0.01f32; rows];
+        let xs: Vec<f32> = (0..n * cols).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+        let mut outs = vec![0f32; n * rows];
+        let flops = 2.0 * (rows * cols * n) as f64;
+        for (ti, &t) in threads.iter().enumerate() {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+            let (runs, s) = pool.install(|| {
+                run_timed(secs, || deltafin_kernels::int8_matmat(&q, &scales, cols, rows, cols, &xs, n, &mut outs))
+            });
+            chunk_rows.push(chunk_row(
+                format!("int8 spine product, chunk of {n} tokens"),
+                [rows, cols],
+                t,
+                runs as f64 * flops / s,
+                fma[ti],
+            ));
+        }
+    }
+    {
+        const TOKENS: usize = 18;
+        let xs: Vec<f32> = (0..TOKENS * lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+        let (mut act_b, mut out_b) = (vec![0f32; TOKENS * inter], vec![0f32; TOKENS * lat]);
+        let flops = 2.0 * 3.0 * (inter * lat * TOKENS) as f64;
+        for (ti, &t) in threads.iter().enumerate() {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+            let mut i = 0usize;
+            let (runs, s) = pool.install(|| {
+                run_timed(secs, || {
+                    let r = &recs[i % copies];
+                    i += 1;
+                    let (a, b) = (inter * lat / 2, inter * lat / 32);
+                    let w1 = Mxfp4 { packed: &r[..a], scales: &r[a..a + b] };
+                    let w2 = Mxfp4 { packed: &r[a + b..2 * a + b], scales: &r[2 * a + b..2 * a + 2 * b] };
+                    let w3 = Mxfp4 { packed: &r[2 * a + 2 * b..3 * a + 2 * b], scales: &r[3 * a + 2 * b..] };
+                    expert_mxfp4_batch(w1, w3, w2, inter, lat, &xs, TOKENS, 4.0, Some(25.0), &mut act_b, &mut out_b)
+                })
+            });
+            chunk_rows.push(chunk_row(
+                format!("MXFP4 expert, {TOKENS} tokens"),
+                [inter, lat],
+                t,
+                runs as f64 * flops / s,
+                fma[ti],
+            ));
+        }
+    }
     let out = json!({
+        "prompt_chunk_kernels": chunk_rows,
         "memory_gbps": mem.last().copied().unwrap_or(f64::NAN),
         "fma_gflops": fma.last().copied().unwrap_or(f64::NAN),
         "kernel_path": kernel_path(),
@@ -213,6 +267,13 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         print_table(&out, &threads, &mem, &fma);
     }
     Ok(())
+}
+
+/// A compute-bound kernel's row: achieved GFLOP/s and its fraction of the FMA roof.
+fn chunk_row(name: String, shape: [usize; 2], threads: usize, flops_per_s: f64, fma_gflops: f64) -> Value {
+    let gflops = flops_per_s / 1e9;
+    json!({ "name": name, "shape": shape, "threads": threads, "gflops": gflops,
+            "fma_gflops": fma_gflops, "fraction_of_fma_roof": gflops / fma_gflops })
 }
 
 /// View random bytes as int8 weights.
@@ -241,6 +302,19 @@ fn print_table(out: &Value, threads: &[usize], mem: &[f64], fma: &[f64]) {
             k["fma_roof_gbps"].as_f64().unwrap_or(0.0),
             k["fraction"].as_f64().unwrap_or(0.0),
             k["bound"].as_str().unwrap_or("")
+        );
+    }
+    println!("prompt chunks (compute-bound):");
+    println!("{:<44} {:>12} {:>7} {:>9} {:>9} {:>8}", "kernel", "shape", "threads", "GFLOP/s", "FMA roof", "fraction");
+    for k in out["prompt_chunk_kernels"].as_array().into_iter().flatten() {
+        println!(
+            "{:<44} {:>12} {:>7} {:>9.1} {:>9.1} {:>8.2}",
+            k["name"].as_str().unwrap_or(""),
+            format!("{}x{}", k["shape"][0], k["shape"][1]),
+            k["threads"],
+            k["gflops"].as_f64().unwrap_or(0.0),
+            k["fma_gflops"].as_f64().unwrap_or(0.0),
+            k["fraction_of_fma_roof"].as_f64().unwrap_or(0.0),
         );
     }
 }

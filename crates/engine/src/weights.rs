@@ -64,7 +64,10 @@ impl Linear {
         let esize = match &self.data {
             SpineData::F32(_) => 4,
             SpineData::Bf16(_) => 2,
-            SpineData::Int8 { .. } => 1,
+            SpineData::Int8 { q, scales, group } => {
+                // Register tiles share each widened weight chunk and each input load.
+                return k::int8_matmat(q, scales, *group, rows, cols, &xs[..t_n * cols], t_n, outs);
+            }
         };
         // About 128 KiB of weights per block: resident in L2 while the share's tokens go by.
         let block = ((128 << 10) / (cols * esize).max(1)).clamp(1, rows.max(1));
@@ -72,14 +75,6 @@ impl Linear {
             let n_tok = o.len() / rows.max(1);
             for r0 in (0..rows).step_by(block) {
                 let n = block.min(rows - r0);
-                if let SpineData::Int8 { q, scales, group } = &self.data {
-                    // Several tokens share each widened weight chunk (bit-identical per token).
-                    let g = cols / group;
-                    let (qb, sb) = (&q[r0 * cols..(r0 + n) * cols], &scales[r0 * g..(r0 + n) * g]);
-                    let x = &xs[t0 * cols..(t0 + n_tok) * cols];
-                    k::int8_matvec_multi(qb, sb, *group, n, cols, x, n_tok, &mut o[r0..], rows);
-                    continue;
-                }
                 for j in 0..n_tok {
                     let x = &xs[(t0 + j) * cols..(t0 + j + 1) * cols];
                     self.rows_serial(r0, x, &mut o[j * rows + r0..j * rows + r0 + n]);

@@ -2,10 +2,10 @@
 //! or a small batch of inputs. Imports `format`, `cpu`, `par`, `scalar`, `isa` and, the one
 //! operation module below it, `mxfp4` (the down product and the paths without a fused kernel).
 //!
-//! The fused kernel computes the gate (w1) and up (w3) rows in the same pass over the input (one
-//! load of each input block serves both), applies SiTU as each row pair finishes, then runs the
-//! down product. The batched form decodes each block pair once for up to
-//! [`crate::format::MAX_BATCH`] inputs, per input bit-identical to the single-input expert.
+//! On AVX-512 the gate (w1) and up (w3) products and then the down product run as register
+//! tiles ([`crate::isa::avx512_tile`]), SiTU applied between them; the batched form decodes each
+//! weight block once for a group of inputs and is, per input, bit-identical to the single-input
+//! expert.
 //!
 //! Shapes: w1, w3 packed `[I, L/2]` + scales `[I, L/32]`; w2 packed `[L, I/2]` + scales
 //! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`. Batched: xs `[n, L]`, act
@@ -17,7 +17,7 @@ use crate::cpu::Path;
 pub use crate::format::Mxfp4;
 use crate::format::{BLOCK, check_matmat_shapes};
 #[cfg(target_arch = "x86_64")]
-use crate::isa::avx512;
+use crate::isa::{avx512, avx512_tile};
 #[cfg(target_arch = "x86_64")]
 use crate::mxfp4::mxfp4_matmat_on;
 use crate::mxfp4::mxfp4_matvec_par_on;
@@ -71,7 +71,7 @@ pub fn expert_mxfp4_on(
             avx512::with_deinterleaved(x, |xd| {
                 par_rows(inter, 2 * latent, act, |r0, a| {
                     // SAFETY: AVX-512F/BW present (an available path); shapes asserted above.
-                    unsafe { avx512::gate_up_situ(w1, w3, r0, latent, xd, beta, linear_beta, a) }
+                    unsafe { avx512_tile::gate_up_situ(w1, w3, r0, latent, xd, 1, beta, linear_beta, a) }
                 })
             });
             mxfp4_matvec_par_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, out);
@@ -174,7 +174,7 @@ pub fn expert_mxfp4_batch_on(
             avx512::with_batch_staging(xs, latent, inter, n, act, |xd, staged| {
                 par_rows_wide(inter, 2 * latent * n, n, staged, |r0, o| {
                     // SAFETY: AVX-512F/BW present (an available path); shapes checked above.
-                    unsafe { avx512::gate_up_situ_batch(w1, w3, r0, latent, xd, n, beta, linear_beta, o) }
+                    unsafe { avx512_tile::gate_up_situ(w1, w3, r0, latent, xd, n, beta, linear_beta, o) }
                 });
             });
             mxfp4_matmat_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, n, out);

@@ -3,8 +3,7 @@
 //! MXFP4 (OCP Microscaling), as compressed-tensors `mxfp4-pack-quantized` stores it (Kimi K3): a
 //! `[rows, cols]` matrix is `packed: [rows, cols/2]` bytes, element `2j` in the LOW nibble of byte
 //! `j`, and `scales: [rows, cols/32]` E8M0 bytes, one per block of 32 elements along a row. Also
-//! the int8 activation blocks of approximate mode ([`QuantizedX`]) and the batch width of the
-//! small-batch kernels ([`MAX_BATCH`]).
+//! the int8 activation blocks of approximate mode ([`QuantizedX`]).
 
 /// Elements per shared scale.
 pub const BLOCK: usize = 32;
@@ -15,11 +14,6 @@ pub const E2M1_LUT: [f32; 16] =
 
 /// 2·E2M1 for each nibble: exact small integers.
 pub const E2M1_X2_I8: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// Inputs decoded against one block in a single pass by the small-batch kernels (register
-/// budget: two accumulators per input in the fused gate/up kernel). Larger batches are processed
-/// in groups of this size.
-pub const MAX_BATCH: usize = 8;
 
 /// E8M0 scale byte to its value, 2^(e-127). 0xFF encodes NaN in the format; callers validate
 /// scales when data enters the store, so here it simply decodes to NaN.

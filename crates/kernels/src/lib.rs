@@ -33,5 +33,5 @@ pub mod ops;
 pub mod roofline;
 
 pub use format::{E2M1_LUT, e8m0_to_f32};
-pub use matvec::{bf16_matvec, f32_matvec, int8_matvec, int8_matvec_multi};
+pub use matvec::{bf16_matvec, f32_matvec, int8_matmat, int8_matvec, int8_matvec_multi};
 pub use mxfp4::{mxfp4_matvec, mxfp4_matvec_par};

@@ -6,11 +6,13 @@
 //! compiles them again with AVX2 enabled (bit-identical), which AVX2 and AVX-512 CPUs run. int8
 //! has its own AVX-512 and NEON kernels for scale groups that are a multiple of 16.
 
+use rayon::prelude::*;
+
 use crate::cpu::Path;
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx2, avx512};
+use crate::isa::{avx2, avx512, avx512_tile};
 use crate::scalar;
 
 /// f32 weights on the best path. Shapes: w `[rows, cols]`, x `[cols]`, out `[rows]`.
@@ -85,8 +87,8 @@ pub fn int8_matvec_on(
 }
 
 /// [`int8_matvec`] for `n` inputs `xs` `[n, cols]`: `out[j * stride + r] = (W xs[j])[r]`. On
-/// AVX-512 (group a multiple of 16) four inputs share each widened weight chunk
-/// ([`avx512::int8_matvec_x4`]); other paths and the last `n % 4` inputs run [`int8_matvec_on`]
+/// AVX-512 (group a multiple of 16) tiles of four rows and three inputs share each widened
+/// weight chunk and each input load ([`avx512_tile::int8_rows`]); other paths run [`int8_matvec_on`]
 /// per input. Per input bit-identical to [`int8_matvec_on`] on the same path.
 #[allow(clippy::too_many_arguments)]
 pub fn int8_matvec_multi_on(
@@ -107,14 +109,10 @@ pub fn int8_matvec_multi_on(
     #[cfg(target_arch = "x86_64")]
     if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
         check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
-        while j + 4 <= n {
-            // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output
-            // span checked above.
-            unsafe {
-                avx512::int8_matvec_x4(q, scales, group, rows, cols, &xs[j * cols..], &mut out[j * stride..], stride)
-            };
-            j += 4;
-        }
+        // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output span
+        // checked above (and again by the kernel).
+        unsafe { avx512_tile::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
+        j = n;
     }
     for j in j..n {
         int8_matvec_on(
@@ -146,6 +144,46 @@ pub fn int8_matvec_multi(
     int8_matvec_multi_on(Path::best(), q, scales, group, rows, cols, xs, n, out, stride);
 }
 
+/// `outs[t] = W xs[t]` for a prompt chunk of `n` inputs, the inputs split over the thread pool:
+/// a block of rows small enough to stay in the core's L2 cache (about 128 KiB of weights) is
+/// applied to every input of a thread's share before the next block is read, so the matrix
+/// comes from memory once per share instead of once per input. Per input bit-identical to
+/// [`int8_matvec`]. Shapes: q `[rows, cols]`, scales `[rows, cols/group]`, xs `[n, cols]`, outs
+/// `[n, rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matmat(
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    n: usize,
+    outs: &mut [f32],
+) {
+    assert!(group != 0 && cols.is_multiple_of(group));
+    assert!(q.len() >= rows * cols && scales.len() >= rows * (cols / group));
+    assert!(xs.len() >= n * cols && outs.len() == n * rows);
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let g = cols / group;
+    // A multiple of four rows (the AVX-512 tile's height).
+    let block = ((128 << 10) / cols.max(1)).next_multiple_of(4).clamp(1, rows);
+    // One share of the inputs per thread: each share reads the whole matrix from memory once,
+    // so more, smaller shares would only read it more often.
+    let share = n.div_ceil(crate::par::threads().max(1));
+    outs.par_chunks_mut(share * rows).enumerate().for_each(|(i, o)| {
+        let (t0, n_tok) = (i * share, o.len() / rows);
+        for r0 in (0..rows).step_by(block) {
+            let m = block.min(rows - r0);
+            let (qb, sb) = (&q[r0 * cols..(r0 + m) * cols], &scales[r0 * g..(r0 + m) * g]);
+            let x = &xs[t0 * cols..(t0 + n_tok) * cols];
+            int8_matvec_multi(qb, sb, group, m, cols, x, n_tok, &mut o[r0..], rows);
+        }
+    });
+}
+
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn check_int8(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize, x: &[f32], out: &[f32]) {
     assert!(group > 0 && cols.is_multiple_of(group), "int8 group must divide the row");
@@ -166,8 +204,8 @@ mod tests {
     }
 
     /// Several inputs at once give, input by input, exactly the one-input kernel's result on
-    /// every available path (AVX-512's four-input kernel included), on odd row counts, groups
-    /// and input counts.
+    /// every available path (AVX-512's tiles of 4 rows x 3 inputs and all their remainders
+    /// included), on odd row counts, groups (an odd number of chunks per group too) and input counts.
     #[test]
     fn int8_multi_input_is_bit_identical_to_one_input() {
         for path in [Path::Avx512, Path::Avx2, Path::Neon, Path::Scalar] {
@@ -178,7 +216,7 @@ mod tests {
             for &(rows, cols, group) in &[(1, 16, 16), (3, 64, 32), (7, 96, 48), (5, 160, 160), (4, 40, 8)] {
                 let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 7919 % 255) as i32 - 127) as i8).collect();
                 let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 0.001).collect();
-                for n in [1, 3, 4, 5, 9] {
+                for n in [1, 2, 3, 4, 5, 6, 7, 9, 13] {
                     let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.37).sin()).collect();
                     let stride = rows + 2;
                     let mut multi = vec![f32::NAN; n * stride];

@@ -13,7 +13,7 @@ use crate::format::{BLOCK, check_matmat_shapes, check_matvec_shapes};
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx2, avx512};
+use crate::isa::{avx2, avx512, avx512_tile};
 use crate::par::par_rows;
 #[cfg(target_arch = "x86_64")]
 use crate::par::par_rows_wide;
@@ -37,7 +37,7 @@ pub fn mxfp4_matvec_on(path: Path, packed: &[u8], scales: &[u8], rows: usize, co
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 => avx512::with_deinterleaved(x, |xd| {
             // SAFETY: the CPU supports AVX-512F/BW (an available path), and the shapes were checked.
-            unsafe { avx512::mxfp4_matvec(packed, scales, rows, cols, xd, out) }
+            unsafe { avx512_tile::mxfp4_rows(packed, scales, rows, cols, xd, 1, out) }
         }),
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON present (an available path), and the shapes were checked.
@@ -71,12 +71,13 @@ pub fn mxfp4_matvec_par_on(
                 let n = o.len();
                 // SAFETY: AVX-512F/BW are present (an available path) and the shapes were checked.
                 unsafe {
-                    avx512::mxfp4_matvec(
+                    avx512_tile::mxfp4_rows(
                         &packed[r0 * half..(r0 + n) * half],
                         &scales[r0 * nb..(r0 + n) * nb],
                         n,
                         cols,
                         xd,
+                        1,
                         o,
                     )
                 }
@@ -118,7 +119,7 @@ pub fn mxfp4_matmat_on(
                 let m = o.len() / n;
                 // SAFETY: AVX-512F/BW present (an available path); shapes checked above.
                 unsafe {
-                    avx512::mxfp4_rows_batch(
+                    avx512_tile::mxfp4_rows(
                         &packed[r0 * half..(r0 + m) * half],
                         &scales[r0 * nb..(r0 + m) * nb],
                         m,
@@ -236,7 +237,11 @@ mod tests {
     fn matmat_is_bit_identical_to_matvec_per_input() {
         // Batches below, at and above the group size, and a row with a huge scale (safe path).
         // The last shape is large enough to be split over the thread pool.
-        for (rows, cols, n) in [(40, 64, 2), (33, 96, 8), (70, 128, 11), (5, 32, 3), (512, 1024, 9)] {
+        // Row counts past the 48-row cache block and off the 3- and 8-row tiles; input counts that
+        // split into unequal groups (14 = 5 + 5 + 4, 17 = 6 + 6 + 5).
+        for (rows, cols, n) in
+            [(40, 64, 2), (33, 96, 8), (70, 128, 11), (5, 32, 3), (512, 1024, 9), (50, 64, 14), (101, 32, 17)]
+        {
             let p = bytes(rows * cols / 2, 1);
             let mut s = scales(rows * cols / 32, 2);
             s[0] = 230;

@@ -1,20 +1,24 @@
-//! Layer 3, every AVX-512 kernel (x86_64): F + BW for the exact MXFP4, int8, batched and fused
-//! expert kernels, RMSNorm and softmax; F + BW + VL + VNNI for the approximate-mode product.
-//! Imports only `format` and `scalar`. Their oracles are the scalar twins.
+//! Layer 3, the AVX-512 kernels (x86_64) that are not tiles: F + BW for the one-input int8
+//! product, RMSNorm, softmax and the input staging of the MXFP4 tiles; F + BW + VL + VNNI for the
+//! approximate-mode product. The register-blocked exact MXFP4 products and the prompt chunk's
+//! int8 product are in [`super::avx512_tile`]. Imports only `format` and `scalar`. Their oracles
+//! are the scalar twins.
 //!
 //! MXFP4: a block's 16 packed bytes widen to 16 lanes; the low nibbles are the block's even
 //! elements and the high nibbles its odd elements, and one `vpermps` against the 16-entry E2M1
 //! table decodes sign and magnitude at once. The input vector is split into even and odd halves
 //! once per product ([`deinterleave`], [`with_deinterleaved`], [`with_batch_staging`]), so each
-//! block costs two table look-ups and two FMAs.
+//! block costs two table look-ups and, per input, two FMAs.
 //!
 //! Every kernel here is `unsafe`: the caller (an operation module's `op_on`) must have checked
 //! that the CPU supports the features named in its `# Safety` section.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::hint::black_box;
+use std::time::Instant;
 
-use crate::format::{BLOCK, E2M1_LUT, E2M1_X2_I8, MAX_BATCH, Mxfp4, QuantizedX, e8m0_to_f32};
+use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX};
 use crate::scalar;
 
 /// Split `x` per 32-element block into its 16 even then 16 odd elements. Shapes: x, out `[cols]`.
@@ -71,60 +75,6 @@ pub fn with_batch_staging(
     });
 }
 
-/// MXFP4 mat-vec.
-///
-/// # Safety
-/// AVX-512F/BW must be available. Shapes as `mxfp4_matvec`, validated by the caller; `xd` is
-/// `x` passed through [`deinterleave`].
-#[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, xd: &[f32], out: &mut [f32]) {
-    let half = cols / 2;
-    let nblocks = cols / BLOCK;
-    // SAFETY: E2M1_LUT holds exactly 16 f32.
-    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
-    let low4 = _mm512_set1_epi32(0xF);
-    for (r, o) in out.iter_mut().enumerate().take(rows) {
-        let prow = &packed[r * half..(r + 1) * half];
-        let srow = &scales[r * nblocks..(r + 1) * nblocks];
-        if srow.iter().any(|&s| s > 200) {
-            // See the AVX2 kernel: huge scales could overflow a lane where the oracle does not.
-            *o = scalar::row_dot(prow, srow, &interleave_back(xd, cols));
-            continue;
-        }
-        let mut acc = _mm512_setzero_ps();
-        for (b, &s) in srow.iter().enumerate() {
-            let pb = &prow[b * 16..b * 16 + 16];
-            let xb = &xd[b * BLOCK..(b + 1) * BLOCK];
-            // SAFETY: `pb` holds 16 bytes and `xb` 32 floats; loads are unaligned.
-            let (bytes, xe, xo) = unsafe {
-                (
-                    _mm_loadu_si128(pb.as_ptr() as *const __m128i),
-                    _mm512_loadu_ps(xb.as_ptr()),
-                    _mm512_loadu_ps(xb.as_ptr().add(16)),
-                )
-            };
-            let v = _mm512_cvtepu8_epi32(bytes);
-            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut);
-            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
-            let blk = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
-            acc = _mm512_fmadd_ps(blk, _mm512_set1_ps(e8m0_to_f32(s)), acc);
-        }
-        *o = _mm512_reduce_add_ps(acc);
-    }
-}
-
-/// Undo [`deinterleave`] (only for the rare overflow-safe fallback row).
-fn interleave_back(xd: &[f32], cols: usize) -> Vec<f32> {
-    let mut x = vec![0f32; cols];
-    for (xb, db) in x.chunks_exact_mut(BLOCK).zip(xd.chunks_exact(BLOCK)) {
-        for j in 0..BLOCK / 2 {
-            xb[2 * j] = db[j];
-            xb[2 * j + 1] = db[BLOCK / 2 + j];
-        }
-    }
-    x
-}
-
 /// int8 weights with one scale per `group` (a multiple of 16) of each row.
 ///
 /// # Safety
@@ -163,359 +113,6 @@ pub unsafe fn int8_matvec(
             acc = _mm512_fmadd_ps(_mm512_add_ps(ga0, ga1), _mm512_set1_ps(s), acc);
         }
         *o = _mm512_reduce_add_ps(acc);
-    }
-}
-
-/// [`int8_matvec`] for four inputs at once (a prompt chunk): each 16-weight chunk is loaded and
-/// widened once for all four, two rows at a time (eight sets of accumulators, 24 registers).
-/// Per input the accumulation is exactly [`int8_matvec`]'s (the same lanes, the same
-/// alternation of the two group accumulators, the same per-group scaling and final
-/// reduction), so results are bit-identical to it. Writes `out[j * stride + r]`.
-///
-/// # Safety
-/// AVX-512F/BW must be available; shapes validated by the caller: q `[rows, cols]`, scales
-/// `[rows, cols/group]`, xs `[4, cols]`, `out.len() >= 3 * stride + rows`, `group % 16 == 0`.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn int8_matvec_x4(
-    q: &[i8],
-    scales: &[f32],
-    group: usize,
-    rows: usize,
-    cols: usize,
-    xs: &[f32],
-    out: &mut [f32],
-    stride: usize,
-) {
-    let mut r = 0;
-    while r + 2 <= rows {
-        // SAFETY: the caller's guarantees, for rows r and r + 1.
-        unsafe { int8_rows_x4::<2>(q, scales, group, cols, r, xs, out, stride) };
-        r += 2;
-    }
-    if r < rows {
-        // SAFETY: as above, for the last row.
-        unsafe { int8_rows_x4::<1>(q, scales, group, cols, r, xs, out, stride) };
-    }
-}
-
-/// `R` rows from `r0` against four inputs: the body of [`int8_matvec_x4`].
-///
-/// # Safety
-/// As [`int8_matvec_x4`], with `r0 + R <= rows`.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn int8_rows_x4<const R: usize>(
-    q: &[i8],
-    scales: &[f32],
-    group: usize,
-    cols: usize,
-    r0: usize,
-    xs: &[f32],
-    out: &mut [f32],
-    stride: usize,
-) {
-    let groups = cols / group;
-    let chunks = group / 16;
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    // Widen 16 int8 of row r0 + k at column c.
-    let w_at = |k: usize, c: usize| {
-        let row = &q[(r0 + k) * cols + c..(r0 + k) * cols + c + 16];
-        // SAFETY: 16 int8 in the row slice; unaligned load.
-        let qv = unsafe { _mm_loadu_si128(row.as_ptr() as *const __m128i) };
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qv))
-    };
-    // 16 f32 of input j at column c.
-    let x_at = |j: usize, c: usize| {
-        let x = &xs[j * cols + c..j * cols + c + 16];
-        // SAFETY: 16 f32 in the slice; unaligned load.
-        unsafe { _mm512_loadu_ps(x.as_ptr()) }
-    };
-    for g in 0..groups {
-        let mut ga0 = [[_mm512_setzero_ps(); 4]; R];
-        let mut ga1 = [[_mm512_setzero_ps(); 4]; R];
-        // Even chunks into ga0, odd ones into ga1, as the one-input kernel alternates.
-        for i in 0..chunks {
-            let c = g * group + i * 16;
-            let w: [__m512; R] = std::array::from_fn(|k| w_at(k, c));
-            for j in 0..4 {
-                let xv = x_at(j, c);
-                for k in 0..R {
-                    if i % 2 == 0 {
-                        ga0[k][j] = _mm512_fmadd_ps(w[k], xv, ga0[k][j]);
-                    } else {
-                        ga1[k][j] = _mm512_fmadd_ps(w[k], xv, ga1[k][j]);
-                    }
-                }
-            }
-        }
-        for k in 0..R {
-            let s = _mm512_set1_ps(scales[(r0 + k) * groups + g]);
-            for j in 0..4 {
-                acc[k][j] = _mm512_fmadd_ps(_mm512_add_ps(ga0[k][j], ga1[k][j]), s, acc[k][j]);
-            }
-        }
-    }
-    for (k, acc_k) in acc.iter().enumerate() {
-        for (j, a) in acc_k.iter().enumerate() {
-            out[j * stride + r0 + k] = _mm512_reduce_add_ps(*a);
-        }
-    }
-}
-
-/// Gate and up rows `r0..r0+act.len()` in one pass over the input, then SiTU.
-///
-/// # Safety
-/// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
-/// of 32 and `r0 + act.len()` rows at least; `xd` is the input passed through [`deinterleave`].
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gate_up_situ(
-    w1: Mxfp4,
-    w3: Mxfp4,
-    r0: usize,
-    latent: usize,
-    xd: &[f32],
-    beta: f32,
-    linear_beta: Option<f32>,
-    act: &mut [f32],
-) {
-    let half = latent / 2;
-    let nblocks = latent / BLOCK;
-    // SAFETY: E2M1_LUT holds exactly 16 f32.
-    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
-    let low4 = _mm512_set1_epi32(0xF);
-    for (i, a) in act.iter_mut().enumerate() {
-        let r = r0 + i;
-        let (p1, p3) = (&w1.packed[r * half..(r + 1) * half], &w3.packed[r * half..(r + 1) * half]);
-        let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
-        if s1.iter().chain(s3).any(|&s| s > 200) {
-            *a = scalar::gate_up_situ_row(w1, w3, r, latent, &interleave_back(xd, latent), beta, linear_beta);
-            continue;
-        }
-        let mut g = _mm512_setzero_ps();
-        let mut u = _mm512_setzero_ps();
-        for b in 0..nblocks {
-            let xb = &xd[b * BLOCK..(b + 1) * BLOCK];
-            // SAFETY: 16 packed bytes per block in each matrix, 32 floats of input; unaligned.
-            let (b1, b3, xe, xo) = unsafe {
-                (
-                    _mm_loadu_si128(p1[b * 16..].as_ptr() as *const __m128i),
-                    _mm_loadu_si128(p3[b * 16..].as_ptr() as *const __m128i),
-                    _mm512_loadu_ps(xb.as_ptr()),
-                    _mm512_loadu_ps(xb.as_ptr().add(16)),
-                )
-            };
-            let v1 = _mm512_cvtepu8_epi32(b1);
-            let v3 = _mm512_cvtepu8_epi32(b3);
-            let g_blk = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), lut),
-                xo,
-                _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v1, low4), lut), xe),
-            );
-            let u_blk = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(_mm512_srli_epi32(v3, 4), lut),
-                xo,
-                _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v3, low4), lut), xe),
-            );
-            g = _mm512_fmadd_ps(g_blk, _mm512_set1_ps(e8m0_to_f32(s1[b])), g);
-            u = _mm512_fmadd_ps(u_blk, _mm512_set1_ps(e8m0_to_f32(s3[b])), u);
-        }
-        let (gs, us) = (_mm512_reduce_add_ps(g), _mm512_reduce_add_ps(u));
-        let mut o = [0f32];
-        scalar::situ(&[gs], &[us], beta, linear_beta, &mut o);
-        *a = o[0];
-    }
-}
-
-/// Rows of an MXFP4 matrix against `n` inputs: each block is decoded once per group of up to
-/// [`MAX_BATCH`] inputs. Per input, the same operations in the same order as
-/// [`mxfp4_matvec`], so each output is bit-identical to it.
-///
-/// # Safety
-/// AVX-512F/BW must be available. `packed`/`scales` hold `rows` rows of `cols` (a multiple of
-/// 32); `xd` is `[n, cols]`, each input passed through [`deinterleave`]; `out` is `[rows, n]`.
-#[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn mxfp4_rows_batch(
-    packed: &[u8],
-    scales: &[u8],
-    rows: usize,
-    cols: usize,
-    xd: &[f32],
-    n: usize,
-    out: &mut [f32],
-) {
-    let mut t0 = 0;
-    while t0 < n {
-        let m = (n - t0).min(MAX_BATCH);
-        // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
-        unsafe {
-            match m {
-                1 => rows_group::<1>(packed, scales, rows, cols, xd, n, t0, out),
-                2 => rows_group::<2>(packed, scales, rows, cols, xd, n, t0, out),
-                3 => rows_group::<3>(packed, scales, rows, cols, xd, n, t0, out),
-                4 => rows_group::<4>(packed, scales, rows, cols, xd, n, t0, out),
-                5 => rows_group::<5>(packed, scales, rows, cols, xd, n, t0, out),
-                6 => rows_group::<6>(packed, scales, rows, cols, xd, n, t0, out),
-                7 => rows_group::<7>(packed, scales, rows, cols, xd, n, t0, out),
-                _ => rows_group::<8>(packed, scales, rows, cols, xd, n, t0, out),
-            }
-        }
-        t0 += m;
-    }
-}
-
-/// Inputs `t0..t0+N` of [`mxfp4_rows_batch`].
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn rows_group<const N: usize>(
-    packed: &[u8],
-    scales: &[u8],
-    rows: usize,
-    cols: usize,
-    xd: &[f32],
-    n: usize,
-    t0: usize,
-    out: &mut [f32],
-) {
-    let half = cols / 2;
-    let nblocks = cols / BLOCK;
-    // SAFETY: E2M1_LUT holds exactly 16 f32.
-    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
-    let low4 = _mm512_set1_epi32(0xF);
-    let inputs: [&[f32]; N] = std::array::from_fn(|j| &xd[(t0 + j) * cols..(t0 + j + 1) * cols]);
-    for r in 0..rows {
-        let prow = &packed[r * half..(r + 1) * half];
-        let srow = &scales[r * nblocks..(r + 1) * nblocks];
-        if srow.iter().any(|&s| s > 200) {
-            for (j, x) in inputs.iter().enumerate() {
-                out[r * n + t0 + j] = scalar::row_dot(prow, srow, &interleave_back(x, cols));
-            }
-            continue;
-        }
-        let mut acc = [_mm512_setzero_ps(); N];
-        for (b, &s) in srow.iter().enumerate() {
-            // SAFETY: 16 packed bytes per block; unaligned load.
-            let bytes = unsafe { _mm_loadu_si128(prow[b * 16..].as_ptr() as *const __m128i) };
-            let v = _mm512_cvtepu8_epi32(bytes);
-            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut);
-            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
-            let scale = _mm512_set1_ps(e8m0_to_f32(s));
-            for j in 0..N {
-                let xb = &inputs[j][b * BLOCK..(b + 1) * BLOCK];
-                // SAFETY: 32 floats per block of each input; unaligned loads.
-                let (xe, xo) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
-                let blk = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
-                acc[j] = _mm512_fmadd_ps(blk, scale, acc[j]);
-            }
-        }
-        for j in 0..N {
-            out[r * n + t0 + j] = _mm512_reduce_add_ps(acc[j]);
-        }
-    }
-}
-
-/// Gate and up rows `r0..` against `n` inputs in one pass, then SiTU: [`gate_up_situ`]
-/// with each block pair decoded once per group of up to [`MAX_BATCH`] inputs, and
-/// per input the same operations in the same order (bit-identical outputs).
-///
-/// # Safety
-/// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
-/// of 32 and at least `r0 + act.len() / n` rows; `xd` is `[n, latent]`, each input passed through
-/// [`deinterleave`]; `act` is `[rows, n]`.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gate_up_situ_batch(
-    w1: Mxfp4,
-    w3: Mxfp4,
-    r0: usize,
-    latent: usize,
-    xd: &[f32],
-    n: usize,
-    beta: f32,
-    linear_beta: Option<f32>,
-    act: &mut [f32],
-) {
-    let mut t0 = 0;
-    while t0 < n {
-        let m = (n - t0).min(MAX_BATCH);
-        let args = (w1, w3, r0, latent, xd, n, t0, beta, linear_beta);
-        // SAFETY: forwarded from the caller; the group's inputs lie inside `xd`.
-        unsafe {
-            match m {
-                1 => gate_up_group::<1>(args, act),
-                2 => gate_up_group::<2>(args, act),
-                3 => gate_up_group::<3>(args, act),
-                4 => gate_up_group::<4>(args, act),
-                5 => gate_up_group::<5>(args, act),
-                6 => gate_up_group::<6>(args, act),
-                7 => gate_up_group::<7>(args, act),
-                _ => gate_up_group::<8>(args, act),
-            }
-        }
-        t0 += m;
-    }
-}
-
-type GateUpArgs<'a> = (Mxfp4<'a>, Mxfp4<'a>, usize, usize, &'a [f32], usize, usize, f32, Option<f32>);
-
-/// Inputs `t0..t0+N` of [`gate_up_situ_batch`].
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn gate_up_group<const N: usize>(args: GateUpArgs<'_>, act: &mut [f32]) {
-    let (w1, w3, r0, latent, xd, n, t0, beta, linear_beta) = args;
-    let half = latent / 2;
-    let nblocks = latent / BLOCK;
-    // SAFETY: E2M1_LUT holds exactly 16 f32.
-    let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
-    let low4 = _mm512_set1_epi32(0xF);
-    let inputs: [&[f32]; N] = std::array::from_fn(|j| &xd[(t0 + j) * latent..(t0 + j + 1) * latent]);
-    for i in 0..act.len() / n {
-        let r = r0 + i;
-        let (p1, p3) = (&w1.packed[r * half..(r + 1) * half], &w3.packed[r * half..(r + 1) * half]);
-        let (s1, s3) = (&w1.scales[r * nblocks..(r + 1) * nblocks], &w3.scales[r * nblocks..(r + 1) * nblocks]);
-        if s1.iter().chain(s3).any(|&s| s > 200) {
-            for (j, x) in inputs.iter().enumerate() {
-                act[i * n + t0 + j] =
-                    scalar::gate_up_situ_row(w1, w3, r, latent, &interleave_back(x, latent), beta, linear_beta);
-            }
-            continue;
-        }
-        let mut g = [_mm512_setzero_ps(); N];
-        let mut u = [_mm512_setzero_ps(); N];
-        for b in 0..nblocks {
-            // SAFETY: 16 packed bytes per block in each matrix; unaligned loads.
-            let (b1, b3) = unsafe {
-                (
-                    _mm_loadu_si128(p1[b * 16..].as_ptr() as *const __m128i),
-                    _mm_loadu_si128(p3[b * 16..].as_ptr() as *const __m128i),
-                )
-            };
-            let (v1, v3) = (_mm512_cvtepu8_epi32(b1), _mm512_cvtepu8_epi32(b3));
-            let (w1e, w1o) = (
-                _mm512_permutexvar_ps(_mm512_and_si512(v1, low4), lut),
-                _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), lut),
-            );
-            let (w3e, w3o) = (
-                _mm512_permutexvar_ps(_mm512_and_si512(v3, low4), lut),
-                _mm512_permutexvar_ps(_mm512_srli_epi32(v3, 4), lut),
-            );
-            let (sc1, sc3) = (_mm512_set1_ps(e8m0_to_f32(s1[b])), _mm512_set1_ps(e8m0_to_f32(s3[b])));
-            for j in 0..N {
-                let xb = &inputs[j][b * BLOCK..(b + 1) * BLOCK];
-                // SAFETY: 32 floats per block of each input; unaligned loads.
-                let (xe, xo) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
-                let g_blk = _mm512_fmadd_ps(w1o, xo, _mm512_mul_ps(w1e, xe));
-                let u_blk = _mm512_fmadd_ps(w3o, xo, _mm512_mul_ps(w3e, xe));
-                g[j] = _mm512_fmadd_ps(g_blk, sc1, g[j]);
-                u[j] = _mm512_fmadd_ps(u_blk, sc3, u[j]);
-            }
-        }
-        for j in 0..N {
-            let (gs, us) = (_mm512_reduce_add_ps(g[j]), _mm512_reduce_add_ps(u[j]));
-            let mut o = [0f32];
-            scalar::situ(&[gs], &[us], beta, linear_beta, &mut o);
-            act[i * n + t0 + j] = o[0];
-        }
     }
 }
 
@@ -724,4 +321,31 @@ pub unsafe fn mxfp4_matvec_q8_vnni(
         }
         *o = _mm512_reduce_add_ps(acc);
     }
+}
+
+/// FLOPs done by one thread in `secs` of back-to-back 512-bit FMAs: the compute roof of the
+/// AVX-512 kernels. On cores whose AVX-512 units are as wide as the registers (Zen 5, Intel
+/// server cores with two FMA units) this is twice the AVX2 loop's rate; on cores that split
+/// 512-bit operations in halves (Zen 4) it equals it.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn fma_loop(secs: f64) -> f64 {
+    let t0 = Instant::now();
+    let a = _mm512_set1_ps(black_box(0.999_999));
+    let b = _mm512_set1_ps(black_box(1e-7));
+    // Twelve independent chains cover the FMA latency on two units.
+    let mut acc = [_mm512_set1_ps(1.0); 12];
+    let mut iters = 0u64;
+    while t0.elapsed().as_secs_f64() < secs {
+        for _ in 0..100_000 {
+            for v in acc.iter_mut() {
+                *v = _mm512_fmadd_ps(*v, a, b);
+            }
+        }
+        iters += 100_000;
+    }
+    black_box(acc);
+    iters as f64 * 12.0 * 16.0 * 2.0
 }

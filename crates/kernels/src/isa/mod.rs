@@ -6,5 +6,7 @@
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512_tile;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
