@@ -238,7 +238,7 @@ mod tests {
         // Batches below, at and above the group size, and a row with a huge scale (safe path).
         // The last shape is large enough to be split over the thread pool.
         // Row counts past the 48-row cache block and off the 3- and 8-row tiles; input counts that
-        // split into unequal groups (14 = 5 + 5 + 4, 17 = 6 + 6 + 5).
+        // split into unequal groups (14 = 5 + 5 + 4, 17 = 5 + 4 + 4 + 4).
         for (rows, cols, n) in
             [(40, 64, 2), (33, 96, 8), (70, 128, 11), (5, 32, 3), (512, 1024, 9), (50, 64, 14), (101, 32, 17)]
         {

@@ -6,8 +6,8 @@
 //!
 //! Why tiles: on the 2-core Zen 5 this project measures on, a one-row kernel is bound by its
 //! input loads (one 64-byte load per FMA) and reached 35-39% of the AVX-512 FMA roof on a
-//! prompt chunk; tiles of 3 MXFP4 rows x 6 inputs and 4 int8 rows x 3 inputs reached 72% and
-//! 79% in the same probe (BENCHMARKS.md section 9).
+//! prompt chunk; register tiles roughly double that (`deltafin bench --kernels`, prompt-chunk
+//! rows; BENCHMARKS.md section 9).
 //!
 //! Arithmetic, the same whatever the tile, so a chunked prompt is bit-identical to one token at
 //! a time:
@@ -32,10 +32,12 @@ use crate::scalar;
 
 /// Inputs per MXFP4 tile when there are several; a chunk's inputs are split into balanced groups
 /// of at most this many.
-const MX_INPUTS: usize = 6;
+const MX_INPUTS: usize = 5;
 
-/// Rows per MXFP4 tile: 3 with several inputs (18 accumulators, 6 decoded weights), 8 with one
-/// input (eight independent accumulator chains hide the FMA latency of a single product).
+/// Rows per MXFP4 tile: 3 with several inputs (15 accumulators, 6 decoded weights; 3 x 6 ran
+/// out of registers and spilled accumulators inside the loop, and 2 x 6 and 3 x 4 measured
+/// slower), 8 with one input (eight independent accumulator chains hide the FMA latency of a
+/// single product).
 const MX_ROWS_MULTI: usize = 3;
 const MX_ROWS_SINGLE: usize = 8;
 
@@ -76,7 +78,7 @@ pub unsafe fn mxfp4_rows(
     for rb in (0..rows).step_by(MX_ROW_BLOCK) {
         let re = (rb + MX_ROW_BLOCK).min(rows);
         for g in 0..groups {
-            // Balanced groups: 14 inputs run as 5 + 5 + 4, not 6 + 6 + 2.
+            // Balanced groups: 11 inputs run as 4 + 4 + 3, not 5 + 5 + 1.
             let (t0, t1) = (g * n / groups, (g + 1) * n / groups);
             let mut r = rb;
             while r < re {
@@ -127,7 +129,7 @@ impl Mx<'_> {
             mx_dispatch!(self, r, m, r0, t0;
                 (8, 1), (4, 1), (3, 1), (2, 1), (1, 1),
                 (3, 2), (2, 2), (1, 2), (3, 3), (2, 3), (1, 3),
-                (3, 4), (2, 4), (1, 4), (3, 5), (2, 5), (1, 5), (3, 6), (2, 6), (1, 6))
+                (3, 4), (2, 4), (1, 4), (3, 5), (2, 5), (1, 5))
         }
     }
 
@@ -172,9 +174,10 @@ impl Mx<'_> {
                     (_mm_loadu_si128(p.add((r0 + k) * half + b * 16) as *const __m128i), *s.add((r0 + k) * nb + b))
                 };
                 let v = _mm512_cvtepu8_epi32(bytes);
-                let sc = _mm512_set1_ps(scale_of(sc));
-                we[k] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut), sc);
-                wo[k] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), sc);
+                // The table times the block's scale (exact: a power of two), looked up twice.
+                let lut_s = _mm512_mul_ps(lut, _mm512_set1_ps(scale_of(sc)));
+                we[k] = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut_s);
+                wo[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut_s);
             }
             for j in 0..N {
                 // SAFETY: block b of input t0 + j: 32 floats inside `xd`; unaligned loads.
