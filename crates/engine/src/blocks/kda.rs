@@ -9,6 +9,7 @@ use deltafin_kernels::attention::kda_head_step;
 use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
 use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
+use rayon::prelude::*;
 
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec, load_vec_prefix};
@@ -129,7 +130,8 @@ impl Kda {
     pub fn forward_chunk(&self, st: &mut KdaState, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
         let (nh, d) = (self.heads, self.head_dim);
         let p = nh * d;
-        let mut pre = [sc.take(t_n * p), sc.take(t_n * p), sc.take(t_n * p)]; // [T, P] q, k, v before the conv
+        // [T, P] q, k, v before the conv (after it, on the parallel path)
+        let mut pre = [sc.take(t_n * p), sc.take(t_n * p), sc.take(t_n * p)];
         for (proj, dst) in [&self.q_proj, &self.k_proj, &self.v_proj].into_iter().zip(pre.iter_mut()) {
             proj.forward_batch(xs, t_n, dst);
         }
@@ -149,49 +151,43 @@ impl Kda {
                 sc.give(t);
             }
         }
+        let mut ys = sc.take(t_n * p); // [T, P]
         let mut q = sc.take(p); // [P]
         let mut k = sc.take(p); // [P]
         let mut v = sc.take(p); // [P]
-        let mut ys = sc.take(t_n * p); // [T, P]
         let mut g = sc.take(d); // [Dk] decay of this head
         let mut delta = sc.take(d); // [Dv]
-        let scale = (d as f32).powf(-0.5);
-        for t in 0..t_n {
-            let span = t * p..(t + 1) * p;
-            for (i, dst) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
-                Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre[i][span.clone()], dst);
-            }
-            // L2-normalise q and k per head (eps added to the sum of squares); q also takes the
-            // 1/sqrt(D) readout scale.
-            for h in 0..nh {
-                for (tq, s) in [(&mut q, scale), (&mut k, 1.0)] {
-                    let seg = &mut tq[h * d..(h + 1) * d];
-                    let ss: f32 = seg.iter().map(|v| v * v).sum();
-                    let inv = s / (ss + 1e-6).sqrt();
-                    seg.iter_mut().for_each(|v| *v *= inv);
+        if t_n >= PARALLEL_HEADS_MIN_TOKENS && deltafin_kernels::par::threads() > 1 {
+            // The short conv token by token (its history is sequential), each token's q, k, v
+            // written back over its projections; then the heads in parallel.
+            for t in 0..t_n {
+                let span = t * p..(t + 1) * p;
+                for (i, tmp) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+                    Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre[i][span.clone()], tmp);
+                    pre[i][span.clone()].copy_from_slice(tmp);
                 }
             }
-            let (a_t, b_t, y) = (&a[span.clone()], &b[t * nh..(t + 1) * nh], &mut ys[span.clone()]);
-            for h in 0..nh {
-                let ea = self.a_log[h].exp();
-                for j in 0..d {
-                    let z = a_t[h * d + j] + self.dt_bias[h * d + j];
-                    g[j] = match self.lower_bound {
-                        Some(lb) => (lb * sigmoid(ea * z)).exp(),
-                        None => (-ea * softplus(z)).exp(),
+            self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys);
+        } else {
+            for t in 0..t_n {
+                let span = t * p..(t + 1) * p;
+                for (i, dst) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+                    Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre[i][span.clone()], dst);
+                }
+                let (a_t, b_t, gate_t, y) =
+                    (&a[span.clone()], &b[t * nh..(t + 1) * nh], &gate[span.clone()], &mut ys[span]);
+                for (h, &b_h) in b_t.iter().enumerate() {
+                    let hs = h * d..(h + 1) * d;
+                    let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
+                    let heads = HeadIn {
+                        q: &mut q[hs.clone()],
+                        k: &mut k[hs.clone()],
+                        v: &v[hs.clone()],
+                        a: &a_t[hs.clone()],
+                        b: b_h,
+                        gate: &gate_t[hs.clone()],
                     };
-                }
-                let beta = sigmoid(b_t[h]);
-                let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
-                let (qh, kh, vh) = (&q[h * d..(h + 1) * d], &k[h * d..(h + 1) * d], &v[h * d..(h + 1) * d]);
-                kda_head_step(s, qh, kh, vh, &g, beta, &mut delta, &mut y[h * d..(h + 1) * d]);
-            }
-            let gate_t = &gate[span];
-            for h in 0..nh {
-                let seg = &mut y[h * d..(h + 1) * d];
-                rms_norm_inplace(seg, &self.o_norm, self.eps);
-                for (j, v) in seg.iter_mut().enumerate() {
-                    *v *= sigmoid(gate_t[h * d + j]);
+                    self.head_step(h, heads, s, &mut g, &mut delta, &mut y[hs]);
                 }
             }
         }
@@ -201,4 +197,84 @@ impl Kda {
             sc.give(buf);
         }
     }
+
+    /// One head of one token after the projections and the conv: q and k L2-normalised (eps
+    /// added to the sum of squares; q also takes the 1/sqrt(D) readout scale), the decay and
+    /// the gated delta-rule step on the head's state, then the output norm and gate. Both the
+    /// token-by-token loop and the parallel one run this, so they agree bit for bit. Shapes:
+    /// s `[Dv, Dk]`; g, delta scratch and y `[D]`.
+    fn head_step(&self, h: usize, x: HeadIn<'_>, s: &mut [f32], g: &mut [f32], delta: &mut [f32], y: &mut [f32]) {
+        let d = self.head_dim;
+        let scale = (d as f32).powf(-0.5);
+        for (seg, sc) in [(&mut *x.q, scale), (&mut *x.k, 1.0)] {
+            let ss: f32 = seg.iter().map(|v| v * v).sum();
+            let inv = sc / (ss + 1e-6).sqrt();
+            seg.iter_mut().for_each(|v| *v *= inv);
+        }
+        let ea = self.a_log[h].exp();
+        for ((gj, &aj), &bias) in g.iter_mut().zip(x.a).zip(&self.dt_bias[h * d..(h + 1) * d]) {
+            let z = aj + bias;
+            *gj = match self.lower_bound {
+                Some(lb) => (lb * sigmoid(ea * z)).exp(),
+                None => (-ea * softplus(z)).exp(),
+            };
+        }
+        kda_head_step(s, x.q, x.k, x.v, g, sigmoid(x.b), delta, y);
+        rms_norm_inplace(y, &self.o_norm, self.eps);
+        for (v, &gt) in y.iter_mut().zip(x.gate) {
+            *v *= sigmoid(gt);
+        }
+    }
+
+    /// The recurrence of a chunk with the heads split over the thread pool: each head walks the
+    /// chunk's tokens with its own state (64 KiB on K3, resident in the core's cache for the
+    /// whole chunk instead of every head's state passing through it per token). Shapes: qkv
+    /// (after the conv), a, gate, ys `[T, P]`; b `[T, heads]`; the state's `s` `[heads, Dv, Dk]`.
+    #[allow(clippy::too_many_arguments)]
+    fn heads_parallel(
+        &self,
+        st: &mut KdaState,
+        qkv: &[Vec<f32>; 3],
+        a: &[f32],
+        b: &[f32],
+        gate: &[f32],
+        t_n: usize,
+        ys: &mut [f32],
+    ) {
+        let (nh, d) = (self.heads, self.head_dim);
+        let p = nh * d;
+        // Each head's output segments, token by token (ys is [T, heads, D]).
+        let mut per_head: Vec<Vec<&mut [f32]>> = (0..nh).map(|_| Vec::with_capacity(t_n)).collect();
+        for (i, seg) in ys[..t_n * p].chunks_mut(d).enumerate() {
+            per_head[i % nh].push(seg);
+        }
+        per_head.into_par_iter().zip(st.s.par_chunks_mut(d * d)).enumerate().for_each(|(h, (outs, s))| {
+            let mut buf = vec![0f32; 4 * d]; // q, k, decay, delta of this head: [4, D]
+            let (q, rest) = buf.split_at_mut(d);
+            let (k, rest) = rest.split_at_mut(d);
+            let (g, delta) = rest.split_at_mut(d);
+            for (t, y) in outs.into_iter().enumerate() {
+                let o = t * p + h * d..t * p + (h + 1) * d;
+                q.copy_from_slice(&qkv[0][o.clone()]);
+                k.copy_from_slice(&qkv[1][o.clone()]);
+                let x = HeadIn { q, k, v: &qkv[2][o.clone()], a: &a[o.clone()], b: b[t * nh + h], gate: &gate[o] };
+                self.head_step(h, x, s, g, delta, y);
+            }
+        });
+    }
+}
+
+/// A prompt chunk at least this long runs its KDA heads in parallel (shorter ones, decode steps
+/// included, stay on the calling thread and allocate nothing).
+const PARALLEL_HEADS_MIN_TOKENS: usize = 8;
+
+/// One head's inputs for one token: q and k before their normalisation, v, the decay logits,
+/// the beta logit and the output-gate logits. All `[D]`.
+struct HeadIn<'a> {
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a [f32],
+    a: &'a [f32],
+    b: f32,
+    gate: &'a [f32],
 }
