@@ -67,9 +67,14 @@ pub fn with_batch_staging(
         }
         staged.resize(rows * n, 0.0); // [rows, n]
         f(&xd[..], staged);
-        for r in 0..rows {
+        // Transposed in blocks of 64 rows: each output row's writes are contiguous and the
+        // block's staged rows stay in L1 (row by row, every write touched a new cache line).
+        for r0 in (0..rows).step_by(64) {
+            let r1 = (r0 + 64).min(rows);
             for t in 0..n {
-                out[t * rows + r] = staged[r * n + t];
+                for (r, o) in (r0..r1).zip(&mut out[t * rows + r0..t * rows + r1]) {
+                    *o = staged[r * n + t];
+                }
             }
         }
     });
