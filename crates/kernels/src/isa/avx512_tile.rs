@@ -343,28 +343,29 @@ impl I8<'_> {
         let x_at = |j: usize, c: usize| unsafe { _mm512_loadu_ps(x.add((t0 + j) * cols + c)) };
         let mut ga0 = [[_mm512_setzero_ps(); N]; R];
         let mut ga1 = [[_mm512_setzero_ps(); N]; R];
-        let mut i = 0;
-        // Even chunks into ga0, odd ones into ga1, as the one-input kernel alternates.
-        while i < chunks {
-            let c = g * group + i * 16;
-            let w: [__m512; R] = std::array::from_fn(|k| w_at(k, c));
-            for j in 0..N {
-                let xv = x_at(j, c);
-                for k in 0..R {
-                    ga0[k][j] = _mm512_fmadd_ps(w[k], xv, ga0[k][j]);
-                }
-            }
-            if i + 1 < chunks {
-                let c = c + 16;
+        // One 16-weight chunk at column c into the accumulators `ga`.
+        macro_rules! chunk {
+            ($ga:ident, $c:expr) => {{
+                let c = $c;
                 let w: [__m512; R] = std::array::from_fn(|k| w_at(k, c));
                 for j in 0..N {
                     let xv = x_at(j, c);
                     for k in 0..R {
-                        ga1[k][j] = _mm512_fmadd_ps(w[k], xv, ga1[k][j]);
+                        $ga[k][j] = _mm512_fmadd_ps(w[k], xv, $ga[k][j]);
                     }
                 }
-            }
-            i += 2;
+            }};
+        }
+        // Even chunks into ga0, odd ones into ga1, as the one-input kernel alternates: whole
+        // pairs without a branch (a conditional second half cost register copies in the loop),
+        // then the odd chunk of an odd count.
+        let base = g * group;
+        for pair in 0..chunks / 2 {
+            chunk!(ga0, base + pair * 32);
+            chunk!(ga1, base + pair * 32 + 16);
+        }
+        if chunks % 2 == 1 {
+            chunk!(ga0, base + (chunks - 1) * 16);
         }
         for k in 0..R {
             let s = _mm512_set1_ps(self.scales[(r0 + k) * groups + g]);
