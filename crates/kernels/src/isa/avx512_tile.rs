@@ -4,10 +4,10 @@
 //! input or a prompt chunk's) and the prompt chunk's int8 spine product run here. Imports only
 //! `format` and `scalar`; the scalar twins are the oracles.
 //!
-//! Why tiles: on the 2-core Zen 5 this project measures on, a one-row kernel is bound by its
-//! input loads (one 64-byte load per FMA) and reached 35-39% of the AVX-512 FMA roof on a
-//! prompt chunk; register tiles roughly double that (`deltafin bench --kernels`, prompt-chunk
-//! rows; BENCHMARKS.md section 9).
+//! Why tiles: a kernel that loads a 64-byte input vector for every FMA or two is bound by
+//! those loads; on the Zen 5 this project measures on, tiles sharing each load among 3-4 rows
+//! made a 1,000-token prompt 1.6x faster end to end (`deltafin bench --kernels`, prompt-chunk
+//! rows, and BENCHMARKS.md section 9).
 //!
 //! Arithmetic, the same whatever the tile, so a chunked prompt is bit-identical to one token at
 //! a time:
