@@ -186,8 +186,8 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
             let fma_roof = fma[ti] * 1e9 / 2.0 * (4.25 / 8.0) / 1e9;
             rows_out.push(json!({
                 "name": match mode {
-                    "fused" => "expert fused (w1+w3 one pass, SiTU, w2)".to_string(),
-                    "batch" => format!("expert fused, batch of {BATCH} tokens (bytes x tokens)"),
+                    "fused" => "expert, one call (gate, up, SiTU, down)".to_string(),
+                    "batch" => format!("expert, batch of {BATCH} tokens (bytes x tokens)"),
                     _ => "expert unfused (three products)".to_string(),
                 },
                 "shape": [inter, lat],

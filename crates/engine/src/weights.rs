@@ -49,26 +49,23 @@ impl Linear {
         self.forward_rows(0, self.rows, x, out);
     }
 
-    /// `outs[t] = W xs[t]` for `t_n` tokens (a prompt chunk). Per token the same serial kernel
-    /// computes the same rows as [`Self::forward`], so results are bit-identical to it; what
-    /// changes is the loop order: a block of rows small enough to stay in the core's cache is
-    /// applied to every token of a thread's share before the next block is read, so the matrix
-    /// comes from memory once per share instead of once per token. Shapes: xs `[T, cols]`,
-    /// outs `[T, rows]`.
+    /// `outs[t] = W xs[t]` for `t_n` tokens (a prompt chunk), bit-identical per token to
+    /// [`Self::forward`]. What changes is the loop order: a block of rows small enough to stay in
+    /// the core's cache is applied to every token of a thread's share before the next block is
+    /// read, so the matrix comes from memory once per share instead of once per token; int8
+    /// weights go through register tiles that give, per token, the one-token kernel's bits
+    /// ([`k::int8_matmat`]), the others through the same serial kernel per token. Shapes: xs
+    /// `[T, cols]`, outs `[T, rows]`.
     pub fn forward_batch(&self, xs: &[f32], t_n: usize, outs: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
         assert!(xs.len() >= t_n * cols && outs.len() == t_n * rows);
         if t_n == 1 {
             return self.forward(&xs[..cols], outs);
         }
-        let esize = match &self.data {
-            SpineData::F32(_) => 4,
-            SpineData::Bf16(_) => 2,
-            SpineData::Int8 { q, scales, group } => {
-                // Register tiles share each widened weight chunk and each input load.
-                return k::int8_matmat(q, scales, *group, rows, cols, &xs[..t_n * cols], t_n, outs);
-            }
-        };
+        if let SpineData::Int8 { q, scales, group } = &self.data {
+            return k::int8_matmat(q, scales, *group, rows, cols, &xs[..t_n * cols], t_n, outs);
+        }
+        let esize = if matches!(self.data, SpineData::F32(_)) { 4 } else { 2 };
         // About 128 KiB of weights per block: resident in L2 while the share's tokens go by.
         let block = ((128 << 10) / (cols * esize).max(1)).clamp(1, rows.max(1));
         deltafin_kernels::par::par_rows_wide(t_n, rows * cols, rows, outs, |t0, o| {

@@ -11,6 +11,19 @@ use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 #[test]
 fn chunked_prompt_is_bit_identical_and_reads_less() {
+    chunked_prompt_matches_token_by_token();
+}
+
+/// The same on a pool of three threads whatever this machine has, so the parallel paths of a
+/// chunk (KDA's heads, the shares of a batched product) run on several threads and with an odd
+/// split.
+#[test]
+fn chunked_prompt_is_bit_identical_on_three_threads() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    pool.install(chunked_prompt_matches_token_by_token);
+}
+
+fn chunked_prompt_matches_token_by_token() {
     for name in FIXTURES {
         let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
         let store = Store::open(dir.path(), None).unwrap();

@@ -1,6 +1,6 @@
 //! Layer 4, operation: the routed MXFP4 expert, `out = w2 · situ(w1 · x, w3 · x)`, for one input
 //! or a small batch of inputs. Imports `format`, `cpu`, `par`, `scalar`, `isa` and, the one
-//! operation module below it, `mxfp4` (the down product and the paths without a fused kernel).
+//! operation module below it, `mxfp4` (the down product and the paths without AVX-512).
 //!
 //! On AVX-512 the gate (w1) and up (w3) products and then the down product run as register
 //! tiles ([`crate::isa::avx512_tile`]), SiTU applied between them; the batched form decodes each
@@ -25,7 +25,7 @@ use crate::mxfp4::mxfp4_matvec_par_on;
 use crate::par::{par_rows, par_rows_wide};
 use crate::scalar::situ;
 
-/// The expert on the best path: fused with AVX-512, else [`expert_mxfp4_unfused`].
+/// The expert on the best path: register tiles with AVX-512, else [`expert_mxfp4_unfused`].
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4(
     w1: Mxfp4,
@@ -42,7 +42,8 @@ pub fn expert_mxfp4(
     expert_mxfp4_on(Path::best(), w1, w3, w2, inter, latent, x, beta, linear_beta, act, out);
 }
 
-/// [`expert_mxfp4`] on `path`: the fused kernel on AVX-512, else [`expert_mxfp4_unfused_on`].
+/// [`expert_mxfp4`] on `path`: gate and up as register tiles with SiTU on AVX-512
+/// ([`crate::isa::avx512_tile::gate_up_situ`]), else [`expert_mxfp4_unfused_on`].
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4_on(
     path: Path,
@@ -80,8 +81,8 @@ pub fn expert_mxfp4_on(
     }
 }
 
-/// The same expert from separate products on the best path: the oracle of the fused kernel, and
-/// the path without AVX-512.
+/// The same expert from three separate products and a separate SiTU on the best path: the
+/// oracle of the AVX-512 expert, and the path without AVX-512.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4_unfused(
     w1: Mxfp4,

@@ -168,11 +168,14 @@ pub fn int8_matmat(
         return;
     }
     let g = cols / group;
-    // A multiple of four rows (the AVX-512 tile's height).
+    // About 128 KiB of weights, rounded up to a multiple of four rows (the AVX-512 tile's
+    // height) where a row is shorter than 32 KiB.
     let block = ((128 << 10) / cols.max(1)).next_multiple_of(4).clamp(1, rows);
     // One share of the inputs per thread: each share reads the whole matrix from memory once,
-    // so more, smaller shares would only read it more often.
-    let share = n.div_ceil(crate::par::threads().max(1));
+    // so more, smaller shares would only read it more often. A small product stays on the
+    // calling thread (fork and join would cost more), as in `par`.
+    let threads = if rows * cols < crate::par::PAR_MIN_WEIGHTS { 1 } else { crate::par::threads().max(1) };
+    let share = n.div_ceil(threads);
     outs.par_chunks_mut(share * rows).enumerate().for_each(|(i, o)| {
         let (t0, n_tok) = (i * share, o.len() / rows);
         for r0 in (0..rows).step_by(block) {
@@ -232,6 +235,27 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A prompt chunk's product on a pool of three threads, with inputs that split unevenly
+    /// (7 = 3 + 3 + 1) and rows that end in a partial cache block (90 = 32 + 32 + 26), gives per
+    /// input exactly the one-input kernel's bits.
+    #[test]
+    fn int8_matmat_is_bit_identical_per_input_on_three_threads() {
+        let (rows, cols, group, n) = (90, 4096, 512, 7);
+        assert!(rows * cols >= crate::par::PAR_MIN_WEIGHTS, "large enough to run in parallel");
+        let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 7919 % 255) as i32 - 127) as i8).collect();
+        let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 0.001).collect();
+        let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut got = vec![f32::NAN; n * rows];
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| int8_matmat(&q, &s, group, rows, cols, &xs, n, &mut got));
+        for j in 0..n {
+            let mut one = vec![0f32; rows];
+            int8_matvec(&q, &s, group, rows, cols, &xs[j * cols..(j + 1) * cols], &mut one);
+            let same = one.iter().zip(&got[j * rows..(j + 1) * rows]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "input {j} of {n}");
         }
     }
 

@@ -138,7 +138,7 @@ pub fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &
 }
 
 /// Gate and up row `r` of an expert (`[rows, latent]` MXFP4 each), then SiTU: one element of the
-/// expert's activation (the safe path of the SIMD kernels for rows with huge scales).
+/// expert's activation (the scalar expert's row).
 pub fn gate_up_situ_row(w1: Mxfp4, w3: Mxfp4, r: usize, latent: usize, x: &[f32], beta: f32, lb: Option<f32>) -> f32 {
     let (half, nb) = (latent / 2, latent / BLOCK);
     let g = row_dot(&w1.packed[r * half..(r + 1) * half], &w1.scales[r * nb..(r + 1) * nb], x);

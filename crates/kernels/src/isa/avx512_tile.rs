@@ -91,7 +91,7 @@ pub unsafe fn mxfp4_rows(
     }
 }
 
-/// The largest of `step`, 4, 2, 1 (as tiles exist) not above `left`.
+/// The largest of `step`, 4, 3, 2, 1 (as tiles exist) not above `left` or `step`.
 fn tile_rows(left: usize, step: usize) -> usize {
     [step, 4, 3, 2, 1].into_iter().find(|&k| k <= left && k <= step).unwrap_or(1)
 }
@@ -398,10 +398,13 @@ pub unsafe fn gate_up_situ(
     linear_beta: Option<f32>,
     act: &mut [f32],
 ) {
+    // Per thread: a pool worker sizes them the first time it takes rows of an expert (its
+    // warm-up), and a decode step's one input never needs more than a prompt chunk's did.
     thread_local! {
         static GU: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
     }
-    let rows = act.len() / n.max(1);
+    assert!(n > 0);
+    let rows = act.len() / n;
     let (half, nb) = (latent / 2, latent / BLOCK);
     GU.with(|gu| {
         let (g, u) = &mut *gu.borrow_mut();
