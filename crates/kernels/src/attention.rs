@@ -30,7 +30,8 @@ pub fn kda_head_step(
     kda_head_step_on(Path::best(), s, q, k, v, g, beta, delta, y);
 }
 
-/// [`kda_head_step`] on `path` (the AVX2 instantiation on AVX2 and AVX-512, else scalar).
+/// [`kda_head_step`] on `path`: AVX-512's kernel (lane-parallel sums), the AVX2 instantiation of
+/// the scalar step on AVX2, else scalar.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_head_step_on(
     path: Path,
@@ -43,10 +44,15 @@ pub fn kda_head_step_on(
     delta: &mut [f32],
     y: &mut [f32],
 ) {
+    let (dk, dv) = (k.len(), v.len());
+    assert!(s.len() == dv * dk && q.len() == dk && g.len() == dk && delta.len() == dv && y.len() == dv);
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them).
-        Path::Avx512 | Path::Avx2 => unsafe { avx2::kda_head_step(s, q, k, v, g, beta, delta, y) },
+        // SAFETY: AVX-512F present (an available path); shapes asserted above.
+        Path::Avx512 => unsafe { avx512::kda_head_step(s, q, k, v, g, beta, delta, y) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA present (an available path).
+        Path::Avx2 => unsafe { avx2::kda_head_step(s, q, k, v, g, beta, delta, y) },
         _ => scalar::kda_head_step(s, q, k, v, g, beta, delta, y),
     }
 }
@@ -119,10 +125,30 @@ mod tests {
         let mut s1 = vals(d * d, 5);
         let mut s2 = s1.clone();
         let (mut dl1, mut dl2, mut y1, mut y2) = (vec![0f32; d], vec![0f32; d], vec![0f32; d], vec![0f32; d]);
-        kda_head_step(&mut s1, &q, &k, &v, &g, 0.7, &mut dl1, &mut y1);
+        // The AVX2 instantiation is the scalar step compiled for AVX2: the same bits.
+        kda_head_step_on(Path::Avx2, &mut s1, &q, &k, &v, &g, 0.7, &mut dl1, &mut y1);
         scalar::kda_head_step(&mut s2, &q, &k, &v, &g, 0.7, &mut dl2, &mut y2);
         assert!(s1.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // AVX-512 sums in lanes: close to the scalar step over several steps (the state carries
+        // the differences on), on widths below, at and off the vector width.
+        for d in [5, 16, 37, 128] {
+            let (q, k, v) = (vals(d, 11), vals(d, 12), vals(d, 13));
+            let g: Vec<f32> = vals(d, 14).iter().map(|x| 0.5 + 0.4 * x).collect();
+            let (mut sa, mut sb) = (vals(d * d, 15), vals(d * d, 15));
+            let (mut da, mut db, mut ya, mut yb) = (vec![0f32; d], vec![0f32; d], vec![0f32; d], vec![0f32; d]);
+            for _ in 0..4 {
+                kda_head_step_on(Path::Avx512, &mut sa, &q, &k, &v, &g, 0.7, &mut da, &mut ya);
+                scalar::kda_head_step(&mut sb, &q, &k, &v, &g, 0.7, &mut db, &mut yb);
+            }
+            let scale = yb.iter().chain(&sb).fold(0f32, |m, x| m.max(x.abs()));
+            for (a, b) in ya.iter().chain(&sa).zip(yb.iter().chain(&sb)) {
+                assert!((a - b).abs() <= 1e-5 * scale, "d {d}: {a} vs {b}");
+            }
+        }
+        if !Path::Avx512.available() {
+            println!("SKIPPED AVX-512 KDA step: this CPU lacks it (the scalar step was compared with itself)");
+        }
 
         let (l, r, t) = (33, 5, 9);
         let (ql, qp, lat, pe) = (vals(l, 6), vals(r, 7), vals(t * l, 8), vals(t * r, 9));

@@ -1,15 +1,33 @@
 //! Layer 4, operation: the small element-wise and reduction kernels every model uses (norms,
 //! softmax, activations). Imports `cpu`, `scalar` and `isa`.
 //!
-//! RMSNorm and softmax have AVX-512 kernels and come as `op_on(path, ..)` + `op(..)`. The
-//! activations and small reductions have one (scalar) implementation, shared with the SIMD
+//! RMSNorm, softmax and SiTU have AVX-512 kernels and come as `op_on(path, ..)` + `op(..)`. The
+//! other activations and small reductions have one (scalar) implementation, shared with the SIMD
 //! kernels, and are re-exported here from `scalar`.
 
 use crate::cpu::Path;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::avx512;
+use crate::isa::{avx512, avx512_math};
 use crate::scalar;
-pub use crate::scalar::{axpy, dot, inv_rms, sigmoid, silu, situ, softplus};
+pub use crate::scalar::{axpy, dot, inv_rms, sigmoid, silu, softplus};
+
+/// SiTU, Kimi K3's gated activation: `beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)`.
+/// AVX-512 lane math when the CPU has it (the same bits for an element wherever it sits in the
+/// slice); `scalar::situ` (libm) is the oracle. Shapes: gate, up, out `[n]`.
+pub fn situ(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: &mut [f32]) {
+    situ_on(Path::best(), gate, up, beta, linear_beta, out);
+}
+
+/// [`situ`] on `path` (scalar where `path` has no kernel).
+pub fn situ_on(path: Path, gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    match path.or_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (an available path); lengths asserted above.
+        Path::Avx512 => unsafe { avx512_math::situ(gate, up, beta, linear_beta, out) },
+        _ => scalar::situ(gate, up, beta, linear_beta, out),
+    }
+}
 
 /// RMSNorm: `out = x / sqrt(mean(x^2) + eps) * weight`. Shapes: x, weight, out `[n]`.
 /// AVX-512 when the CPU has it; `scalar::rms_norm` is the oracle.
@@ -111,6 +129,44 @@ mod tests {
         }
         if crate::cpu::Path::best() != crate::cpu::Path::Avx512 {
             println!("SKIPPED AVX-512 reductions: this CPU lacks them (the oracle was compared with itself)");
+        }
+    }
+
+    /// The AVX-512 SiTU (polynomial `exp` and `tanh`) against libm's, over gate and up values from
+    /// tiny to saturating, both signs, with and without the linear bound, on lengths with a
+    /// partial last group; and an element's bits do not depend on where it sits in the slice.
+    #[test]
+    fn situ_paths_agree() {
+        if !Path::Avx512.available() {
+            println!("SKIPPED AVX-512 SiTU: this CPU lacks it");
+            return;
+        }
+        let vals: Vec<f32> = (0..997)
+            .map(|i| {
+                let m = [1e-6f32, 1e-3, 0.05, 0.29, 0.31, 1.0, 3.0, 12.0, 40.0, 120.0][i % 10];
+                m * if i % 3 == 0 { -1.0 } else { 1.0 } * (1.0 + (i as f32 * 0.37).sin() * 0.5)
+            })
+            .collect();
+        let up: Vec<f32> = vals.iter().rev().map(|v| v * 2.5).collect();
+        for lb in [Some(25.0), None] {
+            for n in [1, 15, 16, 17, 997] {
+                let (g, u) = (&vals[..n], &up[..n]);
+                let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+                situ_on(Path::Avx512, g, u, 4.0, lb, &mut a);
+                scalar::situ(g, u, 4.0, lb, &mut b);
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!((x - y).abs() <= 2e-6 * y.abs() + 1e-30, "n {n} [{i}] g {} u {}: {x} vs {y}", g[i], u[i]);
+                }
+                // The same elements from an offset sub-slice give the same bits.
+                if n > 3 {
+                    let mut c = vec![0f32; n - 3];
+                    situ_on(Path::Avx512, &g[3..], &u[3..], 4.0, lb, &mut c);
+                    assert!(
+                        c.iter().zip(&a[3..]).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "n {n}: position changed bits"
+                    );
+                }
+            }
         }
     }
 

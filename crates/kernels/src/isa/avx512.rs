@@ -18,6 +18,7 @@ use std::cell::RefCell;
 use std::hint::black_box;
 use std::time::Instant;
 
+use super::avx512_math::exp_ps;
 use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX};
 use crate::scalar;
 
@@ -159,23 +160,6 @@ pub unsafe fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     for (v, &w) in x[i..].iter_mut().zip(&weight[i..]) {
         *v *= inv * w;
     }
-}
-
-/// `exp` of 16 lanes: `x = k ln2 + r` with |r| <= ln2/2, a degree-6 polynomial for `e^r`
-/// (relative error ~1e-7), and `scalef` for `2^k` (which also gives 0 for very negative `x`).
-#[target_feature(enable = "avx512f")]
-fn exp_ps(x: __m512) -> __m512 {
-    // Clamp (NaN-preserving: `max` returns its second operand when either is NaN).
-    let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
-    let k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)), 0x08);
-    // r = x - k ln2, with ln2 split in two for precision.
-    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693_145_75), x);
-    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428_606_8e-6), r);
-    let mut p = _mm512_set1_ps(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    _mm512_scalef_ps(p, k)
 }
 
 /// Softmax with a vector `exp`; the sum is accumulated in lanes.
@@ -353,4 +337,59 @@ pub unsafe fn fma_loop(secs: f64) -> f64 {
     }
     black_box(acc);
     iters as f64 * 12.0 * 16.0 * 2.0
+}
+
+/// The KDA delta-rule step of one head (`scalar::kda_head_step`'s updates: `S <- S * g`,
+/// `delta = beta (v - S k)`, `S <- S + delta k^T`, `y = S q`) with each row's dot products
+/// accumulated in 16 lanes and reduced once, where the scalar twin adds one product at a time:
+/// a 128-wide row is 8 dependent FMAs here against 128 there. The state update is fused
+/// (`S + k delta` rounds once). Rows whose width is not a multiple of 16 end with a masked group.
+///
+/// # Safety
+/// AVX-512F must be available; s `[Dv, Dk]`, q, k, g `[Dk]`, v, delta, y `[Dv]` (checked by the
+/// caller).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn kda_head_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    delta: &mut [f32],
+    y: &mut [f32],
+) {
+    let d = k.len();
+    let groups = d.div_ceil(16);
+    let mask = |c: usize| -> __mmask16 {
+        let left = d - c * 16;
+        if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 }
+    };
+    // SAFETY (every access below): group c covers lanes c*16.. of a row of d, masked past d;
+    // rows vi < v.len() lie inside s (v.len() * d elements, checked by the caller).
+    let at = |p: *const f32, c: usize, m: __mmask16| unsafe { _mm512_maskz_loadu_ps(m, p.add(c * 16)) };
+    for vi in 0..v.len() {
+        let row = unsafe { s.as_mut_ptr().add(vi * d) };
+        let mut acc = _mm512_setzero_ps();
+        for c in 0..groups {
+            let m = mask(c);
+            let r = _mm512_mul_ps(at(row, c, m), at(g.as_ptr(), c, m));
+            unsafe { _mm512_mask_storeu_ps(row.add(c * 16), m, r) };
+            acc = _mm512_fmadd_ps(r, at(k.as_ptr(), c, m), acc);
+        }
+        delta[vi] = (v[vi] - _mm512_reduce_add_ps(acc)) * beta;
+    }
+    for (vi, yv) in y.iter_mut().enumerate().take(v.len()) {
+        let row = unsafe { s.as_mut_ptr().add(vi * d) };
+        let dv = _mm512_set1_ps(delta[vi]);
+        let mut acc = _mm512_setzero_ps();
+        for c in 0..groups {
+            let m = mask(c);
+            let r = _mm512_fmadd_ps(at(k.as_ptr(), c, m), dv, at(row, c, m));
+            unsafe { _mm512_mask_storeu_ps(row.add(c * 16), m, r) };
+            acc = _mm512_fmadd_ps(r, at(q.as_ptr(), c, m), acc);
+        }
+        *yv = _mm512_reduce_add_ps(acc);
+    }
 }

@@ -27,6 +27,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::avx512_math;
 use crate::format::{BLOCK, E2M1_LUT, Mxfp4, e8m0_to_f32};
 use crate::scalar;
 
@@ -415,6 +416,7 @@ pub unsafe fn gate_up_situ(
             // SAFETY: forwarded from the caller; the slices hold exactly these rows.
             unsafe { mxfp4_rows(p, s, rows, latent, xd, n, out) };
         }
-        scalar::situ(g, u, beta, linear_beta, act);
+        // SAFETY: AVX-512F present (the caller's guarantee); g, u and act all hold rows x n.
+        unsafe { avx512_math::situ(g, u, beta, linear_beta, act) };
     });
 }
