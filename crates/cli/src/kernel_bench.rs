@@ -156,10 +156,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 run_timed(secs, || {
                     let r = &recs[i % copies];
                     i += 1;
-                    let (a, b) = (inter * lat / 2, inter * lat / 32);
-                    let w1 = Mxfp4 { packed: &r[..a], scales: &r[a..a + b] };
-                    let w2 = Mxfp4 { packed: &r[a + b..2 * a + b], scales: &r[2 * a + b..2 * a + 2 * b] };
-                    let w3 = Mxfp4 { packed: &r[2 * a + 2 * b..3 * a + 2 * b], scales: &r[3 * a + 2 * b..] };
+                    let (w1, w2, w3) = record_matrices(r, inter, lat);
                     match mode {
                         "fused" => expert_mxfp4(w1, w3, w2, inter, lat, &x, 4.0, Some(25.0), &mut act, &mut out),
                         "batch" => expert_mxfp4_batch(
@@ -237,10 +234,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 run_timed(secs, || {
                     let r = &recs[i % copies];
                     i += 1;
-                    let (a, b) = (inter * lat / 2, inter * lat / 32);
-                    let w1 = Mxfp4 { packed: &r[..a], scales: &r[a..a + b] };
-                    let w2 = Mxfp4 { packed: &r[a + b..2 * a + b], scales: &r[2 * a + b..2 * a + 2 * b] };
-                    let w3 = Mxfp4 { packed: &r[2 * a + 2 * b..3 * a + 2 * b], scales: &r[3 * a + 2 * b..] };
+                    let (w1, w2, w3) = record_matrices(r, inter, lat);
                     expert_mxfp4_batch(w1, w3, w2, inter, lat, &xs, TOKENS, 4.0, Some(25.0), &mut act_b, &mut out_b)
                 })
             });
@@ -267,6 +261,15 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         print_table(&out, &threads, &mem, &fma);
     }
     Ok(())
+}
+
+/// The w1, w2, w3 matrices of a synthetic expert record laid out as the bench writes it (each
+/// `[inter, lat]` matrix's packed nibbles followed by its scales).
+fn record_matrices(r: &[u8], inter: usize, lat: usize) -> (Mxfp4<'_>, Mxfp4<'_>, Mxfp4<'_>) {
+    let (a, b) = (inter * lat / 2, inter * lat / 32);
+    let m =
+        |i: usize| Mxfp4 { packed: &r[i * (a + b)..i * (a + b) + a], scales: &r[i * (a + b) + a..(i + 1) * (a + b)] };
+    (m(0), m(1), m(2))
 }
 
 /// A compute-bound kernel's row: achieved GFLOP/s and its fraction of the FMA roof.

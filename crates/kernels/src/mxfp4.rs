@@ -238,10 +238,18 @@ mod tests {
         // Batches below, at and above the group size, and a row with a huge scale (safe path).
         // The last shape is large enough to be split over the thread pool.
         // Row counts past the 48-row cache block and off the 3- and 8-row tiles; input counts that
-        // split into unequal groups (14 = 5 + 5 + 4, 17 = 5 + 4 + 4 + 4).
-        for (rows, cols, n) in
-            [(40, 64, 2), (33, 96, 8), (70, 128, 11), (5, 32, 3), (512, 1024, 9), (50, 64, 14), (101, 32, 17)]
-        {
+        // split into unequal groups (14 = 5 + 5 + 4, 17 = 5 + 4 + 4 + 4); 51 rows end the one-input
+        // path with its 3-row tile (48 + 3).
+        for (rows, cols, n) in [
+            (40, 64, 2),
+            (33, 96, 8),
+            (70, 128, 11),
+            (5, 32, 3),
+            (512, 1024, 9),
+            (50, 64, 14),
+            (101, 32, 17),
+            (51, 64, 6),
+        ] {
             let p = bytes(rows * cols / 2, 1);
             let mut s = scales(rows * cols / 32, 2);
             s[0] = 230;

@@ -155,8 +155,6 @@ impl Kda {
         let mut q = sc.take(p); // [P]
         let mut k = sc.take(p); // [P]
         let mut v = sc.take(p); // [P]
-        let mut g = sc.take(d); // [Dk] decay of this head
-        let mut delta = sc.take(d); // [Dv]
         if t_n >= PARALLEL_HEADS_MIN_TOKENS && deltafin_kernels::par::threads() > 1 {
             // The short conv token by token (its history is sequential), each token's q, k, v
             // written back over its projections; then the heads in parallel.
@@ -169,6 +167,8 @@ impl Kda {
             }
             self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys);
         } else {
+            let mut g = sc.take(d); // [Dk] decay of this head
+            let mut delta = sc.take(d); // [Dv]
             for t in 0..t_n {
                 let span = t * p..(t + 1) * p;
                 for (i, dst) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
@@ -190,10 +190,12 @@ impl Kda {
                     self.head_step(h, heads, s, &mut g, &mut delta, &mut y[hs]);
                 }
             }
+            sc.give(g);
+            sc.give(delta);
         }
         self.o_proj.forward_batch(&ys, t_n, outs);
         let [p0, p1, p2] = pre;
-        for buf in [p0, p1, p2, fa, a, b, gate, q, k, v, ys, g, delta] {
+        for buf in [p0, p1, p2, fa, a, b, gate, q, k, v, ys] {
             sc.give(buf);
         }
     }

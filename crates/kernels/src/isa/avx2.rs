@@ -9,8 +9,6 @@
 //! that the CPU supports AVX2 and FMA.
 
 use std::arch::x86_64::*;
-use std::hint::black_box;
-use std::time::Instant;
 
 use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX, e8m0_to_f32};
 use crate::scalar;
@@ -209,20 +207,5 @@ pub unsafe fn mxfp4_matvec_q8(
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn fma_loop(secs: f64) -> f64 {
-    let t0 = Instant::now();
-    let a = _mm256_set1_ps(black_box(0.999_999));
-    let b = _mm256_set1_ps(black_box(1e-7));
-    // Twelve independent chains cover the FMA latency on two ports.
-    let mut acc = [_mm256_set1_ps(1.0); 12];
-    let mut iters = 0u64;
-    while t0.elapsed().as_secs_f64() < secs {
-        for _ in 0..100_000 {
-            for v in acc.iter_mut() {
-                *v = _mm256_fmadd_ps(*v, a, b);
-            }
-        }
-        iters += 100_000;
-    }
-    black_box(acc);
-    iters as f64 * 12.0 * 8.0 * 2.0
+    super::fma_loop_body!(secs, _mm256_set1_ps, _mm256_fmadd_ps, 8)
 }

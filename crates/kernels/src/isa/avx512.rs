@@ -15,8 +15,6 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
-use std::hint::black_box;
-use std::time::Instant;
 
 use super::avx512_math::exp_ps;
 use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX};
@@ -321,22 +319,7 @@ pub unsafe fn mxfp4_matvec_q8_vnni(
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
 pub unsafe fn fma_loop(secs: f64) -> f64 {
-    let t0 = Instant::now();
-    let a = _mm512_set1_ps(black_box(0.999_999));
-    let b = _mm512_set1_ps(black_box(1e-7));
-    // Twelve independent chains cover the FMA latency on two units.
-    let mut acc = [_mm512_set1_ps(1.0); 12];
-    let mut iters = 0u64;
-    while t0.elapsed().as_secs_f64() < secs {
-        for _ in 0..100_000 {
-            for v in acc.iter_mut() {
-                *v = _mm512_fmadd_ps(*v, a, b);
-            }
-        }
-        iters += 100_000;
-    }
-    black_box(acc);
-    iters as f64 * 12.0 * 16.0 * 2.0
+    super::fma_loop_body!(secs, _mm512_set1_ps, _mm512_fmadd_ps, 16)
 }
 
 /// The KDA delta-rule step of one head (`scalar::kda_head_step`'s updates: `S <- S * g`,

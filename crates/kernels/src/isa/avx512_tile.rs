@@ -109,11 +109,12 @@ struct Mx<'a> {
     out: *mut f32,
 }
 
-macro_rules! mx_dispatch {
-    ($self:ident, $r:expr, $m:expr, $r0:expr, $t0:expr; $( ($R:literal, $N:literal) ),* ) => {
+/// `match (rows, inputs)` onto the `tile_rn::<R, N>` instantiations a tile kind has.
+macro_rules! tile_dispatch {
+    ($kind:literal, $self:ident, $r:expr, $m:expr, $r0:expr, $t0:expr; $( ($R:literal, $N:literal) ),* ) => {
         match ($r, $m) {
             $( ($R, $N) => $self.tile_rn::<$R, $N>($r0, $t0), )*
-            _ => unreachable!("no MXFP4 tile of {} rows x {} inputs", $r, $m),
+            _ => unreachable!("no {} tile of {} rows x {} inputs", $kind, $r, $m),
         }
     };
 }
@@ -127,7 +128,7 @@ impl Mx<'_> {
     unsafe fn tile(&self, r: usize, m: usize, r0: usize, t0: usize) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            mx_dispatch!(self, r, m, r0, t0;
+            tile_dispatch!("MXFP4", self, r, m, r0, t0;
                 (8, 1), (4, 1), (3, 1), (2, 1), (1, 1),
                 (3, 2), (2, 2), (1, 2), (3, 3), (2, 3), (1, 3),
                 (3, 4), (2, 4), (1, 4), (3, 5), (2, 5), (1, 5))
@@ -273,15 +274,6 @@ struct I8<'a> {
     out: *mut f32,
 }
 
-macro_rules! i8_dispatch {
-    ($self:ident, $r:expr, $m:expr, $r0:expr, $t0:expr; $( ($R:literal, $N:literal) ),* ) => {
-        match ($r, $m) {
-            $( ($R, $N) => $self.tile_rn::<$R, $N>($r0, $t0), )*
-            _ => unreachable!("no int8 tile of {} rows x {} inputs", $r, $m),
-        }
-    };
-}
-
 impl I8<'_> {
     /// Rows `r0..r0+r` against inputs `t0..t0+m`.
     ///
@@ -291,7 +283,7 @@ impl I8<'_> {
     unsafe fn tile(&self, r: usize, m: usize, r0: usize, t0: usize) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            i8_dispatch!(self, r, m, r0, t0;
+            tile_dispatch!("int8", self, r, m, r0, t0;
                 (4, 1), (3, 1), (2, 1), (1, 1), (4, 2), (3, 2), (2, 2), (1, 2), (4, 3), (3, 3), (2, 3), (1, 3))
         }
     }
