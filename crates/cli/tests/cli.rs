@@ -169,6 +169,52 @@ fn long_prompts_run_in_budget_sized_chunks() {
     assert!(err.contains("--prefill-chunk 1000000 needs"), "{err}");
 }
 
+/// A prompt longer than the plan's chunk borrows the expert cache's memory for fewer, equal
+/// chunks (each chunk reads its experts once), gives it back before decoding, and stays within
+/// the budget with the same tokens as chunks of 16.
+#[test]
+fn long_prompts_borrow_the_expert_cache() {
+    let store = convert("k3-small", &[]);
+    let s = store.path().to_str().unwrap();
+    let ids: Vec<String> = (0..600u32).map(|i| ((i * 7919 + 11) % 500).to_string()).collect();
+    let prompt = ids.join(",");
+    // Just above the minimum: some cache slots (not all 32 experts), a small chunk of its own.
+    let budget: u64 = 105 << 20;
+    let generate = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["generate", "--model", s, "--prompt-tokens", &prompt, "--max-tokens", "4", "--json"];
+        args.extend_from_slice(&["--memory-budget", "105M", "--context", "4100", "--no-prefetch"]);
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).expect("one JSON object")
+    };
+    let auto = generate(&[]);
+    let by16 = generate(&["--prefill-chunk", "16"]);
+    let plan = &auto["plan"];
+    let (base, lent) = (plan["prefill_chunk"].as_u64().unwrap(), plan["prefill_chunk_lent"].as_u64().unwrap());
+    let slots = plan["cache_slots_per_layer"].as_u64().unwrap();
+    assert!(slots > 0 && slots < plan["experts_per_layer"].as_u64().unwrap(), "{plan}");
+    assert!(lent > base && base < 600, "{plan}");
+    let p = &auto["timing"]["prompt"];
+    let chunks = 600u64.div_ceil(lent);
+    assert_eq!(p["chunks"], chunks, "{p}");
+    assert_eq!(p["chunk"], 600u64.div_ceil(chunks), "equal chunks: {p}");
+    assert!(p["borrowed_bytes"].as_u64().unwrap() > 0, "{p}");
+    assert_eq!(by16["timing"]["prompt"]["borrowed_bytes"], 0);
+    assert_eq!(by16["timing"]["prompt"]["chunks"], 38);
+    assert_eq!(auto["tokens"], by16["tokens"]);
+    assert!(
+        p["expert_bytes_read"].as_u64().unwrap() < by16["timing"]["prompt"]["expert_bytes_read"].as_u64().unwrap(),
+        "fewer chunks read fewer experts: {p}"
+    );
+    // Chunks this large pick nearly every expert: the cache room left after lending is read
+    // into ahead of the router, and those reads are used.
+    let st = &auto["stream"];
+    assert!(st["read_ahead"].as_u64().unwrap() > 0, "{st}");
+    assert_eq!(st["read_ahead"], st["prefetch_reads"], "prefetch is off: every speculative read is a read-ahead");
+    assert_eq!(by16["stream"]["read_ahead"], 0, "chunks of 16 (96 picks of 32 experts) do not cover the layer");
+    let rss = auto["peak_rss_bytes"].as_u64().expect("peak RSS reported");
+    assert!(rss <= budget, "peak RSS {rss} over the budget {budget}");
+}
+
 /// `plan` needs no weights: Kimi K3 on paper at 24 and 64 GB. At 24 GB most of the spine is
 /// streamed and prompt chunks still get thousands of tokens; at 64 GB everything is resident.
 #[test]

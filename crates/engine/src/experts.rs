@@ -39,6 +39,23 @@ pub trait ExpertSource {
     fn faults(&self) -> FaultStats {
         FaultStats::default()
     }
+
+    /// `layer` is about to serve a chunk so large that it will pick nearly every expert: a
+    /// source that caches may start reading uncached experts into its free cache room now, while
+    /// the layer's attention computes (a wrong guess costs one read). Default: nothing.
+    fn read_ahead(&mut self, _layer: usize) {}
+
+    /// Between steps, give up to `bytes` of cache memory back to the system for a while (a long
+    /// prompt's chunk borrows it: one large chunk reads each expert once, where smaller chunks
+    /// read most of them again each). Returns the bytes given up, in whole slots, which the
+    /// source no longer uses until [`take_back`](ExpertSource::take_back). Default: none.
+    fn lend(&mut self, _bytes: u64) -> u64 {
+        0
+    }
+
+    /// The memory lent by [`lend`](ExpertSource::lend) is the cache's again (it fills as
+    /// experts are read). Default: nothing lent.
+    fn take_back(&mut self) {}
 }
 
 /// Reads every record from the store with plain positioned reads, verifying its checksum; no

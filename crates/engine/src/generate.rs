@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::experts::ExpertSource;
 use crate::fault::FaultStats;
-use crate::k3::{K3Model, K3State};
+use crate::k3::{K3Model, K3State, RunConfig};
 use crate::study::routing::RoutingOverride;
 use crate::study::trace::TraceWriter;
 
@@ -76,6 +76,9 @@ pub struct PromptStats {
     pub distinct_experts: usize,
     /// Streamed spine bytes read while the prompt was processed.
     pub spine_bytes_read: u64,
+    /// Expert cache memory the prompt borrowed for its larger chunks (given back before the
+    /// first new token).
+    pub borrowed_bytes: u64,
 }
 
 /// An expert source that remembers which records were requested (the prompt's distinct
@@ -105,6 +108,16 @@ impl ExpertSource for Distinct<'_> {
     fn faults(&self) -> FaultStats {
         self.inner.faults()
     }
+    fn read_ahead(&mut self, layer: usize) {
+        self.inner.read_ahead(layer)
+    }
+
+    fn lend(&mut self, bytes: u64) -> u64 {
+        self.inner.lend(bytes)
+    }
+    fn take_back(&mut self) {
+        self.inner.take_back()
+    }
 }
 
 impl GenerateHooks<'_> {
@@ -124,15 +137,89 @@ pub fn run(
     hooks: &mut GenerateHooks<'_>,
     driver: &mut dyn Driver,
 ) -> Result<Ended> {
-    let chunk = if hooks.per_token() { 1 } else { model.run().prefill_chunk.max(1) };
+    let (mut chunk, borrow) = prompt_chunking(model.run(), prompt.len(), hooks.per_token());
     let (bytes0, spine0) = (experts.bytes_read(), model.spine_bytes_read());
+    let mut borrowed = 0;
+    if borrow > 0 {
+        borrowed = experts.lend(borrow);
+        if borrowed < borrow {
+            // Part of the cache could not be lent: chunks as large as what was.
+            let base = model.run().prefill_chunk.max(1);
+            let per = model.run().prompt_borrowing.map_or(1, |b| b.token_bytes.max(1));
+            chunk = balanced_chunk(prompt.len(), base + (borrowed / per) as usize);
+        }
+        tracing::debug!(
+            "prompt of {} tokens in chunks of {chunk}, on {borrowed} bytes borrowed from the expert cache",
+            prompt.len()
+        );
+    }
+    let fed = feed_prompt(model, experts, st, logits, prompt, chunk, hooks, driver);
+    if borrow > 0 {
+        // Give the memory back before the first new token, on every way out: the chunk's
+        // buffers leave the process, then the cache may fill again.
+        st.release_chunk_buffers();
+        crate::os::memory::return_free_heap();
+        experts.take_back();
+    }
+    let Some(seen) = fed? else { return Ok(Ended::Cancelled) };
+    driver.prompt_done(st, logits);
+    driver.prompt_stats(&PromptStats {
+        tokens: prompt.len(),
+        chunk,
+        chunks: prompt.len().div_ceil(chunk),
+        expert_bytes_read: experts.bytes_read() - bytes0,
+        distinct_experts: seen,
+        spine_bytes_read: model.spine_bytes_read() - spine0,
+        borrowed_bytes: borrowed,
+    });
+    while let Some(token) = driver.next(logits)? {
+        step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;
+        driver.after_step(experts.bytes_read());
+    }
+    Ok(Ended::Done)
+}
+
+/// Prompt chunks for a prompt of `len` tokens, and the memory to borrow for them: chunks of the
+/// plan's size, or, for a longer prompt the plan lets borrow, as few chunks as the borrowed
+/// memory allows, of equal size (the same reads as unequal ones, less memory).
+fn prompt_chunking(run: &RunConfig, len: usize, per_token: bool) -> (usize, u64) {
+    let base = run.prefill_chunk.max(1);
+    match run.prompt_borrowing {
+        _ if per_token => (1, 0),
+        Some(b) if len > base => {
+            let chunk = balanced_chunk(len, b.max_chunk.max(base));
+            (chunk, chunk.saturating_sub(base) as u64 * b.token_bytes)
+        }
+        _ => (base, 0),
+    }
+}
+
+/// The equal chunk size for `len` tokens in as few chunks of at most `max` as possible.
+fn balanced_chunk(len: usize, max: usize) -> usize {
+    let chunks = len.div_ceil(max.max(1)).max(1);
+    len.div_ceil(chunks).max(1)
+}
+
+/// The prompt through the model in chunks of `chunk`: the number of distinct (layer, expert)
+/// records it chose, or `None` when the driver stopped it.
+#[allow(clippy::too_many_arguments)]
+fn feed_prompt(
+    model: &K3Model,
+    experts: &mut dyn ExpertSource,
+    st: &mut K3State,
+    logits: &mut [f32],
+    prompt: &[u32],
+    chunk: usize,
+    hooks: &mut GenerateHooks<'_>,
+    driver: &mut dyn Driver,
+) -> Result<Option<usize>> {
     let mut distinct = Distinct { inner: experts, seen: HashSet::new() };
     let layers = model.layers.len() as u64;
     let mut progress =
         PromptProgress { tokens_total: prompt.len(), layers_done: 0, layers_total: layers * prompt.len() as u64 };
     for tokens in prompt.chunks(chunk) {
         if !driver.keep_going() {
-            return Ok(Ended::Cancelled);
+            return Ok(None);
         }
         let before = progress.layers_done;
         let progress_hook = &mut hooks.progress;
@@ -146,26 +233,12 @@ pub fn run(
         };
         let (routing, trace) = (&mut hooks.routing, &mut hooks.trace);
         if !step(model, &mut distinct, st, tokens, logits, routing, trace, hooks.seq, &mut on_layer)? {
-            return Ok(Ended::Cancelled);
+            return Ok(None);
         }
         progress.layers_done = before + layers * tokens.len() as u64;
         driver.after_step(distinct.bytes_read());
     }
-    let Distinct { inner: experts, seen } = distinct;
-    driver.prompt_done(st, logits);
-    driver.prompt_stats(&PromptStats {
-        tokens: prompt.len(),
-        chunk,
-        chunks: prompt.len().div_ceil(chunk),
-        expert_bytes_read: experts.bytes_read() - bytes0,
-        distinct_experts: seen.len(),
-        spine_bytes_read: model.spine_bytes_read() - spine0,
-    });
-    while let Some(token) = driver.next(logits)? {
-        step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;
-        driver.after_step(experts.bytes_read());
-    }
-    Ok(Ended::Done)
+    Ok(Some(distinct.seen.len()))
 }
 
 /// One chunk through the model; per token, the routing override before and the trace after;

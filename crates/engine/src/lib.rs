@@ -7,6 +7,7 @@
 //! - The I/O runtime: [`stream`] (read back-ends, record geometry, the expert cache and the
 //!   streaming expert source, spine streaming), [`plan`] (the memory budget) and [`session`]
 //!   (options to a loaded model with its expert source).
+//! - [`os`]: what differs between operating systems, one module per concern.
 //! - [`generate`]: the one generation loop; [`study`]: router traces and routing overrides.
 //!
 //! Text (tokenizer, chat format, sampling) lives in the `deltafin-text` crate above this one.
@@ -16,6 +17,7 @@ pub mod experts;
 pub mod fault;
 pub mod generate;
 pub mod k3;
+pub mod os;
 pub mod plan;
 pub mod scratch;
 pub mod session;

@@ -47,6 +47,12 @@ pub struct Plan {
     pub prefill_bytes: u64,
     /// Where the chunk size came from (`--prefill-chunk`, or the budget).
     pub prefill_chunk_source: String,
+    /// The largest chunk a long prompt may run by borrowing the expert cache's memory for as
+    /// long as the prompt takes (equal to `prefill_chunk` when nothing can be borrowed: the
+    /// chunk was forced, or every expert is cached), and the activation bytes of one prompt
+    /// token that the borrowing is counted in.
+    pub prefill_chunk_lent: usize,
+    pub prefill_token_bytes: u64,
     /// Expert bytes read per token if routing were uniform and independent across tokens:
     /// `moe_layers * k * record * (1 - slots/experts)`. Real routing has locality; the trace
     /// tools measure it.
@@ -87,53 +93,79 @@ pub fn spine_layer_bytes(m: &Manifest) -> (Vec<u64>, u64) {
     (per, other)
 }
 
-/// Activation bytes one prompt token holds while its chunk goes through a layer. Throughout:
-/// the running sums, normed inputs and sub-layer outputs `[T, H]` x 3 and the block attention
-/// residuals `[T, blocks, H]`. On top, the largest of the phases, whose buffers the chunk's
-/// scratch pool reuses from one phase to the next:
-/// - KDA: q, k, v before the conv, decay logits, gate and output `[T, P]` x 6;
-/// - MLA: queries `[T, heads, nope + rope]`, latents `[T, kv_lora + rope]`, the output and its
-///   gate `[T, heads, v]` x 2, the query's low-rank input `[T, q_lora]`;
-/// - a dense MLP: gate, up and activations `[T, I_dense]` x 3;
-/// - latent MoE: router logits `[T, E]`, the shared experts' outputs `[T, H]` and their
-///   gate, up and activations `[T, I_shared]` x 3, the latent inputs `[T, LAT]`, each routed
-///   expert's output `[T, k, LAT]`, one expert's batch `[n, LAT]` x 2 and `[n, I]`, and the
-///   int8 copy of the latent input (approximate mode).
+/// Activation bytes one prompt token holds while its chunk goes through a layer: the block
+/// attention residuals `[T, blocks, H]`, the int8 copy of the latent input (approximate mode)
+/// and the routing, plus the chunk's share of the scratch pool. The pool hands a phase's
+/// requests the smallest buffer that fits and grows the largest otherwise, so across phases it
+/// ends up holding, for each rank of buffer size, the largest buffer of that rank in any phase:
+/// the sum of the element-wise maxima of the phases' sorted buffer lists, not the largest
+/// phase. Every phase holds the running sums, normed inputs and sub-layer outputs `[T, H]` x 3;
+/// on top (per token, in floats):
+/// - KDA: q, k, v before the conv, decay logits, gate and output `[P]` x 6, the decay's
+///   low-rank input and its gate's `[D]` x 2, beta `[heads]`;
+/// - MLA: queries `[heads, nope + rope]`, their low-rank input `[q_lora]`, latents
+///   `[kv_lora + rope]`, the output and its gate `[heads, v]` x 2;
+/// - a dense MLP: gate, up and activations `[I_dense]` x 3;
+/// - latent MoE, while the shared experts run: router logits `[E]`, their output `[H]`, and
+///   their gate, up and activations `[I_shared]` x 3;
+/// - latent MoE, while the routed experts run: router logits `[E]`, the shared output `[H]`, the
+///   latent inputs `[LAT]`, each routed expert's output `[k, LAT]`, the weighted sum `[LAT]`,
+///   and one expert's batch, sized for the whole chunk: inputs and outputs `[LAT]` x 2 and
+///   activations `[I]`.
 ///
 /// Per-token scratch of the recurrences does not grow with the chunk and is in
-/// [`FIXED_OVERHEAD`].
+/// [`FIXED_OVERHEAD`]. A test holds the pool of a real chunk to this figure.
 pub fn prefill_token_bytes(m: &Manifest, experts_per_token: usize) -> u64 {
     let c = &m.config;
     let lac = &c.linear_attn_config;
-    let (h, lat, i) = (c.hidden_size, c.expert_input_dim(), c.moe_intermediate_size);
+    let (h, lat, i, k) = (c.hidden_size, c.expert_input_dim(), c.moe_intermediate_size, experts_per_token);
     let blocks = c.attn_res_block_size.map(|b| c.num_hidden_layers.div_ceil(b.max(1)) + 1).unwrap_or(0);
-    let throughout = (3 + blocks) * h;
-    let kda = 6 * lac.num_heads * lac.head_dim;
+    let (p, d, kh) = (lac.num_heads * lac.head_dim, lac.head_dim, lac.num_heads);
     let heads = c.num_attention_heads;
-    let mla = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-        + c.kv_lora_rank
-        + c.qk_rope_head_dim
-        + 2 * heads * c.v_head_dim
-        + c.q_lora_rank.unwrap_or(0);
-    let dense = 3 * c.intermediate_size;
-    let shared = 3 * i * c.num_shared_experts;
-    let moe = c.num_experts + h + shared + lat * (3 + experts_per_token) + i;
+    let shared = i * c.num_shared_experts;
+    let kda = [p, p, p, p, p, p, d, d, kh];
+    let mla = [
+        heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),
+        c.q_lora_rank.unwrap_or(0),
+        c.kv_lora_rank + c.qk_rope_head_dim,
+        heads * c.v_head_dim,
+        heads * c.v_head_dim,
+    ];
+    let dense = [c.intermediate_size; 3];
+    let moe_shared = [c.num_experts, h, shared, shared, shared];
+    let moe_routed = [c.num_experts, h, lat, k * lat, lat, lat, lat, i];
     // Only the kinds of layer the model has.
     let layers = 0..c.num_hidden_layers;
     let has = |f: &dyn Fn(usize) -> bool| layers.clone().any(f);
-    let phase = [
-        (has(&|l| c.attn_kind(l) == AttnKind::Kda), kda),
-        (has(&|l| c.attn_kind(l) == AttnKind::Mla), mla),
-        (has(&|l| !c.is_moe_layer(l)), dense),
-        (has(&|l| c.is_moe_layer(l)), moe),
+    let moe = has(&|l| c.is_moe_layer(l));
+    let phases: Vec<&[usize]> = [
+        (has(&|l| c.attn_kind(l) == AttnKind::Kda), &kda[..]),
+        (has(&|l| c.attn_kind(l) == AttnKind::Mla), &mla[..]),
+        (has(&|l| !c.is_moe_layer(l)), &dense[..]),
+        (moe, &moe_shared[..]),
+        (moe, &moe_routed[..]),
     ]
-    .iter()
+    .into_iter()
     .filter(|(present, _)| *present)
-    .map(|(_, floats)| *floats)
-    .max()
-    .unwrap_or(0);
-    let floats = throughout + phase;
-    (4 * floats + lat + 3 * 8 * experts_per_token) as u64
+    .map(|(_, bufs)| bufs)
+    .collect();
+    let pool = 3 * h + pooled_floats(&phases);
+    (4 * (pool + blocks * h) + lat + 3 * 8 * k) as u64
+}
+
+/// Floats a scratch pool holds after serving `phases` (each a list of buffer sizes alive at
+/// once): for each rank of size, the largest buffer of that rank in any phase.
+fn pooled_floats(phases: &[&[usize]]) -> usize {
+    let sorted: Vec<Vec<usize>> = phases
+        .iter()
+        .map(|b| {
+            let mut v = b.to_vec();
+            v.sort_unstable_by(|a, b| b.cmp(a));
+            v
+        })
+        .collect();
+    let ranks = sorted.iter().map(Vec::len).max().unwrap_or(0);
+    (0..ranks).map(|r| sorted.iter().filter_map(|v| v.get(r)).copied().max().unwrap_or(0)).sum()
 }
 
 /// Floating-point operations (a multiply-add is two) to process a prompt of `tokens` tokens,
@@ -287,6 +319,17 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
             }
         }
     }
+    let cache_bytes = per_layer as u64 * moe_layers as u64 * slot;
+    // A chunk more of a long prompt re-reads every streamed layer and most experts, while the
+    // cache saves little during a prompt (a large chunk picks nearly every expert): a prompt
+    // borrows the cache's memory for larger chunks and gives it back before decoding. Not when
+    // every expert is cached (nothing would be read again), nor for a forced chunk.
+    let chunk_lent = if prefill_chunk.is_none() && per_layer < experts {
+        let more = (cache_bytes / per_token.max(1)).min(context.saturating_sub(chunk) as u64) as usize;
+        chunk + more
+    } else {
+        chunk
+    };
     let miss = if experts == 0 { 0.0 } else { 1.0 - per_layer as f64 / experts as f64 };
     let record = m.experts.record_bytes;
     Ok(Plan {
@@ -307,11 +350,13 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         experts_per_layer: experts,
         experts_per_token,
         cache_slots_per_layer: per_layer,
-        cache_bytes: per_layer as u64 * moe_layers as u64 * slot,
+        cache_bytes,
         overhead_bytes: FIXED_OVERHEAD,
         prefill_chunk: chunk,
         prefill_bytes: prefill,
         prefill_chunk_source: chunk_source,
+        prefill_chunk_lent: chunk_lent,
+        prefill_token_bytes: per_token,
         expected_expert_bytes_per_token: (moe_layers as f64 * experts_per_token as f64 * record as f64 * miss) as u64,
     })
 }
@@ -319,7 +364,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             self.budget_source,
             human(self.spine_bytes),
@@ -339,6 +384,11 @@ impl Plan {
             human(self.prefill_bytes),
             self.prefill_chunk,
             self.prefill_chunk_source,
+            if self.prefill_chunk_lent > self.prefill_chunk {
+                format!("; a longer prompt borrows the expert cache for chunks of up to {}", self.prefill_chunk_lent)
+            } else {
+                String::new()
+            },
             human(self.overhead_bytes),
             human(self.expected_expert_bytes_per_token),
             self.experts_per_token,

@@ -22,12 +22,29 @@ impl Scratch {
         let pick = fit.or_else(|| self.f32s.iter().enumerate().max_by_key(|(_, v)| v.capacity())).map(|(i, _)| i);
         let mut v = pick.map(|i| self.f32s.swap_remove(i)).unwrap_or_default();
         v.clear();
+        // Exactly `n`: `resize` alone may double the capacity, and a prompt chunk's buffers are
+        // hundreds of MB that the memory plan counts at their size.
+        v.reserve_exact(n);
         v.resize(n, 0.0);
         v
     }
 
     pub fn give(&mut self, v: Vec<f32>) {
         self.f32s.push(v);
+    }
+
+    /// Bytes the pool holds (float and index buffers), for holding the memory plan's estimate
+    /// of a prompt chunk to what a chunk really takes.
+    pub fn pooled_bytes(&self) -> usize {
+        let f: usize = self.f32s.iter().map(|v| v.capacity() * 4).sum();
+        let i: usize = self.ids.iter().map(|v| v.capacity() * std::mem::size_of::<usize>()).sum();
+        f + i
+    }
+
+    /// Drop every pooled buffer (after a prompt chunk on borrowed memory: the next token
+    /// allocates its own small ones again).
+    pub fn release(&mut self) {
+        *self = Scratch::default();
     }
 
     /// An empty index buffer.

@@ -9,7 +9,7 @@ use deltafin_store::Store;
 use deltafin_store::presence::ExpertFetcher;
 use serde::Serialize;
 
-use crate::k3::{K3Model, RunConfig};
+use crate::k3::{K3Model, PromptBorrowing, RunConfig};
 use crate::plan::{Budget, Plan, PlanRequest, default_budget, make_plan};
 use crate::stream::activity::{DiskActivity, Watched};
 use crate::stream::cache::Policy;
@@ -86,6 +86,8 @@ pub struct StreamReport {
     pub hit_rate: f64,
     pub demand_reads: u64,
     pub prefetch_reads: u64,
+    /// Of the prefetch reads, those large prompt chunks read ahead into free cache room.
+    pub read_ahead: u64,
     pub prefetch_precision: Option<f64>,
     pub prefetch_recall: Option<f64>,
     pub expert_bytes_read: u64,
@@ -127,6 +129,10 @@ impl Session {
                 approx: opts.approx,
                 io_backend: opts.backend,
                 prefill_chunk: plan.prefill_chunk,
+                prompt_borrowing: (plan.prefill_chunk_lent > plan.prefill_chunk).then_some(PromptBorrowing {
+                    max_chunk: plan.prefill_chunk_lent,
+                    token_bytes: plan.prefill_token_bytes,
+                }),
                 disk_activity: Some(activity.clone()),
             },
         )?;
@@ -185,6 +191,7 @@ impl Session {
             hit_rate: if t.accesses == 0 { 0.0 } else { t.hits as f64 / t.accesses as f64 },
             demand_reads: t.demand_reads,
             prefetch_reads: t.prefetch_reads,
+            read_ahead: t.read_ahead,
             prefetch_precision: (t.prefetch_reads > 0).then(|| t.prefetch_used as f64 / t.prefetch_reads as f64),
             prefetch_recall: (demand_misses_or_covered > 0 && self.model.run().prefetch)
                 .then(|| t.prefetch_used as f64 / demand_misses_or_covered as f64),

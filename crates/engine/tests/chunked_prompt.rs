@@ -170,3 +170,35 @@ fn a_cancelled_prompt_stops_between_layers() {
         assert!(same(&after.prompt_logits, &fresh.prompt_logits));
     }
 }
+
+/// The memory plan reserves `prefill_token_bytes` per prompt token: what a real chunk's scratch
+/// pool and residual blocks take stays within it (beyond what a single token already takes).
+#[test]
+fn a_chunk_takes_no_more_than_the_plan_reserves_per_token() {
+    for name in FIXTURES {
+        let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+        let store = Store::open(dir.path(), None).unwrap();
+        let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+        let k = model.config.num_experts_per_token;
+        let per_token = deltafin_engine::plan::prefill_token_bytes(&store.manifest, k) as usize;
+        let vocab = model.config.vocab_size as u32;
+        let held = |st: &deltafin_engine::k3::K3State| {
+            st.scratch.pooled_bytes() + st.blocks.iter().map(|b| b.bytes()).sum::<usize>()
+        };
+        let mut logits = vec![0f32; model.config.vocab_size];
+        let mut one = model.new_state();
+        model.forward_chunk(&mut one, &mut StoreExperts::new(&store), &[7], &mut logits).unwrap();
+        let base = held(&one);
+        for t_n in [64usize, 200] {
+            let tokens: Vec<u32> = (0..t_n as u32).map(|i| (i * 37 + 11) % vocab).collect();
+            let mut st = model.new_state();
+            model.forward_chunk(&mut st, &mut StoreExperts::new(&store), &tokens, &mut logits).unwrap();
+            let took = held(&st);
+            assert!(
+                took <= base + per_token * t_n,
+                "{name}: a chunk of {t_n} holds {took} bytes, the plan reserves {} + {base}",
+                per_token * t_n
+            );
+        }
+    }
+}

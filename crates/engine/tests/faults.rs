@@ -436,3 +436,81 @@ fn prefetches_land_without_cache_slots_and_are_used() {
     // 3 was a wrong guess: dropped when its layer began, its buffer back in the pool.
     src.check_idle().unwrap();
 }
+
+/// A long prompt borrows the cache's memory: lending evicts, gives whole slots' pages back and
+/// keeps those buffers out of use (every buffer still accounted for); demand reads go on with
+/// the rest, the bytes are the experts' own, and after `take_back` the cache fills again.
+#[test]
+fn lending_the_cache_gives_slots_back_and_take_back_restores_them() {
+    let _w = Watchdog::start("lending");
+    let f = fixture(false);
+    let layers = f.model.config.moe_layers();
+    let layer = layers[0];
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 4, false, &rules);
+    let mut direct = StoreExperts::new(&f.store);
+    let read = |src: &mut dyn ExpertSource, experts: &[usize]| {
+        let mut got = vec![Vec::new(); experts.len()];
+        src.begin(layer, experts).unwrap();
+        src.drain(&mut |i, rec| {
+            got[i] = rec.to_vec();
+            Ok(())
+        })
+        .unwrap();
+        got
+    };
+    let want = read(&mut direct, &[0, 1, 2, 3]);
+    assert_eq!(read(&mut src, &[0, 1, 2, 3]), want);
+    assert!((0..4).all(|e| src.is_cached(layer, e)));
+    let slot = src.slot_bytes as u64;
+    // Three slots per layer asked for: whole slots on every MoE layer.
+    let lent = src.lend(3 * slot * layers.len() as u64);
+    assert_eq!(lent, 3 * slot * layers.len() as u64);
+    assert_eq!((0..4).filter(|&e| src.is_cached(layer, e)).count(), 1, "one slot per layer left");
+    src.check_idle().unwrap();
+    // Lending more than is left lends what is left.
+    assert_eq!(src.lend(100 * slot * layers.len() as u64), slot * layers.len() as u64);
+    assert!((0..4).all(|e| !src.is_cached(layer, e)));
+    assert_eq!(read(&mut src, &[0, 1, 2, 3]), want, "demand reads go on without cache slots");
+    assert!((0..4).all(|e| !src.is_cached(layer, e)), "nothing enters a lent cache");
+    src.check_idle().unwrap();
+    src.take_back();
+    src.check_idle().unwrap();
+    assert_eq!(read(&mut src, &[0, 1, 2, 3]), want);
+    assert!((0..4).all(|e| src.is_cached(layer, e)), "the cache fills again");
+    assert_eq!(src.lend(0), 0);
+}
+
+/// A large chunk's read-ahead fills the layer's free cache room and no more, leaves the demand's
+/// buffers free, and its records serve the demand as hits.
+#[test]
+fn read_ahead_fills_free_cache_room_and_serves_the_demand() {
+    let _w = Watchdog::start("read-ahead");
+    let f = fixture(false);
+    let layer = f.model.config.moe_layers()[0];
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 3, false, &rules);
+    src.read_ahead(layer);
+    src.read_ahead(layer);
+    src.finish_prefetches().unwrap();
+    assert!((0..3).all(|e| src.is_cached(layer, e)), "the three free slots filled");
+    assert!(!src.is_cached(layer, 3), "no more than the room");
+    let t = src.total_stats();
+    assert_eq!((t.read_ahead, t.prefetch_reads), (3, 3), "a second call found no room");
+    let mut direct = StoreExperts::new(&f.store);
+    let experts = [0, 1, 2, 3, 4];
+    let read = |src: &mut dyn ExpertSource| {
+        let mut got = vec![Vec::new(); experts.len()];
+        src.begin(layer, &experts).unwrap();
+        src.drain(&mut |i, rec| {
+            got[i] = rec.to_vec();
+            Ok(())
+        })
+        .unwrap();
+        got
+    };
+    assert_eq!(read(&mut src), read(&mut direct));
+    let t = src.total_stats();
+    assert_eq!((t.hits, t.prefetch_used, t.demand_reads), (3, 3, 2));
+    src.check_idle().unwrap();
+}

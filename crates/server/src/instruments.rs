@@ -129,4 +129,16 @@ impl ExpertSource for FaultyExperts<'_> {
     fn faults(&self) -> FaultStats {
         self.inner.faults()
     }
+
+    fn read_ahead(&mut self, layer: usize) {
+        self.inner.read_ahead(layer)
+    }
+
+    fn lend(&mut self, bytes: u64) -> u64 {
+        self.inner.lend(bytes)
+    }
+
+    fn take_back(&mut self) {
+        self.inner.take_back()
+    }
 }

@@ -33,6 +33,11 @@ impl ResidualBlocks {
         self.len
     }
 
+    /// Bytes held (live blocks and the memory kept for reuse), for the memory plan's check.
+    pub fn bytes(&self) -> usize {
+        4 * (self.raw.iter().map(Vec::capacity).sum::<usize>() + self.inv_rms.capacity() + self.logits.capacity())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -15,6 +15,10 @@ use crate::blocks::attn_res::ResidualBlocks;
 use crate::blocks::moe::MoeRun;
 use crate::experts::ExpertSource;
 
+/// A chunk reads ahead when its tokens' picks number at least this many times the layer's
+/// experts: under uniform routing each expert is then missed with probability below e^-4 (2%).
+const READ_AHEAD_COVERAGE: usize = 4;
+
 impl K3Model {
     /// Run one token through the model, advancing `st`; writes the next-token logits.
     /// Shapes: logits `[vocab]`.
@@ -80,6 +84,14 @@ impl K3Model {
             // Attention: each token's input mixed and normed, the chunk's attention (its
             // projections batched, its recurrence token by token), then each token's running
             // sum and the FFN's normed input.
+            if let Ffn::Moe(m) = &layer.ffn
+                && t_n * c.num_experts_per_token >= READ_AHEAD_COVERAGE * c.num_experts
+            {
+                // A chunk this large picks nearly every expert of the layer: the drive reads
+                // into the cache's free room while attention computes, instead of idling until
+                // the router has chosen.
+                experts.read_ahead(m.layer);
+            }
             let restart = self.block_restart(&layer, l);
             for t in 0..t_n {
                 let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);

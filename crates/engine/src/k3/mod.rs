@@ -50,8 +50,20 @@ pub struct RunConfig {
     pub io_backend: Option<BackendKind>,
     /// Prompt tokens processed together (the memory plan sizes it from the budget).
     pub prefill_chunk: usize,
+    /// Larger chunks a long prompt may run on the expert cache's memory (the plan says how
+    /// large); `None`: every prompt goes in chunks of `prefill_chunk`.
+    pub prompt_borrowing: Option<PromptBorrowing>,
     /// Where the spine loader reports its reads (the run's disk idle time).
     pub disk_activity: Option<Arc<DiskActivity>>,
+}
+
+/// A prompt longer than the plan's chunk borrows the expert cache's memory (given back before
+/// the first new token) for chunks of up to `max_chunk` tokens, `token_bytes` of activations
+/// each beyond the plan's own chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptBorrowing {
+    pub max_chunk: usize,
+    pub token_bytes: u64,
 }
 
 impl Default for RunConfig {
@@ -65,6 +77,7 @@ impl Default for RunConfig {
             approx: false,
             io_backend: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prompt_borrowing: None,
             disk_activity: None,
         }
     }

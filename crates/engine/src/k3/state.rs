@@ -29,6 +29,14 @@ pub struct K3State {
 }
 
 impl K3State {
+    /// Free what grew with the prompt's chunks (per-token scratch, each chunk token's residual
+    /// blocks and routing), keeping the sequence: a prompt that borrowed memory gives it back.
+    pub fn release_chunk_buffers(&mut self) {
+        self.scratch.release();
+        self.blocks = Vec::new();
+        self.chunk_routing = Vec::new();
+    }
+
     /// Make this state continue `other`'s sequence: recurrent and latent caches, position and
     /// last routing are copied into this state's own buffers (no reallocation within the
     /// reserved context). Per-token scratch is not sequence state and is left alone.

@@ -46,6 +46,15 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    /// Give the buffer's physical pages back to the system (contents become zeros on the next
+    /// touch): a buffer lent out of the expert cache stops counting towards the resident size.
+    pub fn release_pages(&mut self) -> bool {
+        // SAFETY: the buffer is page-aligned (DIRECT_ALIGN is a multiple of the page size on
+        // the systems whose release does anything), owned by `self`, and `&mut self` means no
+        // read or reference into it is live.
+        unsafe { crate::os::memory::release_pages(self.ptr.as_ptr(), self.len) }
+    }
+
     /// Raw pointer for handing to the kernel or an I/O thread.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()

@@ -121,6 +121,19 @@ impl<V: Clone> LayerCache<V> {
         }
     }
 
+    /// Set the capacity to `capacity`, evicting least valuable unpinned entries (appended to
+    /// `evicted`) until it holds no more; pinned entries beyond it stay until unpinned.
+    pub fn resize(&mut self, capacity: usize, evicted: &mut Vec<V>) {
+        self.capacity = capacity;
+        while self.entries.len() > capacity {
+            let Some(e) = self.victim().and_then(|k| self.entries.remove(&k)) else { break };
+            evicted.push(e.value);
+        }
+        if self.policy == Policy::Slru {
+            self.rebalance();
+        }
+    }
+
     /// Insert `expert`, appending evicted values (to be recycled) to `evicted`; gives `value`
     /// back in `Err` when there is no room (capacity 0, or every entry pinned).
     pub fn insert(&mut self, expert: usize, value: V, evicted: &mut Vec<V>) -> Result<(), V> {
@@ -182,6 +195,26 @@ mod tests {
             l.insert(e, (), ev).unwrap();
         }
         assert!(!l.contains(1) && !l.contains(2), "plain LRU is flushed by the scan");
+    }
+
+    #[test]
+    fn resizing_evicts_the_least_recent_and_keeps_the_pinned() {
+        let mut c = LayerCache::new(4, Policy::Lru);
+        let mut ev = Vec::new();
+        for e in 1..=4 {
+            c.insert(e, e * 10, &mut ev).unwrap();
+        }
+        c.get(1);
+        c.pin(2);
+        c.resize(2, &mut ev);
+        assert_eq!((c.len(), c.capacity), (2, 2));
+        assert!(c.contains(1) && c.contains(2), "the recent and the pinned stay");
+        assert_eq!(ev, vec![30, 40]);
+        c.resize(0, &mut ev);
+        assert!(c.contains(2) && c.len() == 1, "a pinned entry outlives a resize to zero");
+        assert_eq!(c.insert(5, 50, &mut ev), Err(50));
+        c.resize(4, &mut ev);
+        assert_eq!(c.insert(5, 50, &mut ev), Ok(()));
     }
 
     #[test]

@@ -56,6 +56,8 @@ pub struct LayerStats {
     pub prefetch_reads: u64,
     /// Prefetched records that a demand later used.
     pub prefetch_used: u64,
+    /// Of the prefetch reads, those a large prompt chunk read ahead into free cache room.
+    pub read_ahead: u64,
     pub bytes_read: u64,
 }
 
@@ -127,6 +129,10 @@ pub struct StreamingExperts {
     /// passes them by: a prefetch that lands early is never thrown away unused. At most
     /// `prefetch_buffers` (they count against the prefetch room).
     landed: HashMap<(usize, usize), usize>,
+    /// Buffers lent out (their pages given back to the system) while a long prompt's chunk uses
+    /// that memory, and the cache slots per layer given up with them.
+    lent: Vec<usize>,
+    lent_per_layer: usize,
     /// Buffers whose reads could not be confirmed landed (the back-end failed while they were
     /// in flight): never reused, so the kernel can never write into a buffer in use.
     lost: usize,
@@ -213,6 +219,8 @@ impl StreamingExperts {
             prefetch_in_flight: 0,
             prefetched_unused: vec![false; n_bufs],
             landed: HashMap::new(),
+            lent: Vec::new(),
+            lent_per_layer: 0,
             lost: 0,
             next_tag: 0,
             demand: None,
@@ -566,10 +574,11 @@ impl StreamingExperts {
         anyhow::ensure!(self.verifying == 0, "{} checks are with the verifier", self.verifying);
         let cached: usize = self.caches.values().map(|c| c.len()).sum();
         anyhow::ensure!(
-            self.free.len() + cached + self.landed.len() + self.lost == self.bufs.len(),
-            "buffers unaccounted for: {} free + {cached} cached + {} landed prefetches + {} retired of {}",
+            self.free.len() + cached + self.landed.len() + self.lent.len() + self.lost == self.bufs.len(),
+            "buffers unaccounted for: {} free + {cached} cached + {} landed prefetches + {} lent + {} retired of {}",
             self.free.len(),
             self.landed.len(),
+            self.lent.len(),
             self.lost,
             self.bufs.len()
         );
@@ -695,6 +704,7 @@ impl StreamingExperts {
             t.demand_reads += s.demand_reads;
             t.prefetch_reads += s.prefetch_reads;
             t.prefetch_used += s.prefetch_used;
+            t.read_ahead += s.read_ahead;
             t.bytes_read += s.bytes_read;
         }
         t
@@ -757,6 +767,86 @@ impl ExpertSource for StreamingExperts {
 
     fn faults(&self) -> FaultStats {
         self.faults
+    }
+
+    fn read_ahead(&mut self, layer: usize) {
+        if self.demand.is_some() {
+            return;
+        }
+        let Some(cache) = self.caches.get(&layer) else { return };
+        let reading = self.flights.values().filter(|f| f.key.0 == layer && !f.demanded).count();
+        let mut room = cache.capacity.saturating_sub(cache.len() + reading);
+        let experts = self.locs.get(&layer).map_or(0, |v| v.len());
+        for e in 0..experts {
+            // The demand's own buffers stay free.
+            if room == 0 || self.free.len() <= self.opts.io_buffers {
+                break;
+            }
+            let key = (layer, e);
+            let cached = self.caches.get(&layer).is_some_and(|c| c.contains(e));
+            if cached || self.by_key.contains_key(&key) || self.landed.contains_key(&key) || !self.present(layer, e) {
+                continue;
+            }
+            if let Err(err) = self.start_read(key, false) {
+                tracing::warn!("read-ahead of layer {layer} expert {e} not started: {err:#}");
+                break;
+            }
+            self.stats.entry(layer).or_default().read_ahead += 1;
+            room -= 1;
+        }
+    }
+
+    fn lend(&mut self, bytes: u64) -> u64 {
+        if self.demand.is_some() || bytes == 0 {
+            return 0;
+        }
+        let layers = self.locs.len().max(1);
+        let slot = self.slot_bytes as u64;
+        let left = self.opts.cache_slots_per_layer - self.lent_per_layer;
+        let per_layer = (bytes.div_ceil(slot) as usize).div_ceil(layers).min(left);
+        if per_layer == 0 {
+            return 0;
+        }
+        // Prefetches in flight land first (their buffers can then be lent), and what waits for
+        // a layer is given up with the rest of the cache.
+        if let Err(e) = self.finish_prefetches() {
+            tracing::warn!("prefetches before lending the cache: {e:#}");
+        }
+        self.pending_prefetch.clear();
+        self.free.extend(self.landed.drain().map(|(_, b)| b));
+        let capacity = left - per_layer;
+        let mut evicted = Vec::new();
+        for cache in self.caches.values_mut() {
+            cache.resize(capacity, &mut evicted);
+        }
+        for b in evicted {
+            self.prefetched_unused[b] = false;
+            self.free.push(b);
+        }
+        self.lent_per_layer += per_layer;
+        let mut lent = 0;
+        while lent < per_layer * layers {
+            let Some(b) = self.free.pop() else { break };
+            if !self.bufs[b].release_pages() {
+                // The system keeps the pages: lending it would count memory twice.
+                self.free.push(b);
+                break;
+            }
+            self.lent.push(b);
+            lent += 1;
+        }
+        lent as u64 * slot
+    }
+
+    fn take_back(&mut self) {
+        let capacity = self.opts.cache_slots_per_layer;
+        let mut evicted = Vec::new();
+        for cache in self.caches.values_mut() {
+            cache.resize(capacity, &mut evicted);
+        }
+        self.free.append(&mut evicted);
+        self.free.append(&mut self.lent);
+        self.lent_per_layer = 0;
     }
 }
 
