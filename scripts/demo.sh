@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up and run the main job on the bundled demo model: build Deltafin, convert the tiny Kimi K3
-# fixture (a random checkpoint in the real Hugging Face layout) into a store, and generate text.
+# Set up and run the main job on the bundled demo model: build Deltafin, convert models/k3-demo (a
+# tiny model with Kimi K3's architecture, trained for minutes on Python and Rust documentation and
+# code, in the real Hugging Face layout; models/k3-demo/README.md says what it is) into a store,
+# and continue a prompt with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ensure-toolchain.sh
 cargo build --release --locked -q
 store=target/demo-store
-./target/release/deltafin convert --from fixtures/k3-tiny/hf --to "$store"
-./target/release/deltafin generate --model "$store" --prompt "${1:-The lighthouse keeper}" --max-tokens 24 --ignore-eos
+./target/release/deltafin convert --from models/k3-demo/hf --to "$store"
+./target/release/deltafin generate --model "$store" --prompt "${1:-To read a file in Python,}" --max-tokens 40 --ignore-eos
