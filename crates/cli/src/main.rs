@@ -43,6 +43,9 @@ enum Cmd {
         /// int8 scale group along a row; 0 means one scale per row.
         #[arg(long, default_value_t = 0)]
         int8_group: usize,
+        /// Keep the MoE routers' gate matrices in f32 whatever --spine says.
+        #[arg(long)]
+        router_f32: bool,
         /// Routed experts: in-place (read from the checkpoint's shards) or pack (copied into
         /// 4096-aligned per-layer files).
         #[arg(long, default_value = "in-place")]
@@ -132,8 +135,8 @@ fn dispatch(cli: Cli) -> Result<()> {
         deltafin_engine::init_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     }
     match cli.cmd {
-        Cmd::Convert { from, to, spine, int8_group, experts } => {
-            let opts = ConvertOptions { spine, int8_group, experts, progress: true, ..Default::default() };
+        Cmd::Convert { from, to, spine, int8_group, router_f32, experts } => {
+            let opts = ConvertOptions { spine, int8_group, router_f32, experts, progress: true, ..Default::default() };
             let t0 = std::time::Instant::now();
             let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
             eprintln!(

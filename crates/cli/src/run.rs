@@ -1,7 +1,7 @@
 //! `generate` and `logits`: the options every model-running command shares, and the two
 //! commands themselves.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -187,6 +187,10 @@ pub struct LogitsArgs {
     pub model: ModelArgs,
     #[arg(long, value_delimiter = ',', required = true)]
     pub prompt_tokens: Vec<u32>,
+    /// Write every position's logits (after each prompt token, teacher-forced) to this file as
+    /// little-endian f32 `[tokens, vocab]`, and print a summary instead of the last logits.
+    #[arg(long)]
+    pub all_positions: Option<PathBuf>,
 }
 
 fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
@@ -361,6 +365,27 @@ fn terminal_safe(t: &str) -> String {
 
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let (_store, mut s) = a.model.open()?;
+    if let Some(path) = &a.all_positions {
+        // One token at a time (bit-identical to any chunking): each step's logits are written as
+        // they come, so a long text needs one vocabulary row of memory.
+        let vocab = s.model.config.vocab_size;
+        let mut st = s.model.new_state();
+        let mut row = vec![0f32; vocab];
+        let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        let mut w = std::io::BufWriter::new(file);
+        for &t in &a.prompt_tokens {
+            s.model.forward_chunk(&mut st, &mut s.experts, &[t], &mut row)?;
+            for x in &row {
+                w.write_all(&x.to_le_bytes())?;
+            }
+        }
+        w.flush().with_context(|| format!("writing {}", path.display()))?;
+        println!(
+            "{}",
+            serde_json::json!({ "positions": a.prompt_tokens.len(), "vocab": vocab, "dtype": "f32-le", "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx })
+        );
+        return Ok(());
+    }
     let g = generate_with(&s.model, &mut s.experts, &a.prompt_tokens, 0, None, GenerateHooks::default())?;
     println!(
         "{}",

@@ -261,3 +261,44 @@ fn demo_model_continues_as_its_training_framework_did() {
         }
     }
 }
+
+/// `logits --all-positions` writes every position's logits, teacher-forced, as f32 `[T, V]`:
+/// the last row is what `logits` prints. `convert --router-f32` keeps only the routers' gates in
+/// f32 (the manifest says so) and the store runs.
+#[test]
+fn logits_at_every_position_and_routers_kept_in_f32() {
+    let store = convert("k3-tiny", &["--router-f32"]);
+    let s = store.path().to_str().unwrap();
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(store.path().join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["spine"]["router_f32"], true);
+    let tensors = m["spine"]["tensors"].as_array().unwrap();
+    let dtype_of = |suffix: &str| -> Vec<String> {
+        tensors
+            .iter()
+            .filter(|t| t["name"].as_str().unwrap().ends_with(suffix))
+            .map(|t| t["dtype"].to_string())
+            .collect()
+    };
+    let routers = dtype_of("block_sparse_moe.gate.weight");
+    assert!(!routers.is_empty() && routers.iter().all(|d| d.to_lowercase().contains("f32")), "{routers:?}");
+    let others = dtype_of("o_proj.weight");
+    assert!(!others.is_empty() && others.iter().all(|d| d.to_lowercase().contains("int8")), "{others:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("logits.bin");
+    let out = ok(&["logits", "--model", s, "--prompt-tokens", "5,17,3,250", "--all-positions", file.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let vocab = v["vocab"].as_u64().unwrap() as usize;
+    assert_eq!(v["positions"], 4);
+    let bytes = std::fs::read(&file).unwrap();
+    assert_eq!(bytes.len(), 4 * vocab * 4);
+    let rows: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let last: serde_json::Value =
+        serde_json::from_str(&ok(&["logits", "--model", s, "--prompt-tokens", "5,17,3,250"])).unwrap();
+    let want: Vec<f32> = last["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    assert_eq!(&rows[3 * vocab..], &want[..], "the last row is the last position's logits");
+    let first: serde_json::Value =
+        serde_json::from_str(&ok(&["logits", "--model", s, "--prompt-tokens", "5"])).unwrap();
+    let want: Vec<f32> = first["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    assert_eq!(&rows[..vocab], &want[..], "the first row is the first position's logits");
+}

@@ -27,6 +27,9 @@ use crate::shard::{Shard, TensorEntry};
 pub const CHUNK_BYTES: usize = 32 << 20;
 /// Alignment of every spine tensor (cache lines, and SIMD loads).
 const TENSOR_ALIGN: u64 = 64;
+/// The spine name of a MoE layer's router gate, as the schema spells it.
+const ROUTER_GATE: &str = "block_sparse_moe.gate.weight";
+
 /// Alignment of each spine layer and each packed expert record, for O_DIRECT reads.
 pub const IO_ALIGN: u64 = 4096;
 /// Name of the spine file inside the store.
@@ -39,6 +42,9 @@ pub struct ConvertOptions {
     pub spine: SpineDtype,
     /// int8 group size; 0 = per row.
     pub int8_group: usize,
+    /// Keep each MoE layer's router gate in f32 whatever `spine` is (as llama.cpp keeps it):
+    /// a small matrix whose rounding can flip which experts a token picks.
+    pub router_f32: bool,
     pub experts: ExpertLayout,
     pub progress: bool,
     /// Provenance recorded in the manifest (`deltafin install`).
@@ -69,6 +75,7 @@ impl Default for ConvertOptions {
         ConvertOptions {
             spine: SpineDtype::Int8,
             int8_group: 0,
+            router_f32: false,
             experts: ExpertLayout::InPlace,
             progress: false,
             origin: None,
@@ -303,7 +310,8 @@ fn resolve_spine_tensor<'a>(
         });
     }
     let is_matrix = s.role == Role::Matrix;
-    let dtype = if is_matrix { opts.spine } else { SpineDtype::F32 };
+    let router = s.name.ends_with(ROUTER_GATE);
+    let dtype = if is_matrix && !(router && opts.router_f32) { opts.spine } else { SpineDtype::F32 };
     let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
     Ok(PlannedTensor {
         name: s.name.clone(),
@@ -390,6 +398,7 @@ fn write_spine(plan: &SpinePlan, opts: &ConvertOptions, path: &Path, bar: &Progr
         file: SPINE_FILE.into(),
         matrix_dtype: opts.spine,
         int8_group: opts.int8_group,
+        router_f32: opts.router_f32,
         bytes: plan.bytes,
         tensors,
     })

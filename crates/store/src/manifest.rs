@@ -116,6 +116,9 @@ pub struct SpineInfo {
     /// int8 group size requested (0 = per row).
     #[serde(default)]
     pub int8_group: usize,
+    /// The router gates were kept in f32 (`convert --router-f32`).
+    #[serde(default)]
+    pub router_f32: bool,
     pub bytes: u64,
     pub tensors: Vec<SpineTensor>,
 }

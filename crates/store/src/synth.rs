@@ -319,6 +319,7 @@ fn packed_manifest(
             file: "spine.bin".into(),
             matrix_dtype: SpineDtype::Int8,
             int8_group: 0,
+            router_f32: false,
             bytes: spine_bytes,
             tensors,
         },

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""How far Deltafin's int8 spine moves a trained model: top-1 agreement and KL against the bf16 spine over held-out
+text, for each storage choice, and the approximate mode (int8 activations for the routed experts).
+
+    python3 tools/demo/fidelity.py --bin target/release/deltafin --hf models/k3-demo/hf \\
+        --tokens models/k3-demo/heldout.bin --n 4096 --out bench-results/demo-fidelity.json
+
+Each configuration is a `deltafin convert` of the same checkpoint; `deltafin logits --all-positions` writes the
+logits after every token of the held-out text, fed one at a time (teacher forcing), in windows of 512 tokens
+spread evenly over it, each from a fresh state (the model was trained on sequences of 512). The reference is the bf16
+spine, which equals the exported weights (the checkpoint is bf16) and reproduces PyTorch's greedy continuation
+token for token (models/k3-demo/continuation.json). Per configuration: top-1 agreement with the reference, mean and
+99th-percentile KL(reference || configuration) in nats per position, and the store's spine size.
+Needs only numpy.
+"""
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+CONFIGS = [
+    # name, convert flags, run flags
+    ("bf16 (reference)", ["--spine", "bf16"], []),
+    ("f32", ["--spine", "f32"], []),
+    ("int8 per row", ["--spine", "int8"], []),
+    ("int8 groups of 128", ["--spine", "int8", "--int8-group", "128"], []),
+    ("int8 groups of 32", ["--spine", "int8", "--int8-group", "32"], []),
+    ("int8 per row, router f32", ["--spine", "int8", "--router-f32"], []),
+    ("int8 groups of 32, router f32", ["--spine", "int8", "--int8-group", "32", "--router-f32"], []),
+    ("int8 per row, approximate mode", ["--spine", "int8"], ["--approx"]),
+    ("int8 groups of 32, router f32, approximate mode", ["--spine", "int8", "--int8-group", "32", "--router-f32"],
+     ["--approx"]),
+]
+
+
+def log_softmax(x):
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default="target/release/deltafin")
+    ap.add_argument("--hf", default="models/k3-demo/hf")
+    ap.add_argument("--tokens", default="models/k3-demo/heldout.bin", help="uint16 held-out token ids")
+    ap.add_argument("--n", type=int, default=2048, help="positions in all")
+    ap.add_argument("--window", type=int, default=512,
+                    help="tokens per window, each from a fresh state (the model was trained on 512)")
+    ap.add_argument("--out", help="JSON results")
+    args = ap.parse_args()
+    all_ids = np.fromfile(args.tokens, dtype=np.uint16).astype(int)
+    n_win = max(1, args.n // args.window)
+    starts = np.linspace(0, len(all_ids) - args.window, n_win).astype(int)
+    windows = [all_ids[s:s + args.window].tolist() for s in starts]  # evenly spread over the held-out text
+    rows, ref = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, conv, run in CONFIGS:
+            store = Path(tmp) / "store"
+            subprocess.run(["rm", "-rf", str(store)], check=True)
+            subprocess.run([args.bin, "convert", "--from", args.hf, "--to", str(store), *conv], check=True,
+                           capture_output=True)
+            out = Path(tmp) / "logits.bin"
+            lps, nll = [], []
+            for ids in windows:
+                subprocess.run([args.bin, "logits", "--model", str(store), "--prompt-tokens", ",".join(map(str, ids)),
+                                "--all-positions", str(out), *run], check=True, capture_output=True)
+                w = log_softmax(np.fromfile(out, dtype="<f4").reshape(len(ids), -1).astype(np.float64))
+                lps.append(w)
+                nll.extend(-w[np.arange(len(ids) - 1), ids[1:]])
+            manifest = json.loads((store / "manifest.json").read_text())
+            lp = np.concatenate(lps)
+            if ref is None:
+                ref = lp
+            kl = (np.exp(ref) * (ref - lp)).sum(-1)
+            row = {
+                "config": name, "convert": conv, "run": run,
+                "top1_agreement": float((lp.argmax(-1) == ref.argmax(-1)).mean()),
+                "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+                # The model's own quality on the text, as a sanity check: next-token loss.
+                "nll": float(np.mean(nll)),
+                "spine_bytes": manifest["spine"]["bytes"],
+            }
+            rows.append(row)
+            print(f"{name:50} top-1 {100 * row['top1_agreement']:6.2f}%  KL mean {row['kl_mean']:.2e}  "
+                  f"p99 {row['kl_p99']:.2e}  nll {row['nll']:.4f}  spine {row['spine_bytes'] / 1e6:.1f} MB", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"positions": sum(map(len, windows)), "windows": [int(s) for s in starts],
+                                              "window": args.window, "tokens_file": args.tokens, "hf": args.hf,
+                                              "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
