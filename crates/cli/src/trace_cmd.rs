@@ -4,7 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use deltafin_engine::stream::cache::Policy;
-use deltafin_engine::study::trace::{Trace, predictor_recall, read_trace, replay, reuse_distances};
+use deltafin_engine::study::trace::{
+    OfflinePolicy, Trace, predictor_precision, predictor_recall, previous_token_recall, read_trace, replay,
+    replay_offline, reuse_distances,
+};
 
 #[derive(clap::Subcommand)]
 pub enum TraceCmd {
@@ -47,12 +50,15 @@ pub fn run(c: TraceCmd) -> Result<()> {
     let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |s| Some(s * 2)).take_while(|&s| s < e).collect();
     sizes.push(e);
     println!("\nhit rate by cache slots per layer:");
-    println!("{:>8} {:>8} {:>8}", "slots", "lru", "slru");
+    println!("{:>8} {:>8} {:>8} {:>8} {:>8}", "slots", "lru", "slru", "lfu", "belady");
     for &s in &sizes {
         let (l, _) = replay(&t, Policy::Lru, s);
         let (sl, _) = replay(&t, Policy::Slru, s);
-        println!("{s:>8} {:>7.1}% {:>7.1}%", 100.0 * l, 100.0 * sl);
+        let lfu = replay_offline(&t, OfflinePolicy::Lfu, s);
+        let opt = replay_offline(&t, OfflinePolicy::Belady, s);
+        println!("{s:>8} {:>7.1}% {:>7.1}% {:>7.1}% {:>7.1}%", 100.0 * l, 100.0 * sl, 100.0 * lfu, 100.0 * opt);
     }
+    println!("(lfu and belady are replayed offline only; belady knows the future: the ceiling)");
     let mid = t.header.experts_per_token.max(1) * 2;
     let (_, per) = replay(&t, Policy::Slru, mid.min(e));
     let mut per: Vec<(usize, f64)> = per.into_iter().collect();
@@ -67,11 +73,18 @@ pub fn run(c: TraceCmd) -> Result<()> {
         println!("  {label:>8}: {n}");
     }
     println!("  {:>8}: {first}", "first use");
-    match predictor_recall(&t) {
-        Some(r) => {
-            println!("\nlook-ahead predictor recall (next layer's router on this layer's input): {:.1}%", 100.0 * r)
-        }
-        None => println!("\nlook-ahead predictor recall: no predictions in these traces"),
+    println!(
+        "\nprevious token's experts, recall at top-{}: {:.1}%",
+        t.header.experts_per_token,
+        100.0 * previous_token_recall(&t)
+    );
+    match (predictor_recall(&t), predictor_precision(&t)) {
+        (Some(r), Some(p)) => println!(
+            "look-ahead predictor (next layer's router on this layer's input): recall {:.1}%, precision {:.1}%",
+            100.0 * r,
+            100.0 * p
+        ),
+        _ => println!("look-ahead predictor: no predictions in these traces"),
     }
     Ok(())
 }

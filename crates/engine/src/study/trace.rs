@@ -182,3 +182,162 @@ pub fn predictor_recall(trace: &Trace) -> Option<f64> {
     }
     (n > 0).then(|| hit as f64 / n as f64)
 }
+
+/// Policies replayed offline only (the live cache runs [`Policy`]): least frequently used, and
+/// Belady's optimum, which knows the future (the ceiling no policy can beat).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OfflinePolicy {
+    /// Evict the entry used least often so far (ties: the least recent).
+    Lfu,
+    /// Evict the entry whose next use is farthest away (never used again first).
+    Belady,
+}
+
+/// Hit rate of an offline policy at one per-layer capacity over a trace, as [`replay`] counts:
+/// a token's experts are looked up in the order listed, and a miss is inserted (evicting one
+/// entry the token itself does not use, when one exists; Belady passes a miss through instead
+/// when it is needed later than every cached entry).
+pub fn replay_offline(trace: &Trace, policy: OfflinePolicy, capacity: usize) -> f64 {
+    // Per layer, the sequence of accesses (token index, expert).
+    let mut accesses: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+    for (ti, t) in trace.tokens.iter().enumerate() {
+        for l in &t.layers {
+            accesses.entry(l.layer).or_default().extend(l.experts.iter().map(|&e| (ti, e)));
+        }
+    }
+    let (mut hits, mut total) = (0u64, 0u64);
+    for acc in accesses.values() {
+        // next[i]: the token index of the next access to acc[i]'s expert after acc[i]'s token.
+        let mut next = vec![usize::MAX; acc.len()];
+        let mut seen: HashMap<usize, usize> = HashMap::new();
+        for i in (0..acc.len()).rev() {
+            let (ti, e) = acc[i];
+            next[i] = seen.get(&e).copied().filter(|&n| n > ti).unwrap_or(usize::MAX);
+            // A later access of the same token does not count as the next use.
+            if seen.get(&e).is_none_or(|&n| n > ti) {
+                seen.insert(e, ti);
+            }
+        }
+        // Cached expert -> (next use, uses so far, last use).
+        let mut cache: HashMap<usize, (usize, u64, usize)> = HashMap::new();
+        let mut uses: HashMap<usize, u64> = HashMap::new();
+        for (i, &(ti, e)) in acc.iter().enumerate() {
+            total += 1;
+            let n_uses = {
+                let u = uses.entry(e).or_default();
+                *u += 1;
+                *u
+            };
+            if let Some(entry) = cache.get_mut(&e) {
+                hits += 1;
+                *entry = (next[i], n_uses, ti);
+                continue;
+            }
+            if capacity == 0 {
+                continue;
+            }
+            if cache.len() >= capacity {
+                let victim = cache
+                    .iter()
+                    .filter(|(_, v)| v.2 < ti) // not one of this token's own experts
+                    .max_by_key(|(k, v)| match policy {
+                        OfflinePolicy::Belady => (v.0 as u64, 0, **k),
+                        // Fewest uses first, then least recent: the largest key is the victim.
+                        OfflinePolicy::Lfu => (u64::MAX - v.1, usize::MAX - v.2, **k),
+                    })
+                    .map(|(k, _)| *k);
+                match victim {
+                    // The optimum also declines to cache an expert needed later than every
+                    // cached one (a cache may always pass a record through without keeping it).
+                    Some(k) if policy == OfflinePolicy::Belady && cache[&k].0 <= next[i] => continue,
+                    Some(k) => {
+                        cache.remove(&k);
+                    }
+                    None => continue,
+                }
+            }
+            cache.insert(e, (next[i], n_uses, ti));
+        }
+    }
+    hits as f64 / total.max(1) as f64
+}
+
+/// Of each token's experts (per layer, within a sequence), the fraction the previous token of
+/// the same sequence also used in that layer: the previous token's experts' recall at top-k.
+pub fn previous_token_recall(trace: &Trace) -> f64 {
+    let (mut hit, mut n) = (0u64, 0u64);
+    for w in trace.tokens.windows(2) {
+        if w[0].seq != w[1].seq || w[1].pos != w[0].pos + 1 {
+            continue;
+        }
+        for (a, b) in w[0].layers.iter().zip(&w[1].layers) {
+            n += b.experts.len() as u64;
+            hit += b.experts.iter().filter(|e| a.experts.contains(e)).count() as u64;
+        }
+    }
+    hit as f64 / n.max(1) as f64
+}
+
+/// Precision of the look-ahead predictor: of the experts it named for the next MoE layer, the
+/// fraction that layer used. `None` when the trace holds no predictions.
+pub fn predictor_precision(trace: &Trace) -> Option<f64> {
+    let (mut hit, mut n) = (0u64, 0u64);
+    for t in &trace.tokens {
+        for w in t.layers.windows(2) {
+            n += w[0].predicted_next.len() as u64;
+            hit += w[0].predicted_next.iter().filter(|e| w[1].experts.contains(e)).count() as u64;
+        }
+    }
+    (n > 0).then(|| hit as f64 / n as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(picks: &[&[usize]]) -> Trace {
+        let header = TraceHeader { deltafin_trace: 1, experts_per_layer: 8, experts_per_token: 1, moe_layers: vec![1] };
+        let tokens = picks
+            .iter()
+            .enumerate()
+            .map(|(pos, p)| TraceToken {
+                seq: 0,
+                pos,
+                token: 0,
+                layers: vec![TraceLayer {
+                    layer: 1,
+                    experts: p.to_vec(),
+                    weights: vec![1.0; p.len()],
+                    predicted_next: Vec::new(),
+                }],
+            })
+            .collect();
+        Trace { header, tokens }
+    }
+
+    #[test]
+    fn belady_is_the_ceiling_and_lfu_keeps_the_frequent() {
+        // 1 is used every other token; 2..6 once each in between.
+        let t = trace(&[&[1], &[2], &[1], &[3], &[1], &[4], &[1], &[5], &[1], &[6]]);
+        // One slot: LRU and SLRU always evict 1 for the one-off expert; Belady keeps 1 (4 hits).
+        assert_eq!(replay_offline(&t, OfflinePolicy::Belady, 1), 0.4);
+        let (lru, _) = replay(&t, Policy::Lru, 1);
+        assert_eq!(lru, 0.0);
+        // Two slots: LFU keeps 1 (used most) and cycles the other slot.
+        assert_eq!(replay_offline(&t, OfflinePolicy::Lfu, 2), 0.4);
+        for cap in 1..=4 {
+            let b = replay_offline(&t, OfflinePolicy::Belady, cap);
+            for p in [Policy::Lru, Policy::Slru] {
+                assert!(b >= replay(&t, p, cap).0, "Belady below {p:?} at {cap} slots");
+            }
+            assert!(b >= replay_offline(&t, OfflinePolicy::Lfu, cap));
+        }
+    }
+
+    #[test]
+    fn previous_token_recall_counts_what_the_last_token_also_used() {
+        let t = trace(&[&[1, 2], &[2, 3], &[3, 4], &[5, 6]]);
+        // 2 of token 1's, 3 of token 2's, none of token 3's: 2 of 6.
+        assert!((previous_token_recall(&t) - 2.0 / 6.0).abs() < 1e-12);
+    }
+}
