@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// Replace routing with a synthetic pattern of this locality (see generate).
     #[arg(long)]
     pub routing_locality: Option<f64>,
+    /// Replay a recorded router trace (its picks and look-ahead predictions; see generate).
+    #[arg(long, conflicts_with = "routing_locality")]
+    pub routing_trace: Option<std::path::PathBuf>,
     /// Records read by each raw-bandwidth probe.
     #[arg(long, default_value_t = 256)]
     pub probe_reads: usize,
@@ -195,8 +198,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(p) = a.routing_locality {
         gen_args.extend(["--routing-locality".into(), p.to_string()]);
     }
-    if m.no_prefetch {
-        gen_args.push("--no-prefetch".into());
+    if let Some(t) = &a.routing_trace {
+        gen_args.extend(["--routing-trace".into(), t.display().to_string()]);
+    }
+    if m.prefetch {
+        gen_args.push("--prefetch".into());
     }
     if m.buffered {
         gen_args.push("--buffered".into());
@@ -229,7 +235,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 .split(',')
                 .map(|v| {
                     let extra = match (flag, v) {
-                        ("prefetch", "on") => vec![],
+                        ("prefetch", "on") => vec!["--prefetch".to_string()],
                         ("prefetch", "off") => vec!["--no-prefetch".to_string()],
                         ("prefetch", _) => bail!("--vary prefetch=on,off"),
                         // The default: the flag left out (e.g. prefill-chunk=32,auto).
@@ -307,7 +313,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 
 /// `args` without `flag` and its value (so a varied option replaces the base one).
 fn without_flag(args: &[String], flag: Option<&str>) -> Vec<String> {
-    let Some(flag) = flag.filter(|f| *f != "--no-prefetch") else { return args.to_vec() };
+    if matches!(flag, Some("--prefetch" | "--no-prefetch")) {
+        // A switch without a value: the varied one replaces either spelling.
+        return args.iter().filter(|a| !matches!(a.as_str(), "--prefetch" | "--no-prefetch")).cloned().collect();
+    }
+    let Some(flag) = flag else { return args.to_vec() };
     let mut out = Vec::with_capacity(args.len());
     let mut skip = false;
     for a in args {

@@ -29,7 +29,10 @@ pub struct PlanArgs {
     /// Keep only this many leading spine layers resident.
     #[arg(long)]
     pub resident_spine_layers: Option<usize>,
-    /// Plan without prefetch buffers (as `--no-prefetch`).
+    /// Plan with prefetch buffers (as `--prefetch`).
+    #[arg(long, conflicts_with = "no_prefetch")]
+    pub prefetch: bool,
+    /// Plan without prefetch buffers: the default (kept so that existing scripts work).
     #[arg(long)]
     pub no_prefetch: bool,
     #[arg(long)]
@@ -53,7 +56,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         let req = PlanRequest {
             context: a.context,
             experts_per_token: k,
-            io_buffers: if a.no_prefetch { k } else { 2 * k },
+            io_buffers: if a.prefetch { 2 * k } else { k },
             resident_layers: a.resident_spine_layers,
             state_copies: 1,
             prefill_chunk: a.prefill_chunk,

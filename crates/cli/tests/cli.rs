@@ -302,3 +302,37 @@ fn logits_at_every_position_and_routers_kept_in_f32() {
     let want: Vec<f32> = first["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
     assert_eq!(&rows[..vocab], &want[..], "the first row is the first position's logits");
 }
+
+/// `--routing-trace` replays a recorded trace: each token's picks in every MoE layer, and its
+/// recorded look-ahead predictions (what prefetch then reads), so that a trained model's routing
+/// can drive a store of another shape. Replayed on the store it came from, the replay's own trace
+/// equals the recording.
+#[test]
+fn a_replayed_trace_pins_the_picks_and_the_predictions() {
+    let store = convert("k3-small", &[]);
+    let s = store.path().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (rec, rep) = (dir.path().join("rec.jsonl"), dir.path().join("rep.jsonl"));
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", s, "--prompt-tokens", "5,17,3,250,9", "--max-tokens", "6"];
+        args.extend_from_slice(&["--ignore-eos", "--json"]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    generate(&["--trace", rec.to_str().unwrap()]);
+    generate(&["--trace", rep.to_str().unwrap(), "--routing-trace", rec.to_str().unwrap()]);
+    let read = |p: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(p).unwrap().lines().skip(1).map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let (a, b) = (read(&rec), read(&rep));
+    assert_eq!(a.len(), b.len());
+    let mut predictions = 0;
+    for (x, y) in a.iter().zip(&b) {
+        for (lx, ly) in x["layers"].as_array().unwrap().iter().zip(y["layers"].as_array().unwrap()) {
+            assert_eq!(lx["experts"], ly["experts"], "the picks are pinned");
+            assert_eq!(lx["predicted_next"], ly["predicted_next"], "the recorded prediction is replayed");
+            predictions += lx["predicted_next"].as_array().map_or(0, |p| p.len());
+        }
+    }
+    assert!(predictions > 0, "the recording has look-ahead predictions to replay");
+}

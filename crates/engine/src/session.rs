@@ -53,7 +53,7 @@ impl Default for RunOptions {
             backend: None,
             queue_depth: 32,
             policy: Policy::Slru,
-            prefetch: true,
+            prefetch: false,
             direct: true,
             experts_per_token: None,
             resident_spine_layers: None,

@@ -64,6 +64,10 @@ pub struct Routing {
     /// The next MoE layer's experts as predicted from this layer's input (empty unless the
     /// model predicts: for prefetch or for a trace).
     pub predicted_next: Vec<usize>,
+    /// With `pinned`, a recorded prediction of the next MoE layer's experts that replaces the
+    /// model's own (replaying a trained model's trace on a store whose routers are random, so
+    /// that prefetch is studied with the trained predictor's guesses).
+    pub pinned_next: Vec<usize>,
 }
 
 impl Routing {
@@ -74,6 +78,7 @@ impl Routing {
         self.weights.clone_from(&other.weights);
         self.pinned = other.pinned;
         self.predicted_next.clone_from(&other.predicted_next);
+        self.pinned_next.clone_from(&other.pinned_next);
     }
 }
 
@@ -245,7 +250,11 @@ impl LatentMoe {
             sh.forward_batch(xs, t_n, &mut shared, sc);
         }
         if let (Some(n), Some(r)) = (run.next, routings.last_mut()) {
-            n.predict(&xs[(t_n - 1) * h..], &mut r.predicted_next, sc);
+            if r.pinned && !r.pinned_next.is_empty() {
+                r.predicted_next.clone_from(&r.pinned_next);
+            } else {
+                n.predict(&xs[(t_n - 1) * h..], &mut r.predicted_next, sc);
+            }
             if run.hint {
                 experts.prefetch(n.layer, &r.predicted_next)?;
             }

@@ -112,7 +112,10 @@ impl K3Model {
                     // A pinned routing (a study's override, set before a token) applies to the
                     // chunk's first token; the state keeps the last token's routing.
                     chunk_routing[0].copy_from(&routing[l]);
-                    chunk_routing[1..].iter_mut().for_each(|r| r.pinned = false);
+                    chunk_routing[1..].iter_mut().for_each(|r| {
+                        r.pinned = false;
+                        r.pinned_next.clear();
+                    });
                     // Look-ahead predicts one token's next picks; a chunk's union is requested
                     // whole at its layer.
                     let next = if t_n == 1 { self.next_moe(l) } else { None };

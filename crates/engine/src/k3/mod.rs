@@ -295,6 +295,7 @@ impl K3Model {
             weights: Vec::with_capacity(c.num_experts_per_token),
             pinned: false,
             predicted_next: Vec::with_capacity(c.num_experts_per_token),
+            pinned_next: Vec::new(),
         };
         K3State {
             layers: (0..c.num_hidden_layers)

@@ -9,7 +9,8 @@ use super::trace::Trace;
 use crate::k3::{K3Model, K3State};
 
 pub enum RoutingOverride {
-    /// Replay a recorded trace, token by token (wrapping around).
+    /// Replay a recorded trace, token by token (wrapping around): each layer's picks and its
+    /// recorded prediction of the next layer's.
     Trace { trace: Trace, next: usize },
     /// Each expert repeats one of the previous token's picks in its layer with probability
     /// `locality`, else is uniform among the rest.
@@ -32,10 +33,15 @@ impl RoutingOverride {
                 }
                 let t = &trace.tokens[*next % trace.tokens.len()];
                 *next += 1;
-                for tl in &t.layers {
-                    if let Some(r) = st.routing.get_mut(tl.layer) {
+                // The trace's i-th MoE layer drives the model's i-th MoE layer (a trace of one
+                // model replayed on a store of another shape: its first layers, in order).
+                let moe = (0..model.layers.len()).filter(|&l| model.config.is_moe_layer(l));
+                for (tl, l) in t.layers.iter().zip(moe) {
+                    if let Some(r) = st.routing.get_mut(l) {
                         r.experts = tl.experts.iter().copied().filter(|&e| e < experts).take(k).collect();
                         r.pinned = !r.experts.is_empty();
+                        // The recorded look-ahead, so that prefetch replays the trained predictor.
+                        r.pinned_next = tl.predicted_next.iter().copied().filter(|&e| e < experts).collect();
                     }
                 }
             }
