@@ -80,11 +80,11 @@ pub fn run(c: TraceCmd) -> Result<()> {
     );
     match (predictor_recall(&t), predictor_precision(&t)) {
         (Some(r), Some(p)) => println!(
-            "look-ahead predictor (next layer's router on this layer's input): recall {:.1}%, precision {:.1}%",
+            "look-ahead predictor recall {:.1}%, precision {:.1}% (next layer's router on this layer's input)",
             100.0 * r,
             100.0 * p
         ),
-        _ => println!("look-ahead predictor: no predictions in these traces"),
+        _ => println!("look-ahead predictor recall: no predictions in these traces"),
     }
     Ok(())
 }
