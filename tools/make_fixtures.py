@@ -223,12 +223,10 @@ def special_tokens(n_ranks):
     return vocab, table
 
 
-def write_tokenizer(hf_dir, n_ranks, max_pos, pieces=_pieces):
-    ranks = train_bpe(TRAINING_TEXT, n_ranks, pieces)
-    with open(hf_dir / "tiktoken.model", "w") as f:
-        for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
-            f.write(f"{base64.b64encode(tok).decode()} {r}\n")
-    vocab, specials = special_tokens(n_ranks)
+def write_tokenizer_configs(hf_dir, specials, max_pos):
+    """tokenizer_config.json and generation_config.json as K3's: `specials` is a list of
+    dict(id, content, named, special) (see special_tokens); the generation EOS is <|end_of_msg|>.
+    Also used by tools/demo/tokenizer.py for the demo model."""
     by_name = {s["content"]: s["id"] for s in specials}
     # Like the real file, added_tokens_decoder lists only the named specials; the rest of the slots are implied
     # reserved tokens `<|reserved_token_ID|>` (K3's tokenization_kimi.py fills them in).
@@ -253,6 +251,16 @@ def write_tokenizer(hf_dir, n_ranks, max_pos, pieces=_pieces):
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     gen_cfg = {"max_length": max_pos, "eos_token_id": by_name["<|end_of_msg|>"]}
     (hf_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return by_name
+
+
+def write_tokenizer(hf_dir, n_ranks, max_pos, pieces=_pieces):
+    ranks = train_bpe(TRAINING_TEXT, n_ranks, pieces)
+    with open(hf_dir / "tiktoken.model", "w") as f:
+        for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(f"{base64.b64encode(tok).decode()} {r}\n")
+    vocab, specials = special_tokens(n_ranks)
+    write_tokenizer_configs(hf_dir, specials, max_pos)
     return ranks, vocab, specials
 
 

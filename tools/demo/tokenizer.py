@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from make_fixtures import K3_PAT  # noqa: E402  K3's pre-tokenisation regex, one copy in the repo
+from make_fixtures import K3_PAT, write_tokenizer_configs  # noqa: E402  one copy of K3's regex and configs
 
 SLOTS = 256  # K3: ids 163584..163839
 NAMED = {
@@ -101,27 +101,9 @@ def write_tokenizer(out: Path, ranks, max_pos: int):
     with open(out / "tiktoken.model", "w") as f:
         for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
             f.write(f"{base64.b64encode(tok).decode()} {r}\n")
-    decoder = {
-        str(n + off): dict(content=name, lstrip=False, normalized=False, rstrip=False, single_word=False,
-                           special=name not in NOT_SPECIAL)
-        for off, name in sorted(NAMED.items())
-    }
-    cfg = {
-        "added_tokens_decoder": decoder,
-        "additional_special_tokens": ["<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"],
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "bos_token": "[BOS]",
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "[EOS]",
-        "extra_special_tokens": {},
-        "model_max_length": max_pos,
-        "pad_token": "[PAD]",
-        "tokenizer_class": "TikTokenTokenizer",
-        "unk_token": "[UNK]",
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {"max_length": max_pos, "eos_token_id": n + 2}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    specials = [dict(id=n + off, content=name, named=True, special=name not in NOT_SPECIAL)
+                for off, name in sorted(NAMED.items())]
+    write_tokenizer_configs(out, specials, max_pos)
     return n + SLOTS
 
 

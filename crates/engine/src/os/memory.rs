@@ -40,24 +40,19 @@ pub fn return_free_heap() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn return_free_heap() {}
 
-/// Resident set size of this process now, in bytes (`None` where unknown).
-#[cfg(target_os = "linux")]
-pub fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    Some(pages * u64::try_from(page).ok()?)
-}
-
-#[cfg(not(target_os = "linux"))]
-pub fn resident_bytes() -> Option<u64> {
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Resident set size of this process now, in bytes.
+    #[cfg(target_os = "linux")]
+    fn resident_bytes() -> Option<u64> {
+        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+        let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Some(pages * u64::try_from(page).ok()?)
+    }
 
     #[test]
     #[cfg(target_os = "linux")]
