@@ -36,6 +36,24 @@ CONFIGS = [
      ["--approx"]),
 ]
 
+# Where the int8 spine's disagreement comes from: the per-row int8 spine with one class of matrices
+# kept in bf16 (`convert --keep NAME=DTYPE`), then the cumulative mixes that the classes suggest.
+KEEP_CLASSES = [
+    ("output head", ["lm_head"]),
+    ("embeddings", ["embed_tokens"]),
+    ("routers", ["block_sparse_moe.gate.weight"]),
+    ("latent projections", ["routed_expert_"]),
+    ("shared experts", ["shared_experts"]),
+    ("dense MLP (layer 0)", ["mlp."]),
+    ("KDA projections", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]),
+    ("KDA gates", ["f_a_proj", "f_b_proj", "b_proj", "self_attn.g_proj"]),
+    ("MLA projections", ["q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"]),
+]
+ABLATION = [("bf16 (reference)", ["--spine", "bf16"], [])] + [
+    (f"int8 per row, {name} bf16", ["--spine", "int8", *[a for p in pats for a in ("--keep", f"{p}=bf16")]], [])
+    for name, pats in KEEP_CLASSES
+]
+
 
 def log_softmax(x):
     m = x.max(-1, keepdims=True)
@@ -51,6 +69,10 @@ def main():
     ap.add_argument("--window", type=int, default=512,
                     help="tokens per window, each from a fresh state (the model was trained on 512)")
     ap.add_argument("--out", help="JSON results")
+    ap.add_argument("--ablation", action="store_true",
+                    help="keep one class of spine matrices in bf16 at a time instead of the storage schemes")
+    ap.add_argument("--config", action="append", default=[], metavar="FLAGS",
+                    help="convert flags as one string (repeatable): the reference and these instead of the built-in set")
     args = ap.parse_args()
     all_ids = np.fromfile(args.tokens, dtype=np.uint16).astype(int)
     n_win = max(1, args.n // args.window)
@@ -58,7 +80,10 @@ def main():
     windows = [all_ids[s:s + args.window].tolist() for s in starts]  # evenly spread over the held-out text
     rows, ref = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for name, conv, run in CONFIGS:
+        configs = ABLATION if args.ablation else CONFIGS
+        if args.config:  # the reference, then the configurations asked for
+            configs = configs[:1] + [(f, f.split(), []) for f in args.config]
+        for name, conv, run in configs:
             store = Path(tmp) / "store"
             subprocess.run(["rm", "-rf", str(store)], check=True)
             subprocess.run([args.bin, "convert", "--from", args.hf, "--to", str(store), *conv], check=True,

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use deltafin_store::convert::{ConvertOptions, convert};
 use deltafin_store::synth::{SynthOptions, SynthSpine, synth};
-use deltafin_store::{ExpertLayout, SpineDtype};
+use deltafin_store::{ExpertLayout, KeepRule, SpineDtype};
 
 #[derive(Parser)]
 #[command(name = "deltafin", version, about = "Run giant mixture-of-experts models from local disk")]
@@ -46,6 +46,11 @@ enum Cmd {
         /// Keep the MoE routers' gate matrices in f32 whatever --spine says.
         #[arg(long)]
         router_f32: bool,
+        /// Store the spine matrices whose name contains NAME as DTYPE (int8, bf16 or f32)
+        /// whatever --spine says; repeatable, the first match wins (for example
+        /// --keep lm_head=bf16).
+        #[arg(long, value_name = "NAME=DTYPE")]
+        keep: Vec<KeepRule>,
         /// Routed experts: in-place (read from the checkpoint's shards) or pack (copied into
         /// 4096-aligned per-layer files).
         #[arg(long, default_value = "in-place")]
@@ -135,8 +140,9 @@ fn dispatch(cli: Cli) -> Result<()> {
         deltafin_engine::init_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     }
     match cli.cmd {
-        Cmd::Convert { from, to, spine, int8_group, router_f32, experts } => {
-            let opts = ConvertOptions { spine, int8_group, router_f32, experts, progress: true, ..Default::default() };
+        Cmd::Convert { from, to, spine, int8_group, router_f32, keep, experts } => {
+            let opts =
+                ConvertOptions { spine, int8_group, router_f32, keep, experts, progress: true, ..Default::default() };
             let t0 = std::time::Instant::now();
             let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
             eprintln!(

@@ -303,6 +303,49 @@ fn logits_at_every_position_and_routers_kept_in_f32() {
     assert_eq!(&rows[..vocab], &want[..], "the first row is the first position's logits");
 }
 
+/// `convert --keep NAME=DTYPE` stores the matrices whose name contains NAME at that precision
+/// (recorded per tensor and in the manifest's rules); a rule that matches every matrix gives the
+/// bf16 spine's logits bit for bit; a malformed rule is a clear error.
+#[test]
+fn convert_keeps_named_matrices_at_another_precision() {
+    let store = convert("k3-small", &["--keep", "lm_head=bf16", "--keep", "block_sparse_moe.gate.weight=f32"]);
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(store.path().join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["spine"]["keep"][0]["pattern"], "lm_head");
+    assert_eq!(m["spine"]["keep"][1]["dtype"], "f32");
+    for t in m["spine"]["tensors"].as_array().unwrap() {
+        let (name, dtype) = (t["name"].as_str().unwrap(), t["dtype"].as_str().unwrap());
+        let want = match name {
+            "lm_head.weight" => "bf16",
+            n if n.ends_with("block_sparse_moe.gate.weight") => "f32",
+            n if n.ends_with("o_proj.weight") || n == "embed_tokens.weight" => "int8",
+            _ => continue,
+        };
+        assert_eq!(dtype, want, "{name}");
+    }
+    let logits = |store: &Path| -> String {
+        let v: serde_json::Value = serde_json::from_str(&ok(&[
+            "logits",
+            "--model",
+            store.to_str().unwrap(),
+            "--prompt-tokens",
+            "5,17,3,250",
+        ]))
+        .unwrap();
+        v["logits"].to_string()
+    };
+    let all_bf16 = convert("k3-small", &["--spine", "int8", "--keep", "weight=bf16"]);
+    let bf16 = convert("k3-small", &["--spine", "bf16"]);
+    assert_eq!(logits(all_bf16.path()), logits(bf16.path()), "every matrix kept in bf16 is the bf16 spine");
+    let dir = tempfile::tempdir().unwrap();
+    let to = dir.path().join("s");
+    let from = fixture("k3-small");
+    for bad in ["lm_head", "=bf16", "lm_head=int4"] {
+        let err = fails(&["convert", "--from", from.to_str().unwrap(), "--to", to.to_str().unwrap(), "--keep", bad]);
+        assert!(err.contains("--keep") && err.contains(bad), "{bad}: {err}");
+    }
+}
+
 /// `--routing-trace` replays a recorded trace: each token's picks in every MoE layer, and its
 /// recorded look-ahead predictions (what prefetch then reads), so that a trained model's routing
 /// can drive a store of another shape. Replayed on the store it came from, the replay's own trace

@@ -355,6 +355,7 @@ impl Driver for Greedy {
         if self.tokens.len() == self.max_tokens {
             return Ok(None);
         }
+        crate::stream::verify::measure::step_begins(self.steps.len());
         self.step_start = Some((Instant::now(), self.last_bytes, self.idle_s()));
         Ok(Some(next))
     }

@@ -233,7 +233,7 @@ impl Shared {
             pos += r[2] as usize;
         }
         self.written.fetch_add(record.len() as u64, Ordering::Relaxed);
-        self.presence.mark(layer, expert, xxhash_rust::xxh3::xxh3_64(&record))?;
+        self.presence.mark(layer, expert, deltafin_store::checksum::xxh3_64(&record))?;
         self.experts.fetch_add(1, Ordering::Relaxed);
         if ahead {
             self.ahead_experts.fetch_add(1, Ordering::Relaxed);

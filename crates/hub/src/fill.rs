@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{Context, Result};
-use xxhash_rust::xxh3::xxh3_64;
+use deltafin_store::checksum::xxh3_64;
 
 use crate::ranges::{Range, covers, normalize};
 

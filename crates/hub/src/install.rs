@@ -27,7 +27,7 @@ use deltafin_store::shard::{TensorEntry, parse_header};
 use deltafin_store::{K3Config, Store};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use xxhash_rust::xxh3::Xxh3;
+use deltafin_store::checksum::Xxh3;
 
 use crate::download::{Target, run, write_synced};
 use crate::http::{Expect, Http, HttpConfig};
@@ -781,7 +781,7 @@ fn upgrade_with(
                 hi.next().map(|(_, _, h)| h.digest()).context("hasher count")?
             } else {
                 store.experts.read_raw(*l, *e, &mut record)?;
-                xxhash_rust::xxh3::xxh3_64(&record)
+                deltafin_store::checksum::xxh3_64(&record)
             };
             if let Some(p) = presence.get(*l, *e)
                 && p != sum

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use half::bf16;
 use safetensors::Dtype;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use crate::checksum::{Xxh3, xxh3_64};
 
 use crate::checkpoint::{Checkpoint, bytes_to_f32, text_prefix};
 use crate::config::K3Config;
@@ -45,6 +45,9 @@ pub struct ConvertOptions {
     /// Keep each MoE layer's router gate in f32 whatever `spine` is (as llama.cpp keeps it):
     /// a small matrix whose rounding can flip which experts a token picks.
     pub router_f32: bool,
+    /// Matrices stored at another precision, by part of their name; the first rule that
+    /// matches wins, and it overrides `router_f32`.
+    pub keep: Vec<KeepRule>,
     pub experts: ExpertLayout,
     pub progress: bool,
     /// Provenance recorded in the manifest (`deltafin install`).
@@ -76,6 +79,7 @@ impl Default for ConvertOptions {
             spine: SpineDtype::Int8,
             int8_group: 0,
             router_f32: false,
+            keep: Vec::new(),
             experts: ExpertLayout::InPlace,
             progress: false,
             origin: None,
@@ -311,7 +315,13 @@ fn resolve_spine_tensor<'a>(
     }
     let is_matrix = s.role == Role::Matrix;
     let router = s.name.ends_with(ROUTER_GATE);
-    let dtype = if is_matrix && !(router && opts.router_f32) { opts.spine } else { SpineDtype::F32 };
+    let kept = opts.keep.iter().find(|k| s.name.contains(&k.pattern)).map(|k| k.dtype);
+    let dtype = match (is_matrix, kept) {
+        (false, _) => SpineDtype::F32,
+        (true, Some(d)) => d,
+        (true, None) if router && opts.router_f32 => SpineDtype::F32,
+        (true, None) => opts.spine,
+    };
     let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
     Ok(PlannedTensor {
         name: s.name.clone(),
@@ -399,6 +409,7 @@ fn write_spine(plan: &SpinePlan, opts: &ConvertOptions, path: &Path, bar: &Progr
         matrix_dtype: opts.spine,
         int8_group: opts.int8_group,
         router_f32: opts.router_f32,
+        keep: opts.keep.clone(),
         bytes: plan.bytes,
         tensors,
     })

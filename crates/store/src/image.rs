@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::checksum::Xxh3;
 
 use crate::error::StoreError;
 use crate::manifest::{SpineDtype, SpineTensor};

@@ -8,6 +8,7 @@
 //! - [`store`]: opening a store; spine tensors and routed-expert records by (layer, expert).
 
 pub mod checkpoint;
+pub mod checksum;
 pub mod config;
 mod config_check;
 pub mod convert;
@@ -26,6 +27,6 @@ pub mod synth;
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
 pub use image::{ImageVerifier, SpineImage};
-pub use manifest::{ExpertLayout, Manifest, SpineDtype};
+pub use manifest::{ExpertLayout, KeepRule, Manifest, SpineDtype};
 pub use spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable};
 pub use store::{ExpertFiles, Store};

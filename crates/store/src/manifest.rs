@@ -108,6 +108,25 @@ impl std::str::FromStr for SpineDtype {
     }
 }
 
+/// Spine matrices whose store name contains `pattern` are stored as `dtype` whatever the
+/// spine's dtype is: the few sensitive matrices a mixed-precision spine keeps wider.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeepRule {
+    pub pattern: String,
+    pub dtype: SpineDtype,
+}
+
+impl std::str::FromStr for KeepRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (pattern, dtype) = s.rsplit_once('=').ok_or_else(|| format!("'{s}' is not NAME=DTYPE (for example lm_head=bf16)"))?;
+        if pattern.is_empty() {
+            return Err(format!("'{s}' names no tensor (NAME=DTYPE, NAME part of a spine tensor's name)"));
+        }
+        Ok(KeepRule { pattern: pattern.to_string(), dtype: dtype.parse()? })
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SpineInfo {
     pub file: String,
@@ -119,6 +138,9 @@ pub struct SpineInfo {
     /// The router gates were kept in f32 (`convert --router-f32`).
     #[serde(default)]
     pub router_f32: bool,
+    /// Matrices kept at another precision than `matrix_dtype` (`convert --keep NAME=DTYPE`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keep: Vec<KeepRule>,
     pub bytes: u64,
     pub tensors: Vec<SpineTensor>,
 }

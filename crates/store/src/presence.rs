@@ -17,7 +17,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use xxhash_rust::xxh3::xxh3_64;
+use crate::checksum::xxh3_64;
 
 use crate::error::{StoreError, io_err};
 

@@ -92,7 +92,7 @@ impl Shard {
         Ok(Shard {
             path: path.to_path_buf(),
             file_len,
-            header_hash: xxhash_rust::xxh3::xxh3_64(&header),
+            header_hash: crate::checksum::xxh3_64(&header),
             data_start,
             tensors,
             index,

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use crate::checksum::{Xxh3, xxh3_64};
 
 use crate::error::{StoreError, io_err};
 use crate::manifest::*;

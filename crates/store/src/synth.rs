@@ -9,7 +9,7 @@ use std::path::Path;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use crate::checksum::{Xxh3, xxh3_64};
 
 use crate::config::{K3Config, LinearAttnConfig};
 use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress};
@@ -320,6 +320,7 @@ fn packed_manifest(
             matrix_dtype: SpineDtype::Int8,
             int8_group: 0,
             router_f32: false,
+            keep: Vec::new(),
             bytes: spine_bytes,
             tensors,
         },
