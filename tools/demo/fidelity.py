@@ -101,17 +101,28 @@ def main():
             if ref is None:
                 ref = lp
             kl = (np.exp(ref) * (ref - lp)).sum(-1)
+            # How decisive the reference was where the top token flipped: the gap between its
+            # two best log-probabilities (a small model has many near ties, which any rounding flips).
+            top2 = np.sort(ref, -1)[:, -2:]
+            gap = top2[:, 1] - top2[:, 0]
+            flipped = lp.argmax(-1) != ref.argmax(-1)
             row = {
                 "config": name, "convert": conv, "run": run,
                 "top1_agreement": float((lp.argmax(-1) == ref.argmax(-1)).mean()),
                 "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+                "flipped_gap_median": float(np.median(gap[flipped])) if flipped.any() else None,
+                "top1_agreement_gap_ge_0.1": float(1 - flipped[gap >= 0.1].mean()),
+                "share_gap_ge_0.1": float((gap >= 0.1).mean()),
                 # The model's own quality on the text, as a sanity check: next-token loss.
                 "nll": float(np.mean(nll)),
                 "spine_bytes": manifest["spine"]["bytes"],
             }
             rows.append(row)
             print(f"{name:50} top-1 {100 * row['top1_agreement']:6.2f}%  KL mean {row['kl_mean']:.2e}  "
-                  f"p99 {row['kl_p99']:.2e}  nll {row['nll']:.4f}  spine {row['spine_bytes'] / 1e6:.1f} MB", flush=True)
+                  f"p99 {row['kl_p99']:.2e}  nll {row['nll']:.4f}  spine {row['spine_bytes'] / 1e6:.1f} MB  "
+                  f"top-1 where the reference leads by >= 0.1 nats ({100 * row['share_gap_ge_0.1']:.0f}% of positions) "
+                  f"{100 * row['top1_agreement_gap_ge_0.1']:.2f}%  median gap at flips "
+                  f"{row['flipped_gap_median'] or 0:.3f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"positions": sum(map(len, windows)), "windows": [int(s) for s in starts],
                                               "window": args.window, "tokens_file": args.tokens, "hf": args.hf,
