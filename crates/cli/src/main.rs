@@ -133,12 +133,7 @@ fn main() -> ExitCode {
 }
 
 fn dispatch(cli: Cli) -> Result<()> {
-    if let Some(n) = cli.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        deltafin_engine::init_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
-    }
+    deltafin_engine::os::cpus::start(cli.threads).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, router_f32, keep, experts } => {
             let opts =

@@ -143,7 +143,7 @@ impl ModelArgs {
             Store::open(path, self.source.as_deref()).with_context(|| format!("opening store {}", path.display()))?;
         let opts = RunOptions { fetcher: self.fetcher_for(&store)?, ..opts.clone() };
         let session = Session::open(&store, &opts)?;
-        eprintln!("{}", session.plan.describe());
+        eprintln!("{}\n  {}", session.plan.describe(), deltafin_engine::os::cpus::report());
         if session.modified_top_k() {
             eprintln!("note: {}", session.variant());
         }

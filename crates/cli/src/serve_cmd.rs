@@ -112,7 +112,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     serve(opts, model, tokenizer, move || {
         let session = Session::open(&store, &run_opts)?;
-        eprintln!("{}", session.plan.describe());
+        eprintln!("{}\n  {}", session.plan.describe(), deltafin_engine::os::cpus::report());
         if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }

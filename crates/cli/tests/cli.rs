@@ -324,14 +324,9 @@ fn convert_keeps_named_matrices_at_another_precision() {
         assert_eq!(dtype, want, "{name}");
     }
     let logits = |store: &Path| -> String {
-        let v: serde_json::Value = serde_json::from_str(&ok(&[
-            "logits",
-            "--model",
-            store.to_str().unwrap(),
-            "--prompt-tokens",
-            "5,17,3,250",
-        ]))
-        .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&ok(&["logits", "--model", store.to_str().unwrap(), "--prompt-tokens", "5,17,3,250"]))
+                .unwrap();
         v["logits"].to_string()
     };
     let all_bf16 = convert("k3-small", &["--spine", "int8", "--keep", "weight=bf16"]);

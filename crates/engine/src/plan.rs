@@ -6,6 +6,7 @@ use anyhow::{Result, bail};
 use deltafin_store::{AttnKind, Manifest};
 use serde::Serialize;
 
+pub use crate::os::budget::CgroupMemory;
 use crate::stream::geometry;
 
 /// Process overhead we do not plan in detail (binary, allocator, per-token scratch, tokenizer).
@@ -452,151 +453,16 @@ impl Budget {
 /// starting later).
 const DEFAULT_SHARE_PERCENT: u64 = 85;
 
-/// Budget when neither /proc/meminfo nor a cgroup says anything (not Linux, or /proc hidden).
+/// Budget when the system tells nothing (an unknown platform, or /proc hidden).
 const FALLBACK_BUDGET: u64 = 8 << 30;
 
-/// The default budget: 85% of the memory this process may still use, which is the smaller of
-/// what the host has available (MemAvailable) and the headroom under the tightest memory limit
-/// of this process' control group and its ancestors (cgroup v2 `memory.max`, v1
-/// `memory.limit_in_bytes`). MemAvailable alone ignores a container's limit, and a plan sized
-/// to the host gets the container OOM-killed.
+/// The default budget: 85% of the memory this process may still use, as the platform tells it
+/// (`os::budget`: on Linux the smaller of MemAvailable and the headroom under the cgroup's
+/// limit; on a Mac the free memory less a reserve for the system and GPU; on Windows the
+/// available physical memory).
 pub fn default_budget() -> Budget {
-    let read = |p: &str| std::fs::read_to_string(p).ok();
-    let mem_available = read("/proc/meminfo").as_deref().and_then(mem_available);
-    let cgroup = read("/proc/self/cgroup").and_then(|t| cgroup_memory(&t, &read));
-    budget_from(mem_available, cgroup.as_ref())
-}
-
-/// MemAvailable of /proc/meminfo, in bytes.
-pub fn mem_available(meminfo: &str) -> Option<u64> {
-    meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|kb| kb.parse::<u64>().ok())
-        .map(|kb| kb.saturating_mul(1024))
-}
-
-/// The memory limit that binds this process' control group.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CgroupMemory {
-    /// 1 or 2.
-    pub version: u8,
-    /// The group (as /proc/self/cgroup names it, or an ancestor) whose limit binds.
-    pub group: String,
-    pub limit: u64,
-    /// Memory charged to that group that the kernel cannot simply drop: `memory.current` (v2)
-    /// or `memory.usage_in_bytes` (v1) less the inactive page cache of its `memory.stat`.
-    /// Unknown when the usage file is unreadable.
-    pub in_use: Option<u64>,
-}
-
-impl CgroupMemory {
-    /// What may still be charged before the kernel reclaims hard or OOM-kills.
-    pub fn headroom(&self) -> u64 {
-        self.limit.saturating_sub(self.in_use.unwrap_or(0))
-    }
-
-    fn limit_file(&self) -> &'static str {
-        if self.version == 2 { "memory.max" } else { "memory.limit_in_bytes" }
-    }
-}
-
-/// The cgroup paths in /proc/self/cgroup: the v2 (unified) one, and v1's memory controller's.
-/// Lines are `ID:CONTROLLERS:PATH`; v2's has ID 0 and no controllers.
-pub fn cgroup_paths(proc_self_cgroup: &str) -> (Option<String>, Option<String>) {
-    let (mut v2, mut v1) = (None, None);
-    for line in proc_self_cgroup.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
-        if id == "0" && controllers.is_empty() {
-            v2 = Some(path.to_string());
-        } else if controllers.split(',').any(|c| c == "memory") {
-            v1 = Some(path.to_string());
-        }
-    }
-    (v2, v1)
-}
-
-/// A limit file's value: v2's `max` and v1's "unlimited" (a page-rounded i64::MAX, anything at
-/// or above 2^62 here) mean no limit.
-pub fn parse_limit(text: &str) -> Option<u64> {
-    let t = text.trim();
-    if t == "max" {
-        return None;
-    }
-    t.parse::<u64>().ok().filter(|&v| v < 1 << 62)
-}
-
-/// A `key value` line of a `memory.stat` file.
-pub fn stat_field(memory_stat: &str, key: &str) -> Option<u64> {
-    memory_stat.lines().find_map(|l| {
-        let (k, v) = l.split_once(' ')?;
-        (k == key).then(|| v.trim().parse().ok()).flatten()
-    })
-}
-
-/// The group, then each ancestor up to the root: a limit set on any of them binds this process.
-fn ancestors(path: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut p = path.trim_end_matches('/').to_string();
-    while !p.is_empty() {
-        out.push(p.clone());
-        match p.rfind('/') {
-            Some(i) => p.truncate(i),
-            None => break,
-        }
-    }
-    out.push("/".into());
-    out
-}
-
-/// The binding memory limit of this process' control group, read through `read` (a path to
-/// its contents; `None` when the file is missing). Each group from ours up to the root of the
-/// mount is looked at, because a container's limit is often set on a parent; where the mount
-/// shows only the container's own group (Docker without a cgroup namespace), the path of
-/// /proc/self/cgroup does not exist under it and the mount's root holds the limit. The group
-/// with the least headroom wins. v2 is preferred when the process has both.
-pub fn cgroup_memory(proc_self_cgroup: &str, read: &dyn Fn(&str) -> Option<String>) -> Option<CgroupMemory> {
-    let (v2, v1) = cgroup_paths(proc_self_cgroup);
-    let v2_found = v2.and_then(|path| {
-        ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"].iter().find_map(|mount| {
-            tightest(&path, |g| {
-                let dir = join(mount, g);
-                let limit = parse_limit(&read(&format!("{dir}/memory.max"))?)?;
-                let usage = read(&format!("{dir}/memory.current")).and_then(|t| t.trim().parse::<u64>().ok());
-                let inactive = read(&format!("{dir}/memory.stat")).and_then(|t| stat_field(&t, "inactive_file"));
-                Some(CgroupMemory { version: 2, group: g.to_string(), limit, in_use: working_set(usage, inactive) })
-            })
-        })
-    });
-    v2_found.or_else(|| {
-        let path = v1?;
-        tightest(&path, |g| {
-            let dir = join("/sys/fs/cgroup/memory", g);
-            let limit = parse_limit(&read(&format!("{dir}/memory.limit_in_bytes"))?)?;
-            let usage = read(&format!("{dir}/memory.usage_in_bytes")).and_then(|t| t.trim().parse::<u64>().ok());
-            // v1's usage counts the whole subtree, so its cache figure must too.
-            let inactive = read(&format!("{dir}/memory.stat")).and_then(|t| stat_field(&t, "total_inactive_file"));
-            Some(CgroupMemory { version: 1, group: g.to_string(), limit, in_use: working_set(usage, inactive) })
-        })
-    })
-}
-
-/// The group of `path` or its ancestors with a limit and the least headroom.
-fn tightest(path: &str, limit_of: impl Fn(&str) -> Option<CgroupMemory>) -> Option<CgroupMemory> {
-    ancestors(path).iter().filter_map(|g| limit_of(g)).min_by_key(CgroupMemory::headroom)
-}
-
-fn join(mount: &str, group: &str) -> String {
-    format!("{mount}{}", if group == "/" { "" } else { group })
-}
-
-/// Usage less the inactive page cache, which the kernel reclaims before it OOM-kills (the
-/// figure `docker stats` and the kubelet use). Without the stat, all of the usage counts: too
-/// cautious is better than killed.
-fn working_set(usage: Option<u64>, inactive_file: Option<u64>) -> Option<u64> {
-    usage.map(|u| u.saturating_sub(inactive_file.unwrap_or(0)))
+    let free = crate::os::budget::free_memory();
+    budget_from(free.host, free.cgroup.as_ref())
 }
 
 /// The default budget from what was found: 85% of the smaller of MemAvailable and the cgroup
@@ -606,9 +472,9 @@ fn working_set(usage: Option<u64>, inactive_file: Option<u64>) -> Option<u64> {
 /// The headroom is the limit less what is charged now (not the limit alone), because other
 /// processes of the container hold part of it; this process' own use at start (the binary and
 /// the tokenizer, before the model loads) is small and the plan's fixed overhead covers it.
-pub fn budget_from(mem_available: Option<u64>, cgroup: Option<&CgroupMemory>) -> Budget {
+pub fn budget_from(host: Option<(u64, String)>, cgroup: Option<&CgroupMemory>) -> Budget {
     let share = |b: u64| b / 100 * DEFAULT_SHARE_PERCENT;
-    let host = mem_available.map(|a| (share(a), format!("{DEFAULT_SHARE_PERCENT}% of MemAvailable ({})", human(a))));
+    let host = host.map(|(a, what)| (share(a), format!("{DEFAULT_SHARE_PERCENT}% of {what} ({})", human(a))));
     let group = cgroup.map(|c| {
         let in_use = match c.in_use {
             Some(u) => format!("{} in use, page cache aside", human(u)),
@@ -632,19 +498,12 @@ pub fn budget_from(mem_available: Option<u64>, cgroup: Option<&CgroupMemory>) ->
             }
         }
         (Some(x), None) | (None, Some(x)) => x,
-        (None, None) => {
-            (FALLBACK_BUDGET, format!("{} (neither MemAvailable nor a cgroup limit found)", human(FALLBACK_BUDGET)))
-        }
+        (None, None) => (FALLBACK_BUDGET, format!("{} (the system told no free memory)", human(FALLBACK_BUDGET))),
     };
     Budget { bytes, source }
 }
 
-/// Peak resident set size of this process so far (VmHWM), in bytes.
-pub fn peak_rss_bytes() -> Option<u64> {
-    let t = std::fs::read_to_string("/proc/self/status").ok()?;
-    let l = t.lines().find(|l| l.starts_with("VmHWM:"))?;
-    l.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
-}
+pub use crate::os::memory::peak_rss_bytes;
 
 #[cfg(test)]
 mod tests {
@@ -688,125 +547,13 @@ mod tests {
         assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 200)));
     }
 
-    /// A file system of the given files, for [`cgroup_memory`].
-    fn fs(files: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let files: std::collections::HashMap<String, String> =
-            files.iter().map(|(p, t)| (p.to_string(), t.to_string())).collect();
-        move |p: &str| files.get(p).cloned()
-    }
-
     const GIB: u64 = 1 << 30;
-    const V1_UNLIMITED: &str = "9223372036854771712\n";
-
-    #[test]
-    fn cgroup_limit_files_parse() {
-        assert_eq!(parse_limit("max\n"), None);
-        assert_eq!(parse_limit("4294967296\n"), Some(4 * GIB));
-        assert_eq!(parse_limit(V1_UNLIMITED), None);
-        assert_eq!(parse_limit("536870912"), Some(512 << 20));
-        assert_eq!(parse_limit(""), None);
-        assert_eq!(parse_limit("lots"), None);
-        assert_eq!(stat_field("anon 5\ninactive_file 4096\nactive_file 7\n", "inactive_file"), Some(4096));
-        assert_eq!(stat_field("total_inactive_file 9\ninactive_file 3\n", "inactive_file"), Some(3));
-        assert_eq!(stat_field("anon 5\n", "inactive_file"), None);
-        assert_eq!(mem_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n"), Some(2 << 20));
-        assert_eq!(mem_available("MemTotal: 100 kB\n"), None);
-    }
-
-    #[test]
-    fn proc_self_cgroup_paths() {
-        // Pure v2.
-        assert_eq!(
-            cgroup_paths("0::/system.slice/deltafin.service\n"),
-            (Some("/system.slice/deltafin.service".into()), None)
-        );
-        // v1 (hybrid: the v2 line is there too, without a memory controller).
-        let hybrid = "12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n0::/docker/abc\n";
-        assert_eq!(cgroup_paths(hybrid), (Some("/docker/abc".into()), Some("/docker/abc".into())));
-        // Junk lines are skipped.
-        assert_eq!(cgroup_paths("garbage\n4:memory:/a\n"), (None, Some("/a".into())));
-        assert_eq!(cgroup_paths(""), (None, None));
-    }
-
-    #[test]
-    fn cgroup_v2_limits() {
-        let cg = "0::/kubepods/pod1/c1\n";
-        // A number on the group: the headroom is the limit less usage net of inactive page cache.
-        let read = fs(&[
-            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "8589934592\n"),
-            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.current", "3221225472\n"),
-            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.stat", "anon 1073741824\ninactive_file 2147483648\n"),
-        ]);
-        let m = cgroup_memory(cg, &read).unwrap();
-        assert_eq!((m.version, m.group.as_str(), m.limit, m.in_use), (2, "/kubepods/pod1/c1", 8 * GIB, Some(GIB)));
-        assert_eq!(m.headroom(), 7 * GIB);
-        // `max` on the group, a number on an ancestor: the ancestor binds.
-        let read = fs(&[
-            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "max\n"),
-            ("/sys/fs/cgroup/kubepods/pod1/memory.max", "4294967296\n"),
-            ("/sys/fs/cgroup/kubepods/memory.max", "max\n"),
-        ]);
-        let m = cgroup_memory(cg, &read).unwrap();
-        assert_eq!((m.group.as_str(), m.limit, m.in_use), ("/kubepods/pod1", 4 * GIB, None));
-        // `max` all the way up: no limit.
-        let read = fs(&[
-            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "max\n"),
-            ("/sys/fs/cgroup/kubepods/pod1/memory.max", "max\n"),
-        ]);
-        assert_eq!(cgroup_memory(cg, &read), None);
-        // A cgroup namespace: the process' group is the mount's root.
-        let read = fs(&[("/sys/fs/cgroup/memory.max", "2147483648\n"), ("/sys/fs/cgroup/memory.current", "0\n")]);
-        assert_eq!(cgroup_memory("0::/\n", &read).unwrap().headroom(), 2 * GIB);
-    }
-
-    #[test]
-    fn cgroup_v1_limits() {
-        let cg = "11:cpu,cpuacct:/docker/abc\n9:memory:/docker/abc\n0::/\n";
-        // The "unlimited" huge number is no limit.
-        let read = fs(&[
-            ("/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", V1_UNLIMITED),
-            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", V1_UNLIMITED),
-        ]);
-        assert_eq!(cgroup_memory(cg, &read), None);
-        // A number: usage less the subtree's inactive page cache.
-        let read = fs(&[
-            ("/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", "2147483648\n"),
-            ("/sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", "1610612736\n"),
-            ("/sys/fs/cgroup/memory/docker/abc/memory.stat", "inactive_file 1\ntotal_inactive_file 536870912\n"),
-            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", V1_UNLIMITED),
-        ]);
-        let m = cgroup_memory(cg, &read).unwrap();
-        assert_eq!((m.version, m.limit, m.in_use), (1, 2 * GIB, Some(GIB)));
-        assert_eq!(m.headroom(), GIB);
-        // Docker without a cgroup namespace: /docker/abc is not under the mount, whose root is
-        // the container's own group.
-        let read = fs(&[
-            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "1073741824\n"),
-            ("/sys/fs/cgroup/memory/memory.usage_in_bytes", "0\n"),
-        ]);
-        let m = cgroup_memory(cg, &read).unwrap();
-        assert_eq!((m.group.as_str(), m.headroom()), ("/", GIB));
-        // v2 is preferred when both have a limit.
-        let read = fs(&[
-            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "1073741824\n"),
-            ("/sys/fs/cgroup/unified/memory.max", "3221225472\n"),
-        ]);
-        assert_eq!(cgroup_memory(cg, &read).unwrap().version, 2);
-    }
-
-    #[test]
-    fn missing_cgroup_files_mean_no_limit() {
-        let read = fs(&[]);
-        assert_eq!(cgroup_memory("0::/user.slice\n", &read), None);
-        assert_eq!(cgroup_memory("9:memory:/user.slice\n", &read), None);
-        assert_eq!(cgroup_memory("", &read), None);
-    }
 
     #[test]
     fn default_budget_takes_the_tighter_of_host_and_cgroup() {
         let cg = CgroupMemory { version: 2, group: "/c".into(), limit: 4 * GIB, in_use: Some(GIB) };
         // The container is tighter than the host.
-        let b = budget_from(Some(20 * GIB), Some(&cg));
+        let b = budget_from(Some((20 * GIB, "MemAvailable".into())), Some(&cg));
         assert_eq!(b.bytes, 3 * GIB / 100 * 85);
         assert!(
             b.source.starts_with("85% of the headroom under cgroup v2 memory.max of /c (4.00 GiB limit"),
@@ -814,10 +561,10 @@ mod tests {
             b.source
         );
         // The host is tighter than the container.
-        let b = budget_from(Some(2 * GIB), Some(&cg));
+        let b = budget_from(Some((2 * GIB, "MemAvailable".into())), Some(&cg));
         assert_eq!(b, Budget { bytes: 2 * GIB / 100 * 85, source: "85% of MemAvailable (2.00 GiB)".into() });
         // No cgroup limit; nothing at all.
-        assert_eq!(budget_from(Some(2 * GIB), None).bytes, 2 * GIB / 100 * 85);
+        assert_eq!(budget_from(Some((2 * GIB, "MemAvailable".into())), None).bytes, 2 * GIB / 100 * 85);
         let v1 = CgroupMemory { version: 1, group: "/".into(), limit: GIB, in_use: None };
         let b = budget_from(None, Some(&v1));
         assert_eq!(b.bytes, GIB / 100 * 85);
@@ -825,7 +572,7 @@ mod tests {
         assert_eq!(budget_from(None, None).bytes, FALLBACK_BUDGET);
         // A group already over its limit leaves nothing, and the plan refuses to start.
         let full = CgroupMemory { version: 2, group: "/c".into(), limit: GIB, in_use: Some(2 * GIB) };
-        assert_eq!(budget_from(Some(20 * GIB), Some(&full)).bytes, 0);
+        assert_eq!(budget_from(Some((20 * GIB, "MemAvailable".into())), Some(&full)).bytes, 0);
     }
 
     #[test]

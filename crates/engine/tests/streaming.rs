@@ -176,7 +176,7 @@ fn corrupt_streamed_spine_layer_is_caught() {
     let store = Store::open(dir.path(), None).unwrap();
     let t = store.spine_tensor_info("layers.6.self_attn.q_proj.weight").unwrap().clone();
     let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.path().join("spine.bin")).unwrap();
-    use std::os::unix::fs::FileExt;
+    use deltafin_store::os::FileAt;
     let mut b = [0u8];
     f.read_exact_at(&mut b, t.offset + 5).unwrap();
     f.write_all_at(&[b[0] ^ 0x11], t.offset + 5).unwrap();

@@ -78,7 +78,7 @@ impl Target {
 /// Write `bytes` at `at` and sync them. A full disk says so plainly: the piece is not logged,
 /// so the store stays as it was and a rerun after freeing space continues.
 pub fn write_synced(file: &File, path: &Path, bytes: &[u8], at: u64) -> Result<()> {
-    let w = crate::sys::write_all_at(file, bytes, at).and_then(|()| file.sync_data());
+    let w = deltafin_store::os::FileAt::write_all_at(file, bytes, at).and_then(|()| file.sync_data());
     w.map_err(|e| {
         if e.raw_os_error() == Some(28) {
             anyhow::anyhow!(

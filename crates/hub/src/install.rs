@@ -20,6 +20,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result, bail};
 use deltafin_store::checkpoint::text_prefix;
+use deltafin_store::checksum::Xxh3;
 use deltafin_store::convert::{ConvertOptions, ExpertSums, convert};
 use deltafin_store::manifest::{Manifest, OriginFile, OriginInfo, SpineDtype, StreamingInfo};
 use deltafin_store::schema::{Role, checkpoint_name, spine_specs};
@@ -27,7 +28,6 @@ use deltafin_store::shard::{TensorEntry, parse_header};
 use deltafin_store::{K3Config, Store};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use deltafin_store::checksum::Xxh3;
 
 use crate::download::{Target, run, write_synced};
 use crate::http::{Expect, Http, HttpConfig};
@@ -268,13 +268,13 @@ fn local_header(layout: &Layout, f: &OriginFile) -> Option<Vec<u8>> {
     }
     let file = std::fs::File::open(path).ok()?;
     let mut len = [0u8; 8];
-    crate::sys::read_exact_at(&file, &mut len, 0).ok()?;
+    deltafin_store::os::FileAt::read_exact_at(&file, &mut len, 0).ok()?;
     let n = u64::from_le_bytes(len);
     if n > MAX_HEADER || 8 + n > f.size || log.as_ref().is_some_and(|l| !l.covers((0, 8 + n))) {
         return None;
     }
     let mut h = vec![0u8; 8 + n as usize];
-    crate::sys::read_exact_at(&file, &mut h, 0).ok()?;
+    deltafin_store::os::FileAt::read_exact_at(&file, &mut h, 0).ok()?;
     Some(h)
 }
 

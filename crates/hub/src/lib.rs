@@ -18,5 +18,4 @@ pub mod install;
 pub mod layout;
 pub mod ranges;
 pub mod remote;
-mod sys;
 pub mod warmup;

@@ -105,16 +105,22 @@ pub fn int8_matvec_multi_on(
 ) {
     assert!(xs.len() >= n * cols && stride >= rows);
     assert!(n == 0 || out.len() >= (n - 1) * stride + rows);
-    let mut j = 0;
-    #[cfg(target_arch = "x86_64")]
-    if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
-        check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
-        // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output span
-        // checked above (and again by the kernel).
-        unsafe { avx512_tile::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
-        j = n;
-    }
-    for j in j..n {
+    // Inputs the tiled kernel took (all of them, or none).
+    let tiled = {
+        #[cfg(target_arch = "x86_64")]
+        if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
+            check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
+            // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output span
+            // checked above (and again by the kernel).
+            unsafe { avx512_tile::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
+            n
+        } else {
+            0
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        0
+    };
+    for j in tiled..n {
         int8_matvec_on(
             path,
             q,

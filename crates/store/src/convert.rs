@@ -5,14 +5,14 @@
 //! (a 1.5 TB K3 converts in the same footprint as a fixture; the largest single K3 tensor, the
 //! 2.3 GB embedding, is never held whole).
 
+use crate::os::FileAt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use crate::checksum::{Xxh3, xxh3_64};
 use half::bf16;
 use safetensors::Dtype;
-use crate::checksum::{Xxh3, xxh3_64};
 
 use crate::checkpoint::{Checkpoint, bytes_to_f32, text_prefix};
 use crate::config::K3Config;
@@ -196,9 +196,8 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
 /// Whether two paths name the same file or directory (same device and inode), whatever their
 /// spelling: `d`, `d/.`, `d/../d` and a symbolic link to `d` are all `d`.
 fn same_file(a: &Path, b: &Path) -> Result<bool, StoreError> {
-    use std::os::unix::fs::MetadataExt;
-    let (ma, mb) = (std::fs::metadata(a).map_err(io_err(a))?, std::fs::metadata(b).map_err(io_err(b))?);
-    Ok(ma.dev() == mb.dev() && ma.ino() == mb.ino())
+    std::fs::metadata(b).map_err(io_err(b))?;
+    crate::os::same_file(a, b).map_err(io_err(a))
 }
 
 /// A store written into its own checkpoint directory would copy the tokenizer files onto

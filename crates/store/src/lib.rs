@@ -15,6 +15,7 @@ pub mod convert;
 pub mod error;
 pub mod image;
 pub mod manifest;
+pub mod os;
 pub mod presence;
 pub mod progress;
 pub mod quant;

@@ -119,7 +119,8 @@ pub struct KeepRule {
 impl std::str::FromStr for KeepRule {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (pattern, dtype) = s.rsplit_once('=').ok_or_else(|| format!("'{s}' is not NAME=DTYPE (for example lm_head=bf16)"))?;
+        let (pattern, dtype) =
+            s.rsplit_once('=').ok_or_else(|| format!("'{s}' is not NAME=DTYPE (for example lm_head=bf16)"))?;
         if pattern.is_empty() {
             return Err(format!("'{s}' names no tensor (NAME=DTYPE, NAME part of a spine tensor's name)"));
         }

@@ -12,8 +12,8 @@
 //! The fetcher that fills absent experts lives above this crate (it needs the network); the
 //! engine reaches it through [`ExpertFetcher`].
 
+use crate::os::FileAt;
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -4,9 +4,9 @@
 //! the JSON header, validate every tensor's extent against the file's size, and then read single
 //! tensors (or byte ranges) with positioned reads.
 
+use crate::os::FileAt;
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;

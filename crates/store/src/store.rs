@@ -1,9 +1,9 @@
 //! Opening a Deltafin store: the manifest, the spine tensors, and routed experts by
 //! (layer, expert).
 
+use crate::os::FileAt;
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

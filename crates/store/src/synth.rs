@@ -7,9 +7,9 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
+use crate::checksum::{Xxh3, xxh3_64};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
-use crate::checksum::{Xxh3, xxh3_64};
 
 use crate::config::{K3Config, LinearAttnConfig};
 use crate::convert::{IO_ALIGN, SpineWriter, align_up, byte_progress};

@@ -1,44 +1,125 @@
-//! Giving memory back to the operating system while keeping the address range: a prompt that
-//! borrows the expert cache's memory must really shrink the process (the budget is a resident
-//! size), not just stop using the pages.
+//! Memory as the operating system sees it: giving pages back while keeping the address range
+//! (a prompt that borrows the expert cache's memory must really shrink the process, since the
+//! budget is a resident size), the page size, and the process' peak resident size.
 
-/// Drop the physical pages behind `[ptr, ptr + len)`: the next touch reads zeros, and until then
-/// the range counts nothing towards the resident size. Returns false where the system cannot
-/// (the range then keeps its pages; callers only lose the saving).
-///
-/// # Safety
-/// `ptr` must be page-aligned and `[ptr, ptr + len)` a range this process owns and does not
-/// access concurrently; its contents are lost.
-#[cfg(target_os = "linux")]
-pub unsafe fn release_pages(ptr: *mut u8, len: usize) -> bool {
-    // SAFETY: the caller owns the page-aligned range and gives up its contents; MADV_DONTNEED
-    // on private anonymous memory maps it back to zero-fill pages on the next touch.
-    unsafe { libc::madvise(ptr.cast(), len, libc::MADV_DONTNEED) == 0 }
+/// The system's page size: 4 KiB on x86 Linux and Windows, 16 KiB on Apple Silicon.
+pub fn page_size() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(p).ok().filter(|&p| p.is_power_of_two()).unwrap_or(4096)
+    }
+    #[cfg(not(unix))]
+    {
+        4096
+    }
 }
 
-/// See the Linux version: elsewhere the pages are kept (a saving lost, nothing else).
+/// The whole pages inside `[ptr, ptr + len)`: (start, length), length 0 when there are none.
+fn whole_pages(ptr: *mut u8, len: usize, page: usize) -> (*mut u8, usize) {
+    let start = (ptr as usize).next_multiple_of(page);
+    let end = (ptr as usize).saturating_add(len) / page * page;
+    if end <= start { (ptr, 0) } else { (ptr.wrapping_add(start - ptr as usize), end - start) }
+}
+
+/// Drop the physical pages inside `[ptr, ptr + len)` (whole pages only: a buffer aligned to 4
+/// KiB keeps its partial 16 KiB pages on a Mac): the next touch reads zeros, and until then
+/// they count nothing towards the resident size. Returns false where the system cannot (the
+/// range then keeps its pages and its contents; callers only lose the saving).
 ///
 /// # Safety
-/// As on Linux.
-#[cfg(not(target_os = "linux"))]
-pub unsafe fn release_pages(_ptr: *mut u8, _len: usize) -> bool {
-    false
+/// `[ptr, ptr + len)` must be a range of private anonymous memory (a heap allocation) that
+/// this process owns and does not access concurrently; the contents of its whole pages are lost.
+pub unsafe fn release_pages(ptr: *mut u8, len: usize) -> bool {
+    let (p, n) = whole_pages(ptr, len, page_size());
+    if n == 0 {
+        return true;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: the caller owns the range and gives up its contents; MADV_DONTNEED on private
+        // anonymous memory maps it back to zero-fill pages on the next touch.
+        unsafe { libc::madvise(p.cast(), n, libc::MADV_DONTNEED) == 0 }
+    }
+    #[cfg(all(unix, not(target_os = "linux")))]
+    {
+        // macOS's MADV_FREE keeps the contents until the system needs the pages, so a fresh
+        // anonymous mapping is put over the range instead: its old pages are freed at once and
+        // the new ones read as zeros, at the same addresses.
+        // SAFETY: MAP_FIXED replaces exactly the caller's whole pages with fresh private
+        // anonymous memory of the same protection; nothing else maps there.
+        let q = unsafe {
+            libc::mmap(
+                p.cast(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANON,
+                -1,
+                0,
+            )
+        };
+        q == p.cast()
+    }
+    #[cfg(not(unix))]
+    {
+        // Windows can reset pages (MEM_RESET) but not promise zeros, and the cache's buffers come
+        // from the heap: the pages are kept.
+        let _ = (p, n);
+        false
+    }
 }
 
 /// Hand the allocator's free memory back to the system: after a large prompt chunk the
 /// allocator keeps freed buffers below its mmap threshold (glibc raises that threshold up to 32
-/// MiB as large buffers are freed), which would stay resident while the cache refills.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// MiB as large buffers are freed), which would stay resident while the cache refills. Other
+/// allocators return large frees to the system themselves (or cannot be asked).
 pub fn return_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only touches the allocator's own free lists; 0 keeps no pad.
     unsafe {
         libc::malloc_trim(0);
     }
 }
 
-/// Other allocators return large frees to the system themselves (or cannot be asked).
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn return_free_heap() {}
+/// Peak resident set size of this process so far, in bytes (Linux VmHWM, macOS's maximum
+/// resident size, Windows' peak working set).
+pub fn peak_rss_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let t = std::fs::read_to_string("/proc/self/status").ok()?;
+        let l = t.lines().find(|l| l.starts_with("VmHWM:"))?;
+        l.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+    }
+    #[cfg(all(unix, not(target_os = "linux")))]
+    {
+        // SAFETY: a zeroed rusage is a valid out-parameter.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `u` is valid for writing.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+            return None;
+        }
+        // Bytes on macOS (kilobytes on the BSDs).
+        let max = u64::try_from(u.ru_maxrss).ok()?;
+        Some(if cfg!(target_os = "macos") { max } else { max * 1024 })
+    }
+    #[cfg(windows)]
+    {
+        use windows_sys::Win32::System::ProcessStatus::{GetProcessMemoryInfo, PROCESS_MEMORY_COUNTERS};
+        use windows_sys::Win32::System::Threading::GetCurrentProcess;
+        // SAFETY: a zeroed counters struct with its size given is what the call expects; the
+        // pseudo-handle of the current process needs no closing.
+        let mut c: PROCESS_MEMORY_COUNTERS = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<PROCESS_MEMORY_COUNTERS>() as u32;
+        // SAFETY: as above.
+        let ok = unsafe { GetProcessMemoryInfo(GetCurrentProcess(), &mut c, size) } != 0;
+        ok.then_some(c.PeakWorkingSetSize as u64)
+    }
+    #[cfg(not(any(unix, windows)))]
+    {
+        None
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -52,6 +133,14 @@ mod tests {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
         Some(pages * u64::try_from(page).ok()?)
+    }
+
+    #[test]
+    fn only_whole_pages_are_released() {
+        let p = std::ptr::without_provenance_mut::<u8>(4096);
+        assert_eq!(whole_pages(p, 64 << 10, 16 << 10), (std::ptr::without_provenance_mut::<u8>(16384), 48 << 10));
+        assert_eq!(whole_pages(p, 8192, 16 << 10).1, 0);
+        assert_eq!(whole_pages(p, 8192, 4096), (p, 8192));
     }
 
     #[test]

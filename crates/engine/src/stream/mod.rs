@@ -9,4 +9,6 @@ pub mod probe;
 pub mod reader;
 pub mod spine;
 pub mod streaming;
+#[cfg(target_os = "linux")]
+pub mod uring;
 pub mod verify;

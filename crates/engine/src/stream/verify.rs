@@ -9,9 +9,9 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use deltafin_store::checksum::xxh3_64;
 use deltafin_store::manifest::ExpertLocation;
 use deltafin_store::presence::Presence;
-use deltafin_store::checksum::xxh3_64;
 
 use super::geometry;
 
