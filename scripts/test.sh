@@ -9,6 +9,8 @@ cargo fmt --all -- --check
 # `deltafin serve` (`--script`, `--token-delay-ms`; cargo feature `test-instruments`).
 cargo clippy --locked --all-targets -q -- -D warnings
 cargo clippy --locked --all-targets -q --features deltafin/test-instruments -- -D warnings
+# The same lints for macOS (Apple Silicon) and Windows.
+. scripts/check-platforms.sh
 # nginx, for the installs from a plain HTTP mirror (crates/cli/tests/install_mirror.rs).
 . scripts/ensure-nginx.sh
 log=$(mktemp)
