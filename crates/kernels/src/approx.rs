@@ -4,13 +4,16 @@
 //! both scales. Faster and not exact: every output that uses it is labelled approximate.
 //!
 //! Imports `format`, `cpu`, `par`, `scalar` and `isa`. Kernels: AVX-512 with VNNI (a capability
-//! of [`Path::Avx512`]), else AVX2 (also on AVX-512 CPUs without VNNI), else scalar.
+//! of [`Path::Avx512`]), else AVX2 (also on AVX-512 CPUs without VNNI); NEON with `sdot`
+//! (FEAT_DotProd); else scalar.
 
 use crate::cpu::Path;
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::has_avx512_vnni;
 pub use crate::format::QuantizedX;
 use crate::format::{BLOCK, Mxfp4};
+#[cfg(target_arch = "aarch64")]
+use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{avx2, avx512};
 use crate::par::par_rows;
@@ -50,6 +53,11 @@ pub fn mxfp4_matvec_q8_on(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 present (an available path; AVX-512 implies it); shapes asserted above.
         Path::Avx512 | Path::Avx2 => unsafe { avx2::mxfp4_matvec_q8(packed, scales, rows, cols, xq, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON (an available path) and DotProd (the guard) present; shapes asserted above.
+        Path::Neon if crate::cpu::has_neon_dotprod() => unsafe {
+            neon::mxfp4_matvec_q8_dot(packed, scales, rows, cols, xq, out)
+        },
         _ => scalar::mxfp4_matvec_q8(packed, scales, rows, cols, xq, out),
     }
 }
@@ -137,6 +145,11 @@ mod tests {
                 println!("SKIPPED approximate path {p:?}: this CPU lacks it");
             } else if *p == Path::Avx512 && !crate::cpu::has_avx512_vnni() {
                 println!("NOTE approximate path Avx512 without VNNI: its AVX2 kernel is checked");
+            } else if *p == Path::Neon {
+                match crate::cpu::has_neon_dotprod() {
+                    true => println!("approximate path Neon: the sdot kernel, checked bit for bit"),
+                    false => println!("SKIPPED NEON sdot kernel: this CPU lacks DotProd (scalar checked)"),
+                }
             }
             p.available()
         })
@@ -194,6 +207,10 @@ mod tests {
                 mxfp4_matvec_q8_on(path, &packed, &scales, rows, cols, &xq, &mut got);
                 for r in 0..rows {
                     assert!((got[r] - want[r]).abs() <= 1e-5 * scale, "{path:?} {rows}x{cols} row {r}");
+                }
+                // The sdot kernel accumulates in the oracle's order: the same bits.
+                if path == Path::Neon && crate::cpu::has_neon_dotprod() {
+                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "sdot {rows}x{cols}");
                 }
             }
         }

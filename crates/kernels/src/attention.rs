@@ -7,9 +7,11 @@
 //!
 //! Both keep the reference summation order; the AVX2 instantiations of the scalar bodies
 //! vectorise the element-wise work and are bit-identical to them (tested). MLA's softmax is the
-//! path's own: AVX-512's on AVX-512, scalar otherwise.
+//! path's own: AVX-512's on AVX-512, NEON's on NEON, scalar otherwise.
 
 use crate::cpu::Path;
+#[cfg(target_arch = "aarch64")]
+use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{avx2, avx512};
 use crate::scalar;
@@ -73,7 +75,8 @@ pub fn mla_head_attend(
 }
 
 /// [`mla_head_attend`] on `path`: the AVX2 instantiations of scores and read-out on AVX2 and
-/// AVX-512, with AVX-512's softmax on AVX-512; all scalar otherwise.
+/// AVX-512, with AVX-512's softmax on AVX-512; NEON's softmax between the portable scores and
+/// read-out on NEON; all scalar otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_head_attend_on(
     path: Path,
@@ -100,6 +103,13 @@ pub fn mla_head_attend_on(
             scalar::softmax_inplace(scores);
             avx2::mla_mix(scores, latents, q_lat.len(), o_lat);
         },
+        #[cfg(target_arch = "aarch64")]
+        Path::Neon => {
+            scalar::mla_scores(q_lat, q_pe, latents, k_pe, scale, scores);
+            // SAFETY: NEON present (an available path).
+            unsafe { neon::softmax_inplace(scores) };
+            scalar::mla_mix(scores, latents, q_lat.len(), o_lat);
+        }
         _ => scalar::mla_head_attend(q_lat, q_pe, latents, k_pe, scale, scores, o_lat),
     }
 }

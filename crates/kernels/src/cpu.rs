@@ -53,6 +53,21 @@ pub fn has_avx512_vnni() -> bool {
     })
 }
 
+/// Whether the NEON `sdot` kernel (FEAT_DotProd; every Apple M-series core) may run.
+pub fn has_neon_dotprod() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "aarch64")]
+        {
+            std::arch::is_aarch64_feature_detected!("neon") && std::arch::is_aarch64_feature_detected!("dotprod")
+        }
+        #[cfg(not(target_arch = "aarch64"))]
+        {
+            false
+        }
+    })
+}
+
 /// A kernel implementation: an instruction set, or the portable scalar code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {

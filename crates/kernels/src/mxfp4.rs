@@ -131,6 +131,25 @@ pub fn mxfp4_matmat_on(
                 }
             });
         }),
+        #[cfg(target_arch = "aarch64")]
+        Path::Neon if n > 1 => crate::par::with_staged_rows(rows, n, out, |staged| {
+            let (half, nb) = (cols / 2, cols / BLOCK);
+            crate::par::par_rows_wide(rows, cols * n, n, staged, |r0, o| {
+                let m = o.len() / n;
+                // SAFETY: NEON present (an available path); shapes checked above.
+                unsafe {
+                    neon::mxfp4_rows_batch(
+                        &packed[r0 * half..(r0 + m) * half],
+                        &scales[r0 * nb..(r0 + m) * nb],
+                        m,
+                        cols,
+                        xs,
+                        n,
+                        o,
+                    )
+                }
+            });
+        }),
         p => {
             for t in 0..n {
                 let (x, o) = (&xs[t * cols..(t + 1) * cols], &mut out[t * rows..(t + 1) * rows]);
@@ -263,8 +282,11 @@ mod tests {
                 assert!(same, "rows {rows} cols {cols} n {n} input {t}");
             }
         }
-        if Path::best() != Path::Avx512 {
-            println!("SKIPPED batched AVX-512 path: this CPU lacks it (the per-input loop was tested)");
+        match Path::best() {
+            Path::Avx512 | Path::Neon => println!("batched {:?} kernel tested", Path::best()),
+            _ => println!(
+                "SKIPPED batched kernels: this CPU has neither AVX-512 nor NEON (the per-input loop was tested)"
+            ),
         }
     }
 

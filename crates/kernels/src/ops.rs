@@ -1,11 +1,14 @@
 //! Layer 4, operation: the small element-wise and reduction kernels every model uses (norms,
 //! softmax, activations). Imports `cpu`, `scalar` and `isa`.
 //!
-//! RMSNorm, softmax and SiTU have AVX-512 kernels and come as `op_on(path, ..)` + `op(..)`. The
+//! RMSNorm and softmax have AVX-512 and NEON kernels, SiTU an AVX-512 one; they come as
+//! `op_on(path, ..)` + `op(..)`. The
 //! other activations and small reductions have one (scalar) implementation, shared with the SIMD
 //! kernels, and are re-exported here from `scalar`.
 
 use crate::cpu::Path;
+#[cfg(target_arch = "aarch64")]
+use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{avx512, avx512_math};
 use crate::scalar;
@@ -55,6 +58,9 @@ pub fn rms_norm_inplace_on(path: Path, x: &mut [f32], weight: &[f32], eps: f32) 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (an available path); lengths asserted above.
         Path::Avx512 => unsafe { avx512::rms_norm_inplace(x, weight, eps) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is present (an available path); lengths asserted above.
+        Path::Neon => unsafe { neon::rms_norm_inplace(x, weight, eps) },
         _ => scalar::rms_norm_inplace(x, weight, eps),
     }
 }
@@ -71,6 +77,9 @@ pub fn softmax_inplace_on(path: Path, x: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (an available path).
         Path::Avx512 => unsafe { avx512::softmax_inplace(x) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is present (an available path).
+        Path::Neon => unsafe { neon::softmax_inplace(x) },
         _ => scalar::softmax_inplace(x),
     }
 }
@@ -127,8 +136,11 @@ mod tests {
                 assert!((s.iter().sum::<f32>() - 1.0).abs() < 1e-4);
             }
         }
-        if crate::cpu::Path::best() != crate::cpu::Path::Avx512 {
-            println!("SKIPPED AVX-512 reductions: this CPU lacks them (the oracle was compared with itself)");
+        match crate::cpu::Path::best() {
+            Path::Avx512 | Path::Neon => println!("reductions: {:?} against the scalar oracle", Path::best()),
+            _ => println!(
+                "SKIPPED SIMD reductions: this CPU has neither AVX-512 nor NEON (the oracle was compared with itself)"
+            ),
         }
     }
 

@@ -41,6 +41,30 @@ pub fn par_rows_wide(
     out.par_chunks_mut(chunk * width).enumerate().for_each(|(i, o)| kernel(i * chunk, o));
 }
 
+/// Run `f` on a per-thread staging buffer laid out `[rows, n]` (reused: no allocation per
+/// call once grown), then transpose it into `out` `[n, rows]`: batched kernels write a row's `n`
+/// outputs together, and rows are what the threads split.
+pub fn with_staged_rows(rows: usize, n: usize, out: &mut [f32], f: impl FnOnce(&mut [f32])) {
+    thread_local! {
+        static STAGED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    STAGED.with(|b| {
+        let staged = &mut *b.borrow_mut();
+        staged.resize(rows * n, 0.0); // [rows, n]
+        f(staged);
+        // Transposed in blocks of 64 rows: each output row's writes are contiguous and the
+        // block's staged rows stay in L1 (row by row, every write touched a new cache line).
+        for r0 in (0..rows).step_by(64) {
+            let r1 = (r0 + 64).min(rows);
+            for t in 0..n {
+                for (r, o) in (r0..r1).zip(&mut out[t * rows + r0..t * rows + r1]) {
+                    *o = staged[r * n + t];
+                }
+            }
+        }
+    });
+}
+
 /// Size the global pool (call once at start-up, before any parallel work).
 pub fn init_threads(n: usize) -> Result<(), String> {
     rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())

@@ -56,26 +56,15 @@ pub fn with_batch_staging(
     f: impl FnOnce(&[f32], &mut [f32]),
 ) {
     thread_local! {
-        static BUFS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+        static XD: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
-    BUFS.with(|b| {
-        let (xd, staged) = &mut *b.borrow_mut();
+    XD.with(|b| {
+        let xd = &mut *b.borrow_mut();
         xd.resize(xs.len(), 0.0);
         for (x, d) in xs.chunks_exact(cols).zip(xd.chunks_exact_mut(cols)) {
             deinterleave(x, d);
         }
-        staged.resize(rows * n, 0.0); // [rows, n]
-        f(&xd[..], staged);
-        // Transposed in blocks of 64 rows: each output row's writes are contiguous and the
-        // block's staged rows stay in L1 (row by row, every write touched a new cache line).
-        for r0 in (0..rows).step_by(64) {
-            let r1 = (r0 + 64).min(rows);
-            for t in 0..n {
-                for (r, o) in (r0..r1).zip(&mut out[t * rows + r0..t * rows + r1]) {
-                    *o = staged[r * n + t];
-                }
-            }
-        }
+        crate::par::with_staged_rows(rows, n, out, |staged| f(&xd[..], staged));
     });
 }
 

@@ -1,4 +1,5 @@
-//! Layer 3, every NEON kernel (aarch64): MXFP4 and int8 mat-vecs. Imports only `format` and
+//! Layer 3, every NEON kernel (aarch64): MXFP4 and int8 mat-vecs, the batched MXFP4 expert
+//! product, the approximate product with `sdot`, RMSNorm and softmax. Imports only `format` and
 //! `scalar`. Their oracles are the scalar twins; the tests run them under `qemu-aarch64` on x86
 //! machines (`scripts/test-neon.sh`).
 //!
@@ -95,5 +96,234 @@ pub unsafe fn int8_matvec(
             acc = vfmaq_f32(acc, ga, vdupq_n_f32(s));
         }
         *o = vaddvq_f32(acc);
+    }
+}
+
+/// Inputs whose accumulators [`mxfp4_rows_batch`] keeps at once.
+const BATCH_GROUP: usize = 8;
+
+/// MXFP4 rows against `n` inputs at once, each block decoded once for all of them. Output
+/// `[rows, n]` (staged; the caller transposes). Per input the operations and their order are
+/// exactly [`mxfp4_matvec`]'s, so every output is bit-identical to it.
+///
+/// # Safety
+/// NEON must be available; shapes as `mxfp4_matmat` (xs `[n, cols]`), validated by the caller;
+/// `out.len() == rows * n`.
+#[target_feature(enable = "neon")]
+pub unsafe fn mxfp4_rows_batch(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    // SAFETY: the table holds 16 bytes.
+    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
+    let low4 = vdupq_n_u8(0x0F);
+    for r in 0..rows {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nb..(r + 1) * nb];
+        let orow = &mut out[r * n..(r + 1) * n];
+        if srow.iter().any(|&s| s > 200) {
+            for (t, o) in orow.iter_mut().enumerate() {
+                *o = scalar::row_dot(prow, srow, &xs[t * cols..(t + 1) * cols]);
+            }
+            continue;
+        }
+        // Inputs in groups of BATCH_GROUP, one accumulator each (in registers, no allocation);
+        // a block is decoded once per group.
+        for t0 in (0..n).step_by(BATCH_GROUP) {
+            let g = (n - t0).min(BATCH_GROUP);
+            let mut acc = [vdupq_n_f32(0.0); BATCH_GROUP];
+            for (b, &s) in srow.iter().enumerate() {
+                // SAFETY: 16 packed bytes in bounds.
+                let bytes = unsafe { vld1q_u8(prow[b * 16..].as_ptr()) };
+                let even = vqtbl1q_s8(lut, vandq_u8(bytes, low4));
+                let odd = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
+                let ws = [widen_i8x16(vzip1q_s8(even, odd)), widen_i8x16(vzip2q_s8(even, odd))];
+                let sv = vdupq_n_f32(0.5 * e8m0_to_f32(s));
+                for (t, a) in acc.iter_mut().enumerate().take(g) {
+                    let x0 = (t0 + t) * cols + b * BLOCK;
+                    let xb = &xs[x0..x0 + BLOCK];
+                    let mut blk = vdupq_n_f32(0.0);
+                    for (k, w) in ws.iter().flatten().enumerate() {
+                        // SAFETY: 4 floats of the block's 32 in bounds.
+                        blk = vfmaq_f32(blk, *w, unsafe { vld1q_f32(xb[4 * k..].as_ptr()) });
+                    }
+                    *a = vfmaq_f32(*a, blk, sv);
+                }
+            }
+            for (o, a) in orow[t0..t0 + g].iter_mut().zip(&acc) {
+                *o = vaddvq_f32(*a);
+            }
+        }
+    }
+}
+
+/// `acc + a·b` by lanes of four bytes (`sdot`, FEAT_DotProd). std's `vdotq_s32` is not stable
+/// yet, so this is the one instruction in inline assembly.
+#[inline]
+#[target_feature(enable = "neon,dotprod")]
+fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: sdot reads two vector registers and accumulates into a third; it touches no
+    // memory, and the CPU has DotProd (this function's callers are guarded by it).
+    unsafe {
+        std::arch::asm!(
+            ".arch_extension dotprod",
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// The approximate (int8 activation) MXFP4 product with `sdot` (FEAT_DotProd, on every Apple
+/// M-series core): a block's 16 even and 16 odd weights (2·E2M1 as signed bytes) against its 16
+/// even and 16 odd quantised activations in two four-way dot products; the block's integer sum
+/// is exact, and the f32 accumulation runs in the scalar kernel's order, so the result is
+/// bit-identical to `scalar::mxfp4_matvec_q8`.
+///
+/// # Safety
+/// NEON and DotProd must be available; shapes as `scalar::mxfp4_matvec_q8`, validated by the
+/// caller.
+#[target_feature(enable = "neon,dotprod")]
+pub unsafe fn mxfp4_matvec_q8_dot(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &crate::format::QuantizedX,
+    out: &mut [f32],
+) {
+    let (half, nb) = (cols / 2, cols / BLOCK);
+    // SAFETY: the table holds 16 bytes.
+    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
+    let low4 = vdupq_n_u8(0x0F);
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let prow = &packed[r * half..(r + 1) * half];
+        let srow = &scales[r * nb..(r + 1) * nb];
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let qb = &xq.q[b * BLOCK..(b + 1) * BLOCK];
+            // SAFETY: 16 packed bytes and 2 x 16 quantised activations in bounds.
+            let (bytes, qe, qo) =
+                unsafe { (vld1q_u8(prow[b * 16..].as_ptr()), vld1q_s8(qb.as_ptr()), vld1q_s8(qb[16..].as_ptr())) };
+            let even = vqtbl1q_s8(lut, vandq_u8(bytes, low4));
+            let odd = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
+            let dot = vaddvq_s32(sdot(sdot(vdupq_n_s32(0), even, qe), odd, qo));
+            acc += dot as f32 * (0.5 * e8m0_to_f32(srow[b]) * xq.scales[b]);
+        }
+        *o = acc;
+    }
+}
+
+/// In-place RMSNorm, the sum of squares in f64 lanes (as the AVX-512 kernel; the scalar twin
+/// sums in f64 too, in another order).
+///
+/// # Safety
+/// NEON must be available; `x.len() == weight.len()`.
+#[target_feature(enable = "neon")]
+pub unsafe fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = x.len();
+    let (mut s0, mut s1) = (vdupq_n_f64(0.0), vdupq_n_f64(0.0));
+    let mut i = 0;
+    while i + 4 <= n {
+        // SAFETY: 4 floats in bounds.
+        let v = unsafe { vld1q_f32(x.as_ptr().add(i)) };
+        let (lo, hi) = (vcvt_f64_f32(vget_low_f32(v)), vcvt_high_f64_f32(v));
+        s0 = vfmaq_f64(s0, lo, lo);
+        s1 = vfmaq_f64(s1, hi, hi);
+        i += 4;
+    }
+    let mut ss = vaddvq_f64(vaddq_f64(s0, s1));
+    for &v in &x[i..] {
+        ss += v as f64 * v as f64;
+    }
+    let inv = (1.0 / ((ss / n as f64) + eps as f64).sqrt()) as f32;
+    let invv = vdupq_n_f32(inv);
+    let mut i = 0;
+    while i + 4 <= n {
+        // SAFETY: 4 floats of each slice in bounds.
+        unsafe {
+            let v = vld1q_f32(x.as_ptr().add(i));
+            let w = vld1q_f32(weight.as_ptr().add(i));
+            vst1q_f32(x.as_mut_ptr().add(i), vmulq_f32(v, vmulq_f32(invv, w)));
+        }
+        i += 4;
+    }
+    for (v, &w) in x[i..].iter_mut().zip(&weight[i..]) {
+        *v *= inv * w;
+    }
+}
+
+/// `exp` of 4 lanes: `2^k · p(r)` with `x = k ln2 + r`, ln2 split in two, `p` the Taylor
+/// polynomial to degree 6 (as the AVX-512 kernel); `2^k` is built in two halves so that results
+/// down to e^-104 come out as subnormals, and below that (including -inf: masked scores) 0.
+#[inline]
+#[target_feature(enable = "neon")]
+fn exp_f32x4(x: float32x4_t) -> float32x4_t {
+    let lo = vdupq_n_f32(-104.0);
+    let zero_out = vcltq_f32(x, lo);
+    let x = vminq_f32(vmaxq_f32(x, lo), vdupq_n_f32(88.0));
+    let k = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(std::f32::consts::LOG2_E)));
+    let r = vfmsq_f32(x, k, vdupq_n_f32(0.693_145_75));
+    let r = vfmsq_f32(r, k, vdupq_n_f32(1.428_606_8e-6));
+    let mut p = vdupq_n_f32(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = vfmaq_f32(vdupq_n_f32(c), p, r);
+    }
+    let ki = vcvtq_s32_f32(k);
+    let k1 = vshrq_n_s32::<1>(ki);
+    let k2 = vsubq_s32(ki, k1);
+    let pow2 = |e: int32x4_t| vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(e, vdupq_n_s32(127))));
+    let y = vmulq_f32(vmulq_f32(p, pow2(k1)), pow2(k2));
+    vbslq_f32(zero_out, vdupq_n_f32(0.0), y)
+}
+
+/// In-place softmax with a vector `exp`; the sum is accumulated in lanes.
+///
+/// # Safety
+/// NEON must be available.
+#[target_feature(enable = "neon")]
+pub unsafe fn softmax_inplace(x: &mut [f32]) {
+    let n = x.len();
+    let full = n / 4 * 4;
+    let mut mv = vdupq_n_f32(f32::NEG_INFINITY);
+    for i in (0..full).step_by(4) {
+        // SAFETY: 4 floats in bounds.
+        mv = vmaxq_f32(mv, unsafe { vld1q_f32(x.as_ptr().add(i)) });
+    }
+    let m = x[full..].iter().fold(vmaxvq_f32(mv), |m, &v| m.max(v));
+    let mvec = vdupq_n_f32(m);
+    let mut sum = vdupq_n_f32(0.0);
+    for i in (0..full).step_by(4) {
+        // SAFETY: 4 floats in bounds.
+        unsafe {
+            let e = exp_f32x4(vsubq_f32(vld1q_f32(x.as_ptr().add(i)), mvec));
+            vst1q_f32(x.as_mut_ptr().add(i), e);
+            sum = vaddq_f32(sum, e);
+        }
+    }
+    let mut s = vaddvq_f32(sum);
+    for v in &mut x[full..] {
+        // The tail through the same vector exp, one lane used.
+        let e = vgetq_lane_f32::<0>(exp_f32x4(vdupq_n_f32(*v - m)));
+        *v = e;
+        s += e;
+    }
+    let sv = vdupq_n_f32(s);
+    for i in (0..full).step_by(4) {
+        // SAFETY: 4 floats in bounds.
+        unsafe { vst1q_f32(x.as_mut_ptr().add(i), vdivq_f32(vld1q_f32(x.as_ptr().add(i)), sv)) };
+    }
+    for v in &mut x[full..] {
+        *v /= s;
     }
 }
