@@ -18,7 +18,7 @@ pub use crate::format::Mxfp4;
 use crate::format::{BLOCK, check_matmat_shapes};
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{avx512, avx512_tile};
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::mxfp4::mxfp4_matmat_on;
 use crate::mxfp4::mxfp4_matvec_par_on;
 #[cfg(target_arch = "x86_64")]
@@ -114,20 +114,28 @@ pub fn expert_mxfp4_unfused_on(
     act: &mut [f32],
     out: &mut [f32],
 ) {
-    // Gate and up products in per-thread buffers reused across calls: this is the production
-    // path on CPUs without AVX-512, and the decode loop must not allocate.
-    thread_local! {
-        static GU: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-    }
-    GU.with(|gu| {
-        let (g, u) = &mut *gu.borrow_mut();
-        g.resize(inter, 0.0); // [I]
-        u.resize(inter, 0.0); // [I]
+    with_gate_up(inter, |g, u| {
+        // g, u: [I]
         mxfp4_matvec_par_on(path, w1.packed, w1.scales, inter, latent, x, g);
         mxfp4_matvec_par_on(path, w3.packed, w3.scales, inter, latent, x, u);
         situ(g, u, beta, linear_beta, act);
     });
     mxfp4_matvec_par_on(path, w2.packed, w2.scales, latent, inter, act, out);
+}
+
+/// Run `f` on per-thread gate and up buffers of `len` values each, reused across calls: the
+/// unfused expert is the production path on CPUs without AVX-512, and the decode loop must not
+/// allocate.
+fn with_gate_up(len: usize, f: impl FnOnce(&mut [f32], &mut [f32])) {
+    thread_local! {
+        static GU: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    }
+    GU.with(|gu| {
+        let (g, u) = &mut *gu.borrow_mut();
+        g.resize(len, 0.0);
+        u.resize(len, 0.0);
+        f(&mut g[..len], &mut u[..len]);
+    });
 }
 
 /// [`expert_mxfp4`] for `n` inputs: `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])`.
@@ -179,6 +187,20 @@ pub fn expert_mxfp4_batch_on(
                 });
             });
             mxfp4_matmat_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, n, out);
+        }
+        // Gate and up for the whole batch with the batched NEON product, SiTU per input, then
+        // the down product batched: per input the same operations as the one-input expert.
+        #[cfg(target_arch = "aarch64")]
+        Path::Neon if n > 1 => {
+            with_gate_up(n * inter, |g, u| {
+                // g, u: [n, I]
+                mxfp4_matmat_on(Path::Neon, w1.packed, w1.scales, inter, latent, xs, n, g);
+                mxfp4_matmat_on(Path::Neon, w3.packed, w3.scales, inter, latent, xs, n, u);
+                for ((g, u), a) in g.chunks_exact(inter).zip(u.chunks_exact(inter)).zip(act.chunks_exact_mut(inter)) {
+                    situ(g, u, beta, linear_beta, a);
+                }
+            });
+            mxfp4_matmat_on(Path::Neon, w2.packed, w2.scales, latent, inter, act, n, out);
         }
         p => {
             for t in 0..n {
@@ -272,6 +294,12 @@ mod tests {
                     "n {n} input {t}"
                 );
             }
+        }
+        match Path::best() {
+            Path::Avx512 | Path::Neon => println!("batched expert on {:?} tested", Path::best()),
+            _ => println!(
+                "SKIPPED batched expert: this CPU has neither AVX-512 nor NEON (the per-input loop was tested)"
+            ),
         }
     }
 
