@@ -111,26 +111,12 @@ fn run_self(args: &[String]) -> Result<Value> {
 }
 
 fn machine() -> Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
-        t.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-    });
-    let mem = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-        t.lines().next().map(|l| l.split_whitespace().nth(1).unwrap_or("0").parse::<u64>().unwrap_or(0) * 1024)
-    });
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_string());
-    json!({
-        "cpu": cpu,
-        "cores": std::thread::available_parallelism().map(|n| n.get()).ok(),
-        "ram_bytes": mem,
-        "kernel": kernel,
-    })
+    serde_json::to_value(deltafin_engine::os::machine::describe()).unwrap_or(Value::Null)
 }
 
 fn storage(path: &std::path::Path) -> Value {
-    let out = Command::new("df").arg("-B1").arg("--output=source,size,avail").arg(path).output().ok();
-    let line = out.and_then(|o| String::from_utf8(o.stdout).ok()).and_then(|s| s.lines().nth(1).map(str::to_string));
-    let f: Vec<String> = line.map(|l| l.split_whitespace().map(str::to_string).collect()).unwrap_or_default();
-    json!({ "device": f.first(), "size_bytes": f.get(1).and_then(|v| v.parse::<u64>().ok()), "free_bytes": f.get(2).and_then(|v| v.parse::<u64>().ok()) })
+    let (device, size, free) = deltafin_engine::os::machine::storage(path);
+    json!({ "device": device, "size_bytes": size, "free_bytes": free })
 }
 
 fn git_commit() -> Option<String> {

@@ -20,7 +20,7 @@ use deltafin_store::{ExpertLayout, KeepRule, SpineDtype};
 #[derive(Parser)]
 #[command(name = "deltafin", version, about = "Run giant mixture-of-experts models from local disk")]
 struct Cli {
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: every performance core; all cores where they are alike).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]

@@ -6,9 +6,11 @@
 //! - [`budget`]: how much memory this process may use (the default budget).
 //! - [`cpus`]: how many threads compute by default.
 //! - [`files`]: opening a file for reads that bypass the system's cache.
+//! - [`machine`]: what machine this is, and a drive's size and free space (benchmark reports).
 //! - [`memory`]: giving pages back, the page size, the peak resident size.
 
 pub mod budget;
 pub mod cpus;
 pub mod files;
+pub mod machine;
 pub mod memory;

@@ -343,6 +343,20 @@ pub(crate) mod tests {
         order
     }
 
+    /// Off Linux there is no io_uring: asking for it is a clear error, `auto` takes the pool.
+    #[test]
+    fn io_uring_only_where_the_kernel_has_it() {
+        let (_f, files) = blocks_file(1);
+        let forced = make_backend(files.clone(), Some(BackendKind::IoUring), 4);
+        if cfg!(target_os = "linux") {
+            println!("io_uring: tested in stream::uring on Linux");
+        } else {
+            println!("SKIPPED io_uring reader: Linux only");
+            assert_eq!(forced.err().map(|e| e.kind()), Some(io::ErrorKind::Unsupported));
+            assert_eq!(make_backend(files, None, 4).unwrap().kind(), BackendKind::Pread);
+        }
+    }
+
     #[test]
     fn pread_pool_serves_demand_reads_first() {
         let (_f, files) = blocks_file(9);
