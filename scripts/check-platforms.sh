@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Lints every crate, test and bench for macOS on Apple Silicon and for Windows, as the native
-# build is linted: the platform modules (engine/src/os, store/src/os.rs, stream/uring.rs) must
-# compile everywhere. Type-checking needs only each target's standard library, which rustup
+# Lints every crate, test and bench for macOS on Apple Silicon and for Windows (MSVC, the
+# toolchain rustup installs there by default) as the native build is linted: the platform
+# modules (engine/src/os, store/src/os.rs, stream/uring.rs) must compile everywhere. Type-checking needs only each target's standard library, which rustup
 # installs here; nothing is linked, so no macOS SDK or Windows linker is needed (and these
 # builds have never run on those systems: see README, "Platforms"). Sourced by test.sh.
 set -euo pipefail
-for target in aarch64-apple-darwin x86_64-pc-windows-gnu; do
+for target in aarch64-apple-darwin x86_64-pc-windows-msvc; do
   if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
     echo "installing the Rust standard library for $target" >&2
     rustup target add "$target" >&2
