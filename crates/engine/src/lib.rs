@@ -23,6 +23,7 @@ pub mod scratch;
 pub mod session;
 pub mod stream;
 pub mod study;
+pub mod units;
 pub mod weights;
 pub use deltafin_kernels::cpu::kernel_path;
 pub use deltafin_kernels::par::{init_threads, threads};

@@ -420,18 +420,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((v * mult as f64) as u64)
 }
 
-pub fn human(b: u64) -> String {
-    let b = b as f64;
-    if b >= (1u64 << 30) as f64 {
-        format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else if b >= (1u64 << 20) as f64 {
-        format!("{:.1} MiB", b / (1u64 << 20) as f64)
-    } else if b >= 1024.0 {
-        format!("{:.1} KiB", b / 1024.0)
-    } else {
-        format!("{b} B")
-    }
-}
+pub use crate::units::human;
 
 /// A memory budget and where it came from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,8 +18,9 @@ use deltafin_engine::experts::{ExpertSource, StoreExperts};
 use deltafin_engine::fault::{FaultKind, ReadFault};
 use deltafin_engine::generate::generate_greedy;
 use deltafin_engine::k3::{K3Model, RunConfig};
+use deltafin_engine::stream::backend::io_uring_available;
 use deltafin_engine::stream::cache::Policy;
-use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq, io_uring_available};
+use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq};
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 

@@ -127,7 +127,7 @@ fn streaming_decode_steps_allocate_nothing_once_warm() {
     use deltafin_engine::stream::cache::Policy;
     use deltafin_engine::stream::reader::BackendKind;
     use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
-    if !deltafin_engine::stream::reader::io_uring_available() {
+    if !deltafin_engine::stream::backend::io_uring_available() {
         println!("SKIPPED: this kernel refuses io_uring rings (the pread pool's channels allocate)");
         return;
     }

@@ -57,8 +57,8 @@ pub fn unified_share(free: u64, total: u64) -> (u64, String) {
         free.saturating_sub(reserve),
         format!(
             "free, inactive and purgeable memory ({}) less {} left to the system and GPU of unified memory",
-            crate::plan::human(free),
-            crate::plan::human(reserve)
+            crate::units::human(free),
+            crate::units::human(reserve)
         ),
     )
 }

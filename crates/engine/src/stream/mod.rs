@@ -3,6 +3,7 @@
 
 pub mod activity;
 pub mod aligned;
+pub mod backend;
 pub mod cache;
 pub mod geometry;
 pub mod probe;

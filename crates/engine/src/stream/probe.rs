@@ -11,8 +11,9 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use super::aligned::{AlignedBuf, DIRECT_ALIGN};
+use super::backend::make_backend;
 use super::geometry::Window;
-use super::reader::{BackendKind, ReadReq, make_backend, open_files};
+use super::reader::{BackendKind, ReadReq, open_files};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeResult {

@@ -21,7 +21,8 @@ use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
 
 use super::activity::{DiskActivity, Watched};
 use super::aligned::AlignedBuf;
-use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
+use super::backend::make_backend;
+use super::reader::{BackendKind, ReadBackend, ReadReq, open_files};
 
 /// Decodes layer `l`'s verified image into the model's layer weights (runs on the loader
 /// thread; the weights may keep views into the image).

@@ -21,9 +21,10 @@ use deltafin_store::presence::{ExpertFetcher, FetchStats, Presence};
 use serde::Serialize;
 
 use super::aligned::AlignedBuf;
+use super::backend::make_backend;
 use super::cache::{LayerCache, Policy};
 use super::geometry;
-use super::reader::{BackendKind, ReadBackend, ReadReq, make_backend, open_files};
+use super::reader::{BackendKind, ReadBackend, ReadReq, open_files};
 use super::verify::{RecordCheck, Verifier};
 use crate::experts::ExpertSource;
 use crate::fault::{FaultKind, FaultStats, FetchFault, ReadFault};

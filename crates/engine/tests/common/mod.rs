@@ -65,7 +65,8 @@ pub fn copy_dir(from: &Path, to: &Path) {
 /// The read back-ends this machine offers: pread always; io_uring when the kernel grants a ring
 /// (reported as skipped otherwise, never as passed).
 pub fn backends() -> Vec<deltafin_engine::stream::reader::BackendKind> {
-    use deltafin_engine::stream::reader::{BackendKind, io_uring_available};
+    use deltafin_engine::stream::backend::io_uring_available;
+    use deltafin_engine::stream::reader::BackendKind;
     if io_uring_available() {
         vec![BackendKind::IoUring, BackendKind::Pread]
     } else {
