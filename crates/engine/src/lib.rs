@@ -19,6 +19,7 @@ pub mod generate;
 pub mod k3;
 pub mod os;
 pub mod plan;
+pub mod prefix_store;
 pub mod scratch;
 pub mod session;
 pub mod stream;

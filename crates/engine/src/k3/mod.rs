@@ -5,6 +5,7 @@
 //! or more tokens, layer by layer); [`state`] what a sequence carries between chunks.
 
 pub mod forward;
+pub mod snapshot;
 pub mod state;
 
 use std::sync::{Arc, Mutex};

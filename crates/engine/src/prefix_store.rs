@@ -1,0 +1,236 @@
+//! Prompt states kept on disk (issue 15): a directory of snapshots ([`crate::k3::snapshot`]),
+//! each the state after an exact token prefix, for one model identity. A new prompt resumes from
+//! the longest stored prefix of it and computes only the rest; a restart finds the snapshots
+//! again.
+//!
+//! - A snapshot's file name carries what a lookup needs without reading it:
+//!   `{identity:016x}-{prefix hash:016x}-{tokens}.dfstate`. The prefix hash is XXH3-64 of the
+//!   tokens as little-endian u32s; a candidate is confirmed against the token list inside the
+//!   snapshot before use, so a hash collision costs a read, never a wrong state.
+//! - Writes are crash-safe: a temporary file in the same directory, synced, renamed over the final
+//!   name, the directory synced. kill -9 in the middle leaves at most a temporary file, which the
+//!   next open deletes. A torn or corrupt snapshot fails its checksum when read: it is deleted
+//!   and the lookup goes on to the next shorter prefix.
+//! - Eviction is least-recently-used within the byte budget; recency is the file's modification
+//!   time (set on every use), so it survives restarts.
+//! - Snapshots of other model identities in the same directory are left alone and not counted.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use deltafin_store::checksum::xxh3_64;
+
+use crate::k3::K3State;
+use crate::k3::snapshot;
+
+const EXT: &str = "dfstate";
+const TMP_EXT: &str = "dfstate-tmp";
+
+/// What the store did, for `/metrics` and reports.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct StoreCounters {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub snapshots_written: u64,
+    pub evictions: u64,
+    /// Snapshots found torn or corrupt (or unreadable) and deleted.
+    pub dropped: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    tokens: usize,
+    key: u64,
+    bytes: u64,
+    used: SystemTime,
+    path: PathBuf,
+}
+
+pub struct PrefixStore {
+    dir: PathBuf,
+    budget: u64,
+    identity: u64,
+    entries: Vec<Entry>,
+    /// Encoding buffer, reused.
+    buf: Vec<u8>,
+    pub counters: StoreCounters,
+}
+
+/// The key of a token prefix.
+pub fn prefix_key(tokens: &[u32]) -> u64 {
+    let mut b = Vec::with_capacity(tokens.len() * 4);
+    tokens.iter().for_each(|t| b.extend_from_slice(&t.to_le_bytes()));
+    xxh3_64(&b)
+}
+
+impl PrefixStore {
+    /// Open (creating) `dir` for snapshots of model `identity`, keeping at most `budget` bytes
+    /// of them. Temporary files left by an interrupted write are deleted.
+    pub fn open(dir: &Path, budget: u64, identity: u64) -> io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mut entries = Vec::new();
+        let prefix = format!("{identity:016x}-");
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(TMP_EXT) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let Some(rest) = name.strip_prefix(&prefix).and_then(|r| r.strip_suffix(&format!(".{EXT}"))) else {
+                continue;
+            };
+            let Some((key, tokens)) = rest.split_once('-') else { continue };
+            let (Ok(key), Ok(tokens)) = (u64::from_str_radix(key, 16), tokens.parse::<usize>()) else { continue };
+            let meta = e.metadata()?;
+            entries.push(Entry { tokens, key, bytes: meta.len(), used: meta.modified()?, path });
+        }
+        let mut s = PrefixStore {
+            dir: dir.to_path_buf(),
+            budget,
+            identity,
+            entries,
+            buf: Vec::new(),
+            counters: Default::default(),
+        };
+        s.evict_to(budget);
+        Ok(s)
+    }
+
+    /// Snapshots held, and their bytes.
+    pub fn held(&self) -> (usize, u64) {
+        (self.entries.len(), self.entries.iter().map(|e| e.bytes).sum())
+    }
+
+    /// Restore the longest stored prefix of `prompt` (at most `max_tokens` long) into `st` and
+    /// `logits`; returns its length, or `None` when no snapshot serves. Snapshots that fail
+    /// their checks are deleted on the way. After `None`, `st` and `logits` may hold a refused
+    /// snapshot's partial contents: the caller starts from a fresh state.
+    pub fn restore_longest(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        st: &mut K3State,
+        logits: &mut [f32],
+    ) -> Option<usize> {
+        let mut candidates: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| {
+                let e = &self.entries[i];
+                e.tokens > 0 && e.tokens <= prompt.len().min(max_tokens) && e.key == prefix_key(&prompt[..e.tokens])
+            })
+            .collect();
+        candidates.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].tokens));
+        let mut dead = Vec::new();
+        let mut found = None;
+        for i in candidates {
+            let e = &self.entries[i];
+            let restored = std::fs::read(&e.path).ok().and_then(|bytes| {
+                self.counters.bytes_read += bytes.len() as u64;
+                match snapshot::decode(&bytes, self.identity, st, logits) {
+                    Ok(tokens) if tokens == prompt[..e.tokens] => Some(()),
+                    Ok(_) => None, // a hash collision: another prefix, not this one
+                    Err(err) => {
+                        tracing::warn!("prompt state {} refused ({err}); deleted", e.path.display());
+                        dead.push(i);
+                        None
+                    }
+                }
+            });
+            if restored.is_some() {
+                found = Some(i);
+                break;
+            }
+        }
+        for &i in &dead {
+            let _ = std::fs::remove_file(&self.entries[i].path);
+            self.counters.dropped += 1;
+        }
+        let tokens = found.map(|i| {
+            let e = &mut self.entries[i];
+            e.used = SystemTime::now();
+            // Recency survives restarts; a failure to record it only ages the snapshot.
+            let _ = File::options().write(true).open(&e.path).and_then(|f| f.set_modified(e.used));
+            e.tokens
+        });
+        let mut i = 0;
+        self.entries.retain(|_| {
+            i += 1;
+            !dead.contains(&(i - 1))
+        });
+        match tokens {
+            Some(_) => self.counters.hits += 1,
+            None => self.counters.misses += 1,
+        }
+        tokens
+    }
+
+    /// Keep the state after `tokens` (with the logits after the last of them). A prefix already
+    /// held is only marked used. Crash-safe (see the module); evicts the least recently used
+    /// snapshots to stay within the budget; a snapshot larger than the whole budget is not kept.
+    pub fn save(&mut self, tokens: &[u32], st: &K3State, logits: &[f32]) -> io::Result<()> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let key = prefix_key(tokens);
+        if let Some(e) = self.entries.iter_mut().find(|e| e.tokens == tokens.len() && e.key == key) {
+            e.used = SystemTime::now();
+            let _ = File::options().write(true).open(&e.path).and_then(|f| f.set_modified(e.used));
+            return Ok(());
+        }
+        self.buf.clear();
+        snapshot::encode(st, logits, tokens, self.identity, &mut self.buf);
+        let bytes = self.buf.len() as u64;
+        if bytes > self.budget {
+            return Ok(());
+        }
+        self.evict_to(self.budget - bytes);
+        let name = format!("{:016x}-{key:016x}-{}", self.identity, tokens.len());
+        let (tmp, path) = (self.dir.join(format!("{name}.{TMP_EXT}")), self.dir.join(format!("{name}.{EXT}")));
+        let written = (|| {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&self.buf)?;
+            f.sync_all()?;
+            drop(f);
+            std::fs::rename(&tmp, &path)?;
+            sync_dir(&self.dir)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        self.counters.bytes_written += bytes;
+        self.counters.snapshots_written += 1;
+        self.entries.push(Entry { tokens: tokens.len(), key, bytes, used: SystemTime::now(), path });
+        Ok(())
+    }
+
+    /// Delete least recently used snapshots until at most `room` bytes are held.
+    fn evict_to(&mut self, room: u64) {
+        self.entries.sort_by_key(|e| e.used);
+        let mut held: u64 = self.entries.iter().map(|e| e.bytes).sum();
+        while held > room && !self.entries.is_empty() {
+            let e = self.entries.remove(0);
+            let _ = std::fs::remove_file(&e.path);
+            held -= e.bytes;
+            self.counters.evictions += 1;
+        }
+    }
+}
+
+/// Make a rename in `dir` durable (a no-op where directories cannot be opened: Windows).
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        File::open(dir)?.sync_all()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
+    }
+}
