@@ -42,6 +42,14 @@ pub struct ServeArgs {
     /// chat turn then reprocesses the whole history).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Keep prompt states on disk in DIR: the state after every prompt and every finished turn,
+    /// for many conversations and across restarts. A request resumes from the longest stored
+    /// prefix of its prompt (`usage.prompt_tokens_details.cached_tokens` says how many tokens).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Bytes of snapshots `--state-dir` keeps; the least recently used go first.
+    #[arg(long, default_value = "8G", value_parser = parse_size, value_name = "BYTES")]
+    pub state_budget: u64,
     #[cfg(feature = "test-instruments")]
     #[command(flatten)]
     pub instruments: InstrumentArgs,
@@ -95,6 +103,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
         numerics: numerics.into(),
         approx: run_opts.approx,
     };
+    if a.state_dir.is_some() && a.no_prefix_cache {
+        anyhow::bail!("--state-dir keeps prompt states for reuse: it cannot go with --no-prefix-cache");
+    }
+    // The model's identity for stored states: the store's manifest (its weights, spine dtype and
+    // checksums); the run's numerics and experts per token are added once the model is open.
+    let state_store = match &a.state_dir {
+        Some(dir) => {
+            let manifest = std::fs::read(store.dir.join("manifest.json")).context("reading the store's manifest")?;
+            Some(deltafin_server::StateStoreOptions {
+                dir: dir.clone(),
+                budget: a.state_budget,
+                identity: deltafin_store::checksum::xxh3_64(&manifest),
+            })
+        }
+        None => None,
+    };
     let opts = ServeOptions {
         host: a.host,
         port: a.port,
@@ -103,6 +127,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_body_bytes: usize::try_from(a.max_body_bytes).unwrap_or(usize::MAX),
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
         prefix_cache: !a.no_prefix_cache,
+        state: state_store,
         #[cfg(feature = "test-instruments")]
         instruments: deltafin_server::instruments::Options {
             step_delay: Duration::from_millis(a.instruments.token_delay_ms),

@@ -19,6 +19,8 @@ pub mod sse;
 pub mod state;
 pub mod worker;
 
+pub use worker::StateStoreOptions;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +45,8 @@ pub struct ServeOptions {
     pub instruments: instruments::Options,
     /// Keep the last prompt's state for a next prompt that extends it.
     pub prefix_cache: bool,
+    /// Keep prompt states on disk too (`--state-dir`).
+    pub state: Option<StateStoreOptions>,
 }
 
 /// Threads of the async runtime's blocking pool (request preparation, tokenizer jobs).
@@ -73,6 +77,7 @@ pub fn serve(
         metrics.clone(),
         worker::EngineOptions {
             prefix_cache: opts.prefix_cache,
+            state: opts.state.clone(),
             #[cfg(feature = "test-instruments")]
             step_delay: opts.instruments.step_delay,
             #[cfg(feature = "test-instruments")]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_engine::experts::ExpertSource;
 use deltafin_engine::fault::FaultStats;
+use deltafin_engine::prefix_store::StoreCounters;
 use deltafin_engine::session::Session;
 use deltafin_store::presence::FetchStats;
 use deltafin_text::textgen::{Finish, Summary};
@@ -36,6 +37,8 @@ pub struct Metrics {
     faults: Mutex<FaultStats>,
     /// A streaming store's fetches, and its experts on disk (present, all).
     streaming: Mutex<Option<StreamingTotals>>,
+    /// The prompt-state store on disk: its counters, and the snapshots and bytes it holds.
+    states: Mutex<Option<(StoreCounters, (usize, u64))>>,
     health: Mutex<Health>,
 }
 
@@ -118,6 +121,11 @@ impl Metrics {
         self.cache_hits.store(t.hits, Ordering::Relaxed);
         self.set_faults(ExpertSource::faults(&session.experts));
         *lock(&self.streaming) = session.experts.fetch_stats().map(|f| (f, session.experts.presence_count()));
+    }
+
+    /// The prompt-state store's counters after a request.
+    pub fn set_state_stats(&self, c: StoreCounters, held: (usize, u64)) {
+        *lock(&self.states) = Some((c, held));
     }
 
     fn set_faults(&self, f: FaultStats) {
@@ -223,6 +231,22 @@ impl Metrics {
             "Hits over lookups since start (0 before any).",
             if acc == 0 { 0.0 } else { hits as f64 / acc as f64 },
         );
+        if let Some((c, (n, bytes))) = *lock(&self.states) {
+            let lines = [
+                ("deltafin_state_hits_total", "Requests resumed from a prompt state on disk.", c.hits),
+                ("deltafin_state_misses_total", "Requests for which no prompt state on disk served.", c.misses),
+                ("deltafin_state_bytes_read_total", "Bytes of prompt states read from disk.", c.bytes_read),
+                ("deltafin_state_bytes_written_total", "Bytes of prompt states written to disk.", c.bytes_written),
+                ("deltafin_state_snapshots_written_total", "Prompt states written to disk.", c.snapshots_written),
+                ("deltafin_state_evictions_total", "Prompt states deleted to stay within the budget.", c.evictions),
+                ("deltafin_state_dropped_total", "Prompt states found torn or corrupt, deleted unused.", c.dropped),
+            ];
+            for (name, help, v) in lines {
+                counter(&mut out, name, help, v);
+            }
+            gauge(&mut out, "deltafin_state_snapshots", "Prompt states on disk now.", n as f64);
+            gauge(&mut out, "deltafin_state_bytes", "Bytes of prompt states on disk now.", bytes as f64);
+        }
         let f = *lock(&self.faults);
         counter(
             &mut out,

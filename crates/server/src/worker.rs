@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deltafin_engine::experts::ExpertSource;
+use deltafin_engine::prefix_store::PrefixStore;
 use deltafin_engine::session::Session;
 use deltafin_text::chat::parse::OutputEvent;
 use deltafin_text::textgen::{Finish, PrefixCache, Sink, Summary, TextGenerator, TextRequest, TokenLogprob};
@@ -136,9 +137,20 @@ impl EngineHandle {
     }
 }
 
+/// Prompt states kept on disk: where, how many bytes, and the identity of the store's weights
+/// (the run's numerics and experts per token are added to it when the model is open).
+#[derive(Debug, Clone)]
+pub struct StateStoreOptions {
+    pub dir: std::path::PathBuf,
+    pub budget: u64,
+    pub identity: u64,
+}
+
 pub struct EngineOptions {
     /// Keep the last prompt's state for reuse by a prompt that extends it.
     pub prefix_cache: bool,
+    /// And on disk.
+    pub state: Option<StateStoreOptions>,
     /// Test instrument: sleep after every model step.
     #[cfg(feature = "test-instruments")]
     pub step_delay: Duration,
@@ -170,10 +182,18 @@ pub fn spawn(
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
     std::thread::Builder::new().name("deltafin-engine".into()).spawn(move || {
-        let mut session = match open() {
-            Ok(s) => {
+        let opened = open().and_then(|session| {
+            let cache = match (&opts.state, opts.prefix_cache) {
+                (Some(s), true) => Some(PrefixCache::with_disk(&session.model, open_state_store(s, &session)?)),
+                (_, true) => Some(PrefixCache::new(&session.model)),
+                (_, false) => None,
+            };
+            Ok((session, cache))
+        });
+        let (mut session, mut cache) = match opened {
+            Ok(x) => {
                 let _ = ready_tx.send(Ok(()));
-                s
+                x
             }
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
@@ -181,7 +201,6 @@ pub fn spawn(
             }
         };
         metrics.set_expert_stats(&session);
-        let mut cache = opts.prefix_cache.then(|| PrefixCache::new(&session.model));
         while let Ok(job) = jobs_rx.recv() {
             run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, job);
         }
@@ -246,6 +265,9 @@ fn run_job(
     // Health and counters first: a client that reads them right after its answer sees them.
     metrics.record_outcome(outcome);
     metrics.set_expert_stats(session);
+    if let Some(disk) = cache.as_deref().and_then(|c| c.disk.as_ref()) {
+        metrics.set_state_stats(disk.counters, disk.held());
+    }
     // Free the place before the last update, so a client that sends its next request as soon as
     // this one completes is never refused.
     admission.running.store(false, Ordering::Release);
@@ -260,6 +282,23 @@ fn run_job(
         // The reset is counted in the source's fault statistics.
         metrics.set_expert_stats(session);
     }
+}
+
+/// Open the prompt-state store for this model, and say what it holds and may hold.
+fn open_state_store(s: &StateStoreOptions, session: &Session) -> anyhow::Result<PrefixStore> {
+    // Another numerics mode or experts-per-token gives other states from the same weights.
+    let what = format!("{:016x}|{}|{}", s.identity, session.numerics(), session.variant());
+    let identity = deltafin_store::checksum::xxh3_64(what.as_bytes());
+    let store = PrefixStore::open(&s.dir, s.budget, identity)
+        .map_err(|e| anyhow::anyhow!("opening the prompt-state directory {}: {e}", s.dir.display()))?;
+    let (n, bytes) = store.held();
+    eprintln!(
+        "  prompt states    {} of at most {} on disk in {} ({n} snapshots; least recently used evicted first)",
+        deltafin_engine::plan::human(bytes),
+        deltafin_engine::plan::human(s.budget),
+        s.dir.display()
+    );
+    Ok(store)
 }
 
 /// After a failed generation, whatever it left half done must not reach the next request: the

@@ -15,6 +15,7 @@ use crate::tokenizer::{Tokenizer, Utf8Decoder};
 use deltafin_engine::experts::ExpertSource;
 use deltafin_engine::generate::{self, Driver, Ended, GenerateHooks};
 use deltafin_engine::k3::{K3Model, K3State};
+use deltafin_engine::prefix_store::PrefixStore;
 
 #[derive(Debug, Clone)]
 pub struct TextRequest {
@@ -124,18 +125,32 @@ impl StopMatcher {
 }
 
 /// The state after the last prompt, kept so that a next prompt extending it (a chat's next
-/// turn resends the whole history) only runs its new tokens. Reuse is exact: a prompt processed
-/// in pieces gives bit-identical logits and state to processing it whole.
+/// turn resends the whole history) only runs its new tokens; and, with a store on disk
+/// ([`PrefixStore`]), the states after every prompt and every finished turn of many
+/// conversations, across restarts. Reuse is exact: a prompt processed in pieces gives
+/// bit-identical logits and state to processing it whole.
 pub struct PrefixCache {
     tokens: Vec<u32>,
     state: K3State,
     /// Logits after the last cached token `[vocab]`.
     logits: Vec<f32>,
+    /// Snapshots on disk, when the server keeps them (`--state-dir`).
+    pub disk: Option<PrefixStore>,
 }
 
 impl PrefixCache {
     pub fn new(model: &K3Model) -> Self {
-        PrefixCache { tokens: Vec::new(), state: model.new_state(), logits: vec![0f32; model.config.vocab_size] }
+        PrefixCache {
+            tokens: Vec::new(),
+            state: model.new_state(),
+            logits: vec![0f32; model.config.vocab_size],
+            disk: None,
+        }
+    }
+
+    /// With prompt states kept on disk too.
+    pub fn with_disk(model: &K3Model, disk: PrefixStore) -> Self {
+        PrefixCache { disk: Some(disk), ..PrefixCache::new(model) }
     }
 
     /// Forget the snapshot (after a failure that may have left it half written).
@@ -171,13 +186,19 @@ impl TextGenerator<'_> {
         let mut st = model.new_state();
         let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
         let mut resume = 0;
-        if let Some(c) = cache.as_deref_mut()
-            && !c.tokens.is_empty()
-            && req.prompt.starts_with(&c.tokens)
-        {
-            st.copy_sequence_from(&c.state);
-            logits.copy_from_slice(&c.logits);
-            resume = c.tokens.len();
+        if let Some(c) = cache.as_deref_mut() {
+            if !c.tokens.is_empty() && req.prompt.starts_with(&c.tokens) {
+                st.copy_sequence_from(&c.state);
+                logits.copy_from_slice(&c.logits);
+                resume = c.tokens.len();
+            } else if let Some(disk) = c.disk.as_mut() {
+                // At least one token is left to compute: its logits are the first sample's.
+                match disk.restore_longest(&req.prompt, req.prompt.len() - 1, &mut st, &mut logits) {
+                    Some(n) => resume = n,
+                    // A refused snapshot may have been half restored.
+                    None => st = model.new_state(),
+                }
+            }
         }
         let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
         let mut turn = TextTurn {
@@ -185,6 +206,7 @@ impl TextGenerator<'_> {
             req,
             sink,
             cache: cache.filter(|_| resume < req.prompt.len()),
+            fed: Vec::new(),
             step_delay: self.step_delay,
             start: Instant::now(),
             summary: Summary {
@@ -219,6 +241,19 @@ impl TextGenerator<'_> {
             turn.summary.finish = Finish::Cancelled;
             return Ok(turn.summary);
         }
+        // The finished turn's state: the prompt and every token fed back (all generated tokens
+        // but the last), for the next turn of this conversation.
+        if let Some(disk) = turn.cache.as_deref_mut().and_then(|c| c.disk.as_mut())
+            && !turn.fed.is_empty()
+        {
+            let mut tokens = req.prompt.clone();
+            tokens.extend_from_slice(&turn.fed);
+            if tokens.len() == st.position
+                && let Err(e) = disk.save(&tokens, &st, &logits)
+            {
+                tracing::warn!("keeping the turn's state on disk failed: {e}");
+            }
+        }
         Ok(turn.finish())
     }
 }
@@ -231,6 +266,8 @@ struct TextTurn<'a> {
     sink: &'a mut dyn Sink,
     /// Where this prompt's state is left for the next request (when it ran new tokens).
     cache: Option<&'a mut PrefixCache>,
+    /// Generated tokens fed back into the model, in order.
+    fed: Vec<u32>,
     step_delay: Duration,
     start: Instant,
     summary: Summary,
@@ -251,12 +288,17 @@ impl Driver for TextTurn<'_> {
     }
 
     fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
-        if let Some(c) = self.cache.take() {
+        if let Some(c) = self.cache.as_deref_mut() {
             // Tokens last: a cache whose copy did not finish never claims this prompt.
             c.tokens.clear();
             c.state.copy_sequence_from(state);
             c.logits.copy_from_slice(logits);
             c.tokens.extend_from_slice(&self.req.prompt);
+            if let Some(disk) = c.disk.as_mut()
+                && let Err(e) = disk.save(&self.req.prompt, state, logits)
+            {
+                tracing::warn!("keeping the prompt's state on disk failed: {e}");
+            }
         }
     }
 
@@ -318,6 +360,7 @@ impl Driver for TextTurn<'_> {
         if self.summary.completion_tokens >= req.max_tokens {
             return Ok(self.end(Finish::Length));
         }
+        self.fed.push(token);
         Ok(Some(token))
     }
 
