@@ -182,6 +182,13 @@ pub struct GenerateArgs {
     /// Replace the router's choices with a recorded trace's. For cache studies.
     #[arg(long, conflicts_with = "routing_locality")]
     pub routing_trace: Option<PathBuf>,
+    /// Keep prompt states on disk in DIR and resume from the longest stored prefix of the
+    /// prompt (as `serve --state-dir`; `cached_prompt_tokens` in the JSON says how many).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Bytes of snapshots `--state-dir` keeps; the least recently used go first.
+    #[arg(long, default_value = "8G", value_parser = parse_size, value_name = "BYTES")]
+    pub state_budget: u64,
     /// Generate this many times in this process and report the last (warm-cache measurement).
     #[arg(long, default_value_t = 1, hide = true)]
     pub repeat: usize,
@@ -245,12 +252,31 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         (None, Some(path)) => Some(RoutingOverride::Trace { trace: read_trace(path)?, next: 0 }),
         _ => None,
     };
+    let mut states = match &a.state_dir {
+        Some(dir) => {
+            let manifest = std::fs::read(store.dir.join("manifest.json")).context("reading the store's manifest")?;
+            let id = deltafin_engine::prefix_store::identity(
+                deltafin_store::checksum::xxh3_64(&manifest),
+                &s.numerics(),
+                &s.variant(),
+            );
+            let ps = deltafin_engine::prefix_store::PrefixStore::open(dir, a.state_budget, id)
+                .with_context(|| format!("opening the prompt-state directory {}", dir.display()))?;
+            Some(ps)
+        }
+        None => None,
+    };
     let mut g = None;
     for seq in 0..a.repeat.max(1) {
         let mut bar = PromptBar::new(prompt_ids.len(), a.json);
         let mut progress = |p| bar.update(p);
-        let hooks =
-            GenerateHooks { trace: trace.as_mut(), seq, routing: routing.as_mut(), progress: Some(&mut progress) };
+        let hooks = GenerateHooks {
+            trace: trace.as_mut(),
+            seq,
+            routing: routing.as_mut(),
+            progress: Some(&mut progress),
+            states: states.as_mut(),
+        };
         g = Some(generate_with(&s.model, &mut s.experts, &prompt_ids, a.max_tokens, eos, hooks)?);
         bar.finish();
     }
@@ -265,6 +291,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if a.json {
         let out = serde_json::json!({
             "prompt_tokens": g.prompt_tokens,
+            "cached_prompt_tokens": g.cached_prompt_tokens,
+            "prompt_states": states.as_ref().map(|s| serde_json::json!({
+                "counters": s.counters,
+                "snapshots": s.held().0,
+                "bytes": s.held().1,
+            })),
             "tokens": g.tokens,
             "text": text,
             "stopped_at_eos": g.stopped_at_eos,

@@ -341,6 +341,42 @@ fn convert_keeps_named_matrices_at_another_precision() {
     }
 }
 
+/// `generate --state-dir` keeps the prompt's and the turn's state on disk: a later process
+/// whose prompt extends either resumes from it (`cached_prompt_tokens`) and generates exactly
+/// what a run from scratch does; another numerics mode (another identity) is not served.
+#[test]
+fn generate_resumes_from_prompt_states_on_disk() {
+    let store = convert("k3-small", &[]);
+    let s = store.path().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let states = dir.path().join("states");
+    let run = |prompt: &[u32], extra: &[&str]| -> serde_json::Value {
+        let p = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+        let mut args =
+            vec!["generate", "--model", s, "--prompt-tokens", &p, "--max-tokens", "5", "--ignore-eos", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let with = ["--state-dir", states.to_str().unwrap()];
+    let first: Vec<u32> = (0..24).map(|i| (i * 37 % 250) + 3).collect();
+    let a = run(&first, &with);
+    assert_eq!(a["cached_prompt_tokens"], 0);
+    assert_eq!(a["prompt_states"]["counters"]["snapshots_written"], 2, "the prompt's and the turn's");
+    // A follow-up extending the prompt, and one extending the turn (prompt + 4 fed tokens).
+    let mut longer = first.clone();
+    longer.extend([7, 8, 9]);
+    let mut turn = first.clone();
+    turn.extend(a["tokens"].as_array().unwrap()[..4].iter().map(|t| t.as_u64().unwrap() as u32));
+    turn.extend([11, 12]);
+    for (prompt, cached) in [(&longer, first.len()), (&turn, first.len() + 4)] {
+        let b = run(prompt, &with);
+        assert_eq!(b["cached_prompt_tokens"], cached);
+        assert_eq!(b["tokens"], run(prompt, &[])["tokens"], "resuming changed the tokens");
+    }
+    let approx = run(&longer, &["--state-dir", states.to_str().unwrap(), "--approx"]);
+    assert_eq!(approx["cached_prompt_tokens"], 0, "approximate numerics are another identity");
+}
+
 /// `--routing-trace` replays a recorded trace: each token's picks in every MoE layer, and its
 /// recorded look-ahead predictions (what prefetch then reads), so that a trained model's routing
 /// can drive a store of another shape. Replayed on the store it came from, the replay's own trace

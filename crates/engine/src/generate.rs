@@ -51,6 +51,9 @@ pub struct GenerateHooks<'a> {
     pub routing: Option<&'a mut RoutingOverride>,
     /// Called as the prompt goes through the model, after each layer of each chunk.
     pub progress: Option<&'a mut dyn FnMut(PromptProgress)>,
+    /// Prompt states on disk (`generate --state-dir`): [`generate_with`] resumes from the
+    /// longest stored prefix of the prompt and keeps the prompt's and the finished turn's state.
+    pub states: Option<&'a mut crate::prefix_store::PrefixStore>,
 }
 
 /// How far the prompt is: `layers_done` of `layers_total` (a layer of a chunk counts once per
@@ -288,6 +291,8 @@ pub struct Timing {
 #[derive(Debug, Clone, Serialize)]
 pub struct Generation {
     pub prompt_tokens: Vec<u32>,
+    /// Prompt tokens taken from a stored state instead of computed.
+    pub cached_prompt_tokens: usize,
     pub tokens: Vec<u32>,
     /// Logits after the last prompt token `[vocab]`.
     #[serde(skip)]
@@ -308,7 +313,10 @@ pub fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Greedy decoding with per-step timing.
-struct Greedy {
+struct Greedy<'a> {
+    /// Where the prompt's state is kept, and the whole prompt (the model sees only what was not
+    /// resumed).
+    states: Option<(&'a mut crate::prefix_store::PrefixStore, &'a [u32])>,
     start: Instant,
     max_tokens: usize,
     eos: Option<u32>,
@@ -326,20 +334,25 @@ struct Greedy {
     prompt_stats: PromptStats,
 }
 
-impl Greedy {
+impl Greedy<'_> {
     fn idle_s(&self) -> f64 {
         self.activity.as_ref().map(|a| a.idle().as_secs_f64()).unwrap_or(0.0)
     }
 }
 
-impl Driver for Greedy {
+impl Driver for Greedy<'_> {
     fn prompt_stats(&mut self, stats: &PromptStats) {
         self.prompt_stats = stats.clone();
     }
 
-    fn prompt_done(&mut self, _state: &K3State, logits: &[f32]) {
+    fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
         self.prompt_logits = logits.to_vec();
         self.prompt_s = self.start.elapsed().as_secs_f64();
+        if let Some((store, prompt)) = self.states.as_mut()
+            && let Err(e) = store.save(prompt, state, logits)
+        {
+            tracing::warn!("keeping the prompt's state on disk failed: {e}");
+        }
     }
 
     fn next(&mut self, logits: &[f32]) -> Result<Option<u32>> {
@@ -394,8 +407,21 @@ pub fn generate_with(
 ) -> Result<Generation> {
     anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
     let bytes0 = experts.bytes_read();
+    let start = Instant::now();
+    let mut st = model.new_state();
+    let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
+    let mut states = hooks.states.take();
+    let resumed = match states.as_deref_mut() {
+        // At least one prompt token is computed: its logits are the first sample's.
+        Some(s) => s.restore_longest(prompt, prompt.len() - 1, &mut st, &mut logits).unwrap_or_else(|| {
+            st = model.new_state();
+            0
+        }),
+        None => 0,
+    };
     let mut greedy = Greedy {
-        start: Instant::now(),
+        states: states.map(|s| (s, prompt)),
+        start,
         max_tokens,
         eos,
         tokens: Vec::with_capacity(max_tokens),
@@ -410,10 +436,21 @@ pub fn generate_with(
         activity: model.run().disk_activity.clone(),
         step_idle: Vec::new(),
     };
-    let mut st = model.new_state();
-    let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
-    run(model, experts, &mut st, &mut logits, prompt, &mut hooks, &mut greedy)?;
+    run(model, experts, &mut st, &mut logits, &prompt[resumed..], &mut hooks, &mut greedy)?;
+    // The finished turn's state: the prompt and every generated token fed back.
+    if let Some((store, _)) = greedy.states.as_mut() {
+        let mut turn = prompt.to_vec();
+        turn.extend_from_slice(&greedy.tokens);
+        turn.truncate(st.position);
+        if turn.len() == st.position
+            && turn.len() > prompt.len()
+            && let Err(e) = store.save(&turn, &st, &logits)
+        {
+            tracing::warn!("keeping the turn's state on disk failed: {e}");
+        }
+    }
     Ok(Generation {
+        cached_prompt_tokens: resumed,
         prompt_tokens: prompt.to_vec(),
         tokens: greedy.tokens,
         prompt_logits: greedy.prompt_logits,

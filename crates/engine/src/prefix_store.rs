@@ -60,6 +60,13 @@ pub struct PrefixStore {
     pub counters: StoreCounters,
 }
 
+/// The identity stored states are kept under: the store's manifest (its weights, spine dtype
+/// and checksums, hashed), the run's numerics and the model variant (experts per token): any
+/// of them changes the states a prompt leads to.
+pub fn identity(manifest_hash: u64, numerics: &str, variant: &str) -> u64 {
+    xxh3_64(format!("{manifest_hash:016x}|{numerics}|{variant}").as_bytes())
+}
+
 /// The key of a token prefix.
 pub fn prefix_key(tokens: &[u32]) -> u64 {
     let mut b = Vec::with_capacity(tokens.len() * 4);
