@@ -377,6 +377,52 @@ fn generate_resumes_from_prompt_states_on_disk() {
     assert_eq!(approx["cached_prompt_tokens"], 0, "approximate numerics are another identity");
 }
 
+/// kill -9 at any moment while `generate --state-dir` runs loses at most the snapshot being
+/// written: the directory then holds only whole snapshots (the next open deletes the temporary
+/// file of an interrupted write), none is refused as corrupt, and every later run generates
+/// exactly what a run from scratch does.
+#[test]
+fn kill_9_while_keeping_states_loses_at_most_that_snapshot() {
+    let store = convert("k3-small", &[]);
+    let s = store.path().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let states = dir.path().join("states");
+    let prompt = |i: u32| -> Vec<u32> { (0..48).map(|j| (j * 31 + i * 7) % 250 + 3).collect() };
+    let csv = |p: &[u32]| p.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    for (i, delay_ms) in [0u64, 3, 10, 25, 50, 90, 150, 250, 400].into_iter().enumerate() {
+        let p = csv(&prompt(i as u32));
+        let mut child = bin()
+            .args(["generate", "--model", s, "--prompt-tokens", &p, "--max-tokens", "6", "--ignore-eos", "--json"])
+            .args(["--state-dir", states.to_str().unwrap()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap(); // SIGKILL on Unix
+        child.wait().unwrap();
+    }
+    for i in 0..9u32 {
+        let mut p = prompt(i);
+        p.extend([5, 6]);
+        let p = csv(&p);
+        let args = ["generate", "--model", s, "--prompt-tokens", &p, "--max-tokens", "4", "--ignore-eos", "--json"];
+        let resumed: serde_json::Value =
+            serde_json::from_str(&ok(&[&args[..], &["--state-dir", states.to_str().unwrap()]].concat())).unwrap();
+        let scratch: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+        assert_eq!(resumed["tokens"], scratch["tokens"], "prompt {i}");
+        assert_eq!(resumed["prompt_states"]["counters"]["dropped"], 0, "a snapshot was torn: {resumed}");
+        let cached = resumed["cached_prompt_tokens"].as_u64().unwrap();
+        assert!(cached == 0 || cached == 48, "prompt {i}: resumed from {cached} tokens");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(&states)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".dfstate"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
 /// `--routing-trace` replays a recorded trace: each token's picks in every MoE layer, and its
 /// recorded look-ahead predictions (what prefetch then reads), so that a trained model's routing
 /// can drive a store of another shape. Replayed on the store it came from, the replay's own trace
