@@ -39,6 +39,9 @@ pub struct StoreCounters {
     pub evictions: u64,
     /// Snapshots found torn or corrupt (or unreadable) and deleted.
     pub dropped: u64,
+    /// Nanoseconds spent reading and restoring, and encoding and writing (synced) snapshots.
+    pub read_ns: u64,
+    pub write_ns: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +135,7 @@ impl PrefixStore {
             })
             .collect();
         candidates.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].tokens));
+        let t0 = std::time::Instant::now();
         let mut dead = Vec::new();
         let mut found = None;
         for i in candidates {
@@ -153,6 +157,7 @@ impl PrefixStore {
                 break;
             }
         }
+        self.counters.read_ns += t0.elapsed().as_nanos() as u64;
         for &i in &dead {
             let _ = std::fs::remove_file(&self.entries[i].path);
             self.counters.dropped += 1;
@@ -189,6 +194,7 @@ impl PrefixStore {
             let _ = File::options().write(true).open(&e.path).and_then(|f| f.set_modified(e.used));
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         self.buf.clear();
         snapshot::encode(st, logits, tokens, self.identity, &mut self.buf);
         let bytes = self.buf.len() as u64;
@@ -210,6 +216,7 @@ impl PrefixStore {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
+        self.counters.write_ns += t0.elapsed().as_nanos() as u64;
         self.counters.bytes_written += bytes;
         self.counters.snapshots_written += 1;
         self.entries.push(Entry { tokens: tokens.len(), key, bytes, used: SystemTime::now(), path });
