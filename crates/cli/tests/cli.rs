@@ -375,6 +375,17 @@ fn generate_resumes_from_prompt_states_on_disk() {
     }
     let approx = run(&longer, &["--state-dir", states.to_str().unwrap(), "--approx"]);
     assert_eq!(approx["cached_prompt_tokens"], 0, "approximate numerics are another identity");
+    // A prompt in chunks of 8 keeps the state after each whole chunk: a prompt that leaves it
+    // after 19 tokens resumes from 16.
+    let chunked = dir.path().join("chunked");
+    let with = ["--state-dir", chunked.to_str().unwrap(), "--prefill-chunk", "8"];
+    let c = run(&first, &with);
+    assert_eq!(c["prompt_states"]["counters"]["snapshots_written"], 4, "after 8, 16, 24 tokens and the turn");
+    let mut diverging = first[..19].to_vec();
+    diverging.extend([1, 2]);
+    let d = run(&diverging, &with);
+    assert_eq!(d["cached_prompt_tokens"], 16);
+    assert_eq!(d["tokens"], run(&diverging, &[])["tokens"]);
 }
 
 /// kill -9 at any moment while `generate --state-dir` runs loses at most the snapshot being

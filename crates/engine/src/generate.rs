@@ -23,6 +23,9 @@ pub trait Driver {
     }
     /// The whole prompt is in: the sequence's state and the logits after its last token.
     fn prompt_done(&mut self, _state: &K3State, _logits: &[f32]) {}
+    /// A chunk of a prompt in several chunks went through, except the last (that is
+    /// [`Self::prompt_done`]): `fed` tokens of the prompt given to the loop so far.
+    fn chunk_done(&mut self, _state: &K3State, _logits: &[f32], _fed: usize) {}
     /// What processing the prompt took (called once, right after [`Self::prompt_done`]).
     fn prompt_stats(&mut self, _stats: &PromptStats) {}
     /// The next token from the logits `[vocab]`: `Some` feeds it to the model and goes on,
@@ -220,10 +223,15 @@ fn feed_prompt(
     let layers = model.layers.len() as u64;
     let mut progress =
         PromptProgress { tokens_total: prompt.len(), layers_done: 0, layers_total: layers * prompt.len() as u64 };
+    let mut fed = 0;
     for tokens in prompt.chunks(chunk) {
         if !driver.keep_going() {
             return Ok(None);
         }
+        if fed > 0 {
+            driver.chunk_done(st, logits, fed);
+        }
+        fed += tokens.len();
         let before = progress.layers_done;
         let progress_hook = &mut hooks.progress;
         let mut on_layer = |l: usize| {
@@ -316,7 +324,7 @@ pub fn argmax(v: &[f32]) -> u32 {
 struct Greedy<'a> {
     /// Where the prompt's state is kept, and the whole prompt (the model sees only what was not
     /// resumed).
-    states: Option<(&'a mut crate::prefix_store::PrefixStore, &'a [u32])>,
+    states: Option<(&'a mut crate::prefix_store::PrefixStore, &'a [u32], usize)>,
     start: Instant,
     max_tokens: usize,
     eos: Option<u32>,
@@ -348,10 +356,19 @@ impl Driver for Greedy<'_> {
     fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
         self.prompt_logits = logits.to_vec();
         self.prompt_s = self.start.elapsed().as_secs_f64();
-        if let Some((store, prompt)) = self.states.as_mut()
+        if let Some((store, prompt, _)) = self.states.as_mut()
             && let Err(e) = store.save(prompt, state, logits)
         {
             tracing::warn!("keeping the prompt's state on disk failed: {e}");
+        }
+    }
+
+    fn chunk_done(&mut self, state: &K3State, logits: &[f32], fed: usize) {
+        if let Some((store, prompt, resumed)) = self.states.as_mut()
+            && let Some(done) = prompt.get(..*resumed + fed)
+            && let Err(e) = store.save(done, state, logits)
+        {
+            tracing::warn!("keeping a prompt chunk's state on disk failed: {e}");
         }
     }
 
@@ -420,7 +437,7 @@ pub fn generate_with(
         None => 0,
     };
     let mut greedy = Greedy {
-        states: states.map(|s| (s, prompt)),
+        states: states.map(|s| (s, prompt, resumed)),
         start,
         max_tokens,
         eos,
@@ -438,7 +455,7 @@ pub fn generate_with(
     };
     run(model, experts, &mut st, &mut logits, &prompt[resumed..], &mut hooks, &mut greedy)?;
     // The finished turn's state: the prompt and every generated token fed back.
-    if let Some((store, _)) = greedy.states.as_mut() {
+    if let Some((store, _, _)) = greedy.states.as_mut() {
         let mut turn = prompt.to_vec();
         turn.extend_from_slice(&greedy.tokens);
         turn.truncate(st.position);

@@ -206,6 +206,7 @@ impl TextGenerator<'_> {
             req,
             sink,
             cache: cache.filter(|_| resume < req.prompt.len()),
+            resumed: resume,
             fed: Vec::new(),
             step_delay: self.step_delay,
             start: Instant::now(),
@@ -266,6 +267,8 @@ struct TextTurn<'a> {
     sink: &'a mut dyn Sink,
     /// Where this prompt's state is left for the next request (when it ran new tokens).
     cache: Option<&'a mut PrefixCache>,
+    /// Prompt tokens taken from a stored state (the loop sees the rest).
+    resumed: usize,
     /// Generated tokens fed back into the model, in order.
     fed: Vec<u32>,
     step_delay: Duration,
@@ -285,6 +288,15 @@ struct TextTurn<'a> {
 impl Driver for TextTurn<'_> {
     fn keep_going(&mut self) -> bool {
         self.sink.keep_going()
+    }
+
+    fn chunk_done(&mut self, state: &K3State, logits: &[f32], fed: usize) {
+        if let Some(disk) = self.cache.as_deref_mut().and_then(|c| c.disk.as_mut())
+            && let Some(done) = self.req.prompt.get(..self.resumed + fed)
+            && let Err(e) = disk.save(done, state, logits)
+        {
+            tracing::warn!("keeping a prompt chunk's state on disk failed: {e}");
+        }
     }
 
     fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
