@@ -257,7 +257,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             let manifest = std::fs::read(store.dir.join("manifest.json")).context("reading the store's manifest")?;
             let id = deltafin_engine::prefix_store::identity(
                 deltafin_store::checksum::xxh3_64(&manifest),
-                &s.numerics(),
+                s.numerics(),
                 &s.variant(),
             );
             let ps = deltafin_engine::prefix_store::PrefixStore::open(dir, a.state_budget, id)

@@ -68,6 +68,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
         metrics.clone(),
         EngineOptions {
             prefix_cache: false,
+            state: None,
             #[cfg(feature = "test-instruments")]
             step_delay: Duration::ZERO,
             #[cfg(feature = "test-instruments")]
