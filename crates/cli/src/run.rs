@@ -262,6 +262,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             );
             let ps = deltafin_engine::prefix_store::PrefixStore::open(dir, a.state_budget, id)
                 .with_context(|| format!("opening the prompt-state directory {}", dir.display()))?;
+            eprintln!("  {}", ps.describe());
             Some(ps)
         }
         None => None,

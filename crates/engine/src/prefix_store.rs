@@ -112,6 +112,17 @@ impl PrefixStore {
         Ok(s)
     }
 
+    /// One line for the plan printed at start: what is held, the budget, where.
+    pub fn describe(&self) -> String {
+        let (n, bytes) = self.held();
+        format!(
+            "prompt states    {} of at most {} on disk in {} ({n} snapshots; least recently used evicted first)",
+            crate::units::human(bytes),
+            crate::units::human(self.budget),
+            self.dir.display()
+        )
+    }
+
     /// Snapshots held, and their bytes.
     pub fn held(&self) -> (usize, u64) {
         (self.entries.len(), self.entries.iter().map(|e| e.bytes).sum())

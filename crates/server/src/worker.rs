@@ -290,13 +290,7 @@ fn open_state_store(s: &StateStoreOptions, session: &Session) -> anyhow::Result<
     let identity = deltafin_engine::prefix_store::identity(s.identity, session.numerics(), &session.variant());
     let store = PrefixStore::open(&s.dir, s.budget, identity)
         .map_err(|e| anyhow::anyhow!("opening the prompt-state directory {}: {e}", s.dir.display()))?;
-    let (n, bytes) = store.held();
-    eprintln!(
-        "  prompt states    {} of at most {} on disk in {} ({n} snapshots; least recently used evicted first)",
-        deltafin_engine::plan::human(bytes),
-        deltafin_engine::plan::human(s.budget),
-        s.dir.display()
-    );
+    eprintln!("  {}", store.describe());
     Ok(store)
 }
 

@@ -205,7 +205,8 @@ impl TextGenerator<'_> {
             tokenizer: self.tokenizer,
             req,
             sink,
-            cache: cache.filter(|_| resume < req.prompt.len()),
+            // Kept even when the whole prompt was resumed: the finished turn is stored too.
+            cache,
             resumed: resume,
             fed: Vec::new(),
             step_delay: self.step_delay,
