@@ -252,6 +252,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         (None, Some(path)) => Some(RoutingOverride::Trace { trace: read_trace(path)?, next: 0 }),
         _ => None,
     };
+    if a.state_dir.is_some() && (a.trace.is_some() || a.routing_locality.is_some() || a.routing_trace.is_some()) {
+        // Forced routing gives states the model would not compute, and a trace needs every
+        // position computed: neither may meet stored states.
+        bail!("--state-dir cannot go with --trace, --routing-locality or --routing-trace");
+    }
     let mut states = match &a.state_dir {
         Some(dir) => {
             let manifest = std::fs::read(store.dir.join("manifest.json")).context("reading the store's manifest")?;

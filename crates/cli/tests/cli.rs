@@ -373,6 +373,20 @@ fn generate_resumes_from_prompt_states_on_disk() {
         assert_eq!(b["cached_prompt_tokens"], cached);
         assert_eq!(b["tokens"], run(prompt, &[])["tokens"], "resuming changed the tokens");
     }
+    let p = first.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let trace = dir.path().join("t.jsonl");
+    let err = fails(&[
+        "generate",
+        "--model",
+        s,
+        "--prompt-tokens",
+        &p,
+        "--state-dir",
+        states.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(err.contains("--state-dir cannot go with --trace"), "{err}");
     let approx = run(&longer, &["--state-dir", states.to_str().unwrap(), "--approx"]);
     assert_eq!(approx["cached_prompt_tokens"], 0, "approximate numerics are another identity");
     // A prompt in chunks of 8 keeps the state after each whole chunk: a prompt that leaves it

@@ -64,10 +64,12 @@ pub struct PrefixStore {
 }
 
 /// The identity stored states are kept under: the store's manifest (its weights, spine dtype
-/// and checksums, hashed), the run's numerics and the model variant (experts per token): any
-/// of them changes the states a prompt leads to.
+/// and checksums, hashed), the run's numerics, the model variant (experts per token) and the
+/// kernel path: any of them changes the states a prompt leads to.
 pub fn identity(manifest_hash: u64, numerics: &str, variant: &str) -> u64 {
-    xxh3_64(format!("{manifest_hash:016x}|{numerics}|{variant}").as_bytes())
+    // The kernel path too: SIMD reductions differ from the scalar ones in their last bits, so a
+    // directory shared between machines never mixes them.
+    xxh3_64(format!("{manifest_hash:016x}|{numerics}|{variant}|{}", crate::kernel_path()).as_bytes())
 }
 
 /// The key of a token prefix.
@@ -151,7 +153,16 @@ impl PrefixStore {
         let mut found = None;
         for i in candidates {
             let e = &self.entries[i];
-            let restored = std::fs::read(&e.path).ok().and_then(|bytes| {
+            let bytes = match std::fs::read(&e.path) {
+                Ok(b) => Some(b),
+                Err(err) => {
+                    // Gone or unreadable: forgotten, so it no longer counts towards the budget.
+                    tracing::warn!("prompt state {} unreadable ({err}); forgotten", e.path.display());
+                    dead.push(i);
+                    None
+                }
+            };
+            let restored = bytes.and_then(|bytes| {
                 self.counters.bytes_read += bytes.len() as u64;
                 match snapshot::decode(&bytes, self.identity, st, logits) {
                     Ok(tokens) if tokens == prompt[..e.tokens] => Some(()),
@@ -199,6 +210,13 @@ impl PrefixStore {
         if tokens.is_empty() {
             return Ok(());
         }
+        if tokens.len() != st.position {
+            return Err(io::Error::other(format!(
+                "a state after {} tokens cannot stand for {} tokens",
+                st.position,
+                tokens.len()
+            )));
+        }
         let key = prefix_key(tokens);
         if let Some(e) = self.entries.iter_mut().find(|e| e.tokens == tokens.len() && e.key == key) {
             e.used = SystemTime::now();
@@ -220,12 +238,16 @@ impl PrefixStore {
             f.write_all(&self.buf)?;
             f.sync_all()?;
             drop(f);
-            std::fs::rename(&tmp, &path)?;
-            sync_dir(&self.dir)
+            std::fs::rename(&tmp, &path)
         })();
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
+        }
+        // The snapshot is in place (and counted) whether or not the directory's entry is
+        // durable yet: a system that refuses to sync a directory still has the file.
+        if let Err(e) = sync_dir(&self.dir) {
+            tracing::debug!("syncing {}: {e}", self.dir.display());
         }
         self.counters.write_ns += t0.elapsed().as_nanos() as u64;
         self.counters.bytes_written += bytes;

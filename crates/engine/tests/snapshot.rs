@@ -9,7 +9,7 @@ use common::*;
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::generate::argmax;
 use deltafin_engine::k3::snapshot::{self, SnapshotError};
-use deltafin_engine::k3::{K3Model, RunConfig};
+use deltafin_engine::k3::{K3Model, LayerState, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
 fn same(x: &[f32], y: &[f32]) -> bool {
@@ -83,6 +83,24 @@ fn bad_snapshots_are_refused() {
         assert!(restore(&bad, 1).is_err(), "a flipped bit at {at} was not caught");
     }
     assert_eq!(restore(b"not a snapshot at all, but long enough", 1), Err(SnapshotError::Magic));
+    // Well-formed files (right checksum and identity) that do not fit: an MLA cache of another
+    // width for the same length, and a token list that is not the state's length.
+    let mut wide = model.new_state();
+    wide.copy_sequence_from(&st);
+    let mut mla = 0;
+    for l in wide.layers.iter_mut() {
+        if let LayerState::Mla(m) = l {
+            m.latents.resize(m.len * (m.kv_lora + 1), 0.5);
+            mla += 1;
+        }
+    }
+    assert!(mla > 0, "k3-tiny has MLA layers");
+    let mut crafted = Vec::new();
+    snapshot::encode(&wide, &logits, &[5, 17, 3], 1, &mut crafted);
+    assert!(matches!(restore(&crafted, 1), Err(SnapshotError::Shape(_))));
+    let mut short = Vec::new();
+    snapshot::encode(&st, &logits, &[5, 17], 1, &mut short);
+    assert_eq!(restore(&short, 1), Err(SnapshotError::Shape("position")));
     // Another model's state (k3-small: other layers and widths) does not fit.
     let dir2 = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);
     let store2 = Store::open(dir2.path(), None).unwrap();

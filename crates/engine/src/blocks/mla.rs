@@ -53,13 +53,23 @@ pub struct MlaState {
     /// `[t, rope]`.
     pub k_pe: Vec<f32>,
     pub len: usize,
+    /// Values per token of `latents` and of `k_pe` (the model's widths: what a restored
+    /// snapshot is checked against).
+    pub kv_lora: usize,
+    pub rope: usize,
 }
 
 impl MlaState {
     /// A cache with room for `tokens` positions reserved up front, so decoding within that
     /// context never reallocates.
     pub fn with_capacity(tokens: usize, kv_lora: usize, rope: usize) -> Self {
-        MlaState { latents: Vec::with_capacity(tokens * kv_lora), k_pe: Vec::with_capacity(tokens * rope), len: 0 }
+        MlaState {
+            latents: Vec::with_capacity(tokens * kv_lora),
+            k_pe: Vec::with_capacity(tokens * rope),
+            len: 0,
+            kv_lora,
+            rope,
+        }
     }
 }
 

@@ -89,6 +89,9 @@ pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32])
     let mut r = checked(bytes, identity)?;
     let tokens = r.u32s()?;
     let position = usize::try_from(r.u64()?).map_err(|_| SnapshotError::Shape("position"))?;
+    if position != tokens.len() {
+        return Err(SnapshotError::Shape("position"));
+    }
     if r.u32()? as usize != st.layers.len() {
         return Err(SnapshotError::Shape("layer count"));
     }
@@ -104,16 +107,14 @@ pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32])
             }
             (2, LayerState::Mla(m)) => {
                 let len = usize::try_from(r.u64()?).map_err(|_| SnapshotError::Shape("MLA length"))?;
-                r.f32s_vec(&mut m.latents)?;
-                r.f32s_vec(&mut m.k_pe)?;
-                let (kv, rope) = (m.latents.len().checked_div(len), m.k_pe.len().checked_div(len));
-                let consistent = match (kv, rope) {
-                    (Some(kv), Some(rope)) => kv * len == m.latents.len() && rope * len == m.k_pe.len(),
-                    _ => m.latents.is_empty() && m.k_pe.is_empty(),
-                };
-                if !consistent || len != position {
+                if len != position {
                     return Err(SnapshotError::Shape("MLA cache length"));
                 }
+                // Exactly this model's widths for `len` tokens, before anything is copied.
+                let want = (len.checked_mul(m.kv_lora), len.checked_mul(m.rope));
+                let (Some(kv), Some(rope)) = want else { return Err(SnapshotError::Shape("MLA cache length")) };
+                r.f32s_exact(&mut m.latents, kv)?;
+                r.f32s_exact(&mut m.k_pe, rope)?;
                 m.len = len;
             }
             _ => return Err(SnapshotError::Shape("layer kinds")),
@@ -220,8 +221,21 @@ impl Reader<'_> {
         }
         Ok(())
     }
-    /// Replacing a growable buffer's contents (the MLA cache, a routing's weights), keeping its
-    /// reserved capacity.
+    /// Replacing a growable buffer's contents with exactly `n` values (the MLA cache), keeping
+    /// its reserved capacity.
+    fn f32s_exact(&mut self, dst: &mut Vec<f32>, n: usize) -> Result<(), SnapshotError> {
+        let before = self.rest;
+        if self.len()? != n {
+            self.rest = before;
+            return Err(SnapshotError::Shape("MLA cache width"));
+        }
+        dst.clear();
+        dst.extend(self.take(4 * n)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(())
+    }
+
+    /// Replacing a growable buffer's contents (a routing's weights), keeping its reserved
+    /// capacity.
     fn f32s_vec(&mut self, dst: &mut Vec<f32>) -> Result<(), SnapshotError> {
         let n = self.len()?;
         dst.clear();

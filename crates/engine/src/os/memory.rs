@@ -34,7 +34,9 @@ fn whole_pages(ptr: *mut u8, len: usize, page: usize) -> (*mut u8, usize) {
 pub unsafe fn release_pages(ptr: *mut u8, len: usize) -> bool {
     let (p, n) = whole_pages(ptr, len, page_size());
     if n == 0 {
-        return true;
+        // Nothing whole to give back (a buffer smaller than a page, or straddling one): the
+        // pages stay, and the caller must not count them as released.
+        return len == 0;
     }
     #[cfg(target_os = "linux")]
     {
