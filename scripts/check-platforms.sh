@@ -5,6 +5,7 @@
 # installs here; nothing is linked, so no macOS SDK or Windows linker is needed (and these
 # builds have never run on those systems: see README, "Platforms"). Sourced by test.sh.
 set -euo pipefail
+command -v rustup >/dev/null || { echo "the platform lints need rustup (scripts/ensure-toolchain.sh installs it)" >&2; exit 1; }
 for target in aarch64-apple-darwin x86_64-pc-windows-msvc; do
   if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
     echo "installing the Rust standard library for $target" >&2

@@ -72,11 +72,14 @@ pub fn identity(manifest_hash: u64, numerics: &str, variant: &str) -> u64 {
     xxh3_64(format!("{manifest_hash:016x}|{numerics}|{variant}|{}", crate::kernel_path()).as_bytes())
 }
 
+/// Tokens as the bytes their keys hash: little-endian u32s.
+fn token_bytes(tokens: &[u32]) -> Vec<u8> {
+    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
 /// The key of a token prefix.
 pub fn prefix_key(tokens: &[u32]) -> u64 {
-    let mut b = Vec::with_capacity(tokens.len() * 4);
-    tokens.iter().for_each(|t| b.extend_from_slice(&t.to_le_bytes()));
-    xxh3_64(&b)
+    xxh3_64(&token_bytes(tokens))
 }
 
 impl PrefixStore {
@@ -141,10 +144,14 @@ impl PrefixStore {
         st: &mut K3State,
         logits: &mut [f32],
     ) -> Option<usize> {
+        // The prompt's bytes once; each entry's key is the hash of a prefix of them.
+        let prompt_bytes = token_bytes(prompt);
         let mut candidates: Vec<usize> = (0..self.entries.len())
             .filter(|&i| {
                 let e = &self.entries[i];
-                e.tokens > 0 && e.tokens <= prompt.len().min(max_tokens) && e.key == prefix_key(&prompt[..e.tokens])
+                e.tokens > 0
+                    && e.tokens <= prompt.len().min(max_tokens)
+                    && e.key == xxh3_64(&prompt_bytes[..4 * e.tokens])
             })
             .collect();
         candidates.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].tokens));

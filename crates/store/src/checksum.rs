@@ -1,8 +1,8 @@
 //! The store's one checksum: XXH3-64 (seed 0), through `twox-hash`, which picks AVX2 or NEON
 //! at run time. Verifying a record is a full pass over it on every read from the drive, so the
-//! hash's speed is part of every step: the SSE2 baseline that a portable build of a
-//! compile-time-dispatched XXH3 gets hashed a 17.5 MB record in 0.85 ms, this one in 0.5 ms
-//! (in cache, on the development machine's Zen 5).
+//! hash's speed is part of every step. A portable build of a compile-time-dispatched XXH3 gets
+//! SSE2 (BENCHMARKS.md section 9 compares both: `cargo bench -p deltafin-store --bench
+//! checksum`).
 
 use std::hash::Hasher as _;
 

@@ -119,5 +119,7 @@ mod tests {
         assert!(m.ram_bytes.is_some_and(|r| r > 0) && m.kernel.is_some());
         let (_, size, free) = storage(Path::new("."));
         assert!(size >= free, "{size:?} {free:?}");
+        #[cfg(unix)]
+        assert!(size.is_some_and(|s| s > 0) && free.is_some(), "df -Pk told nothing: {size:?} {free:?}");
     }
 }

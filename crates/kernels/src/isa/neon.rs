@@ -27,6 +27,25 @@ fn widen_i8x16(v: int8x16_t) -> [float32x4_t; 4] {
     ]
 }
 
+/// A block's 16 packed bytes as its 16 even (low nibble) and 16 odd (high nibble) weights,
+/// each the exact integer 2·E2M1 as a signed byte.
+#[inline]
+#[target_feature(enable = "neon")]
+fn block_ints(bytes: uint8x16_t) -> (int8x16_t, int8x16_t) {
+    // SAFETY: the table holds 16 bytes.
+    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
+    let low4 = vdupq_n_u8(0x0F);
+    (vqtbl1q_s8(lut, vandq_u8(bytes, low4)), vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes)))
+}
+
+/// A block's 32 weights in element order, as eight f32 vectors.
+#[inline]
+#[target_feature(enable = "neon")]
+fn block_floats(bytes: uint8x16_t) -> [[float32x4_t; 4]; 2] {
+    let (even, odd) = block_ints(bytes);
+    [widen_i8x16(vzip1q_s8(even, odd)), widen_i8x16(vzip2q_s8(even, odd))]
+}
+
 /// MXFP4 mat-vec.
 ///
 /// # Safety
@@ -34,9 +53,6 @@ fn widen_i8x16(v: int8x16_t) -> [float32x4_t; 4] {
 #[target_feature(enable = "neon")]
 pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
     let (half, nb) = (cols / 2, cols / BLOCK);
-    // SAFETY: the table holds 16 bytes.
-    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
-    let low4 = vdupq_n_u8(0x0F);
     for (r, o) in out.iter_mut().enumerate().take(rows) {
         let prow = &packed[r * half..(r + 1) * half];
         let srow = &scales[r * nb..(r + 1) * nb];
@@ -50,9 +66,7 @@ pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usiz
             let xb = &x[b * BLOCK..(b + 1) * BLOCK];
             // SAFETY: 16 packed bytes in bounds.
             let bytes = unsafe { vld1q_u8(prow[b * 16..].as_ptr()) };
-            let even = vqtbl1q_s8(lut, vandq_u8(bytes, low4));
-            let odd = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
-            let ws = [widen_i8x16(vzip1q_s8(even, odd)), widen_i8x16(vzip2q_s8(even, odd))];
+            let ws = block_floats(bytes);
             let mut blk = vdupq_n_f32(0.0);
             for (k, w) in ws.iter().flatten().enumerate() {
                 // SAFETY: 4 floats of the block's 32 in bounds.
@@ -120,9 +134,6 @@ pub unsafe fn mxfp4_rows_batch(
     out: &mut [f32],
 ) {
     let (half, nb) = (cols / 2, cols / BLOCK);
-    // SAFETY: the table holds 16 bytes.
-    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
-    let low4 = vdupq_n_u8(0x0F);
     for r in 0..rows {
         let prow = &packed[r * half..(r + 1) * half];
         let srow = &scales[r * nb..(r + 1) * nb];
@@ -141,9 +152,7 @@ pub unsafe fn mxfp4_rows_batch(
             for (b, &s) in srow.iter().enumerate() {
                 // SAFETY: 16 packed bytes in bounds.
                 let bytes = unsafe { vld1q_u8(prow[b * 16..].as_ptr()) };
-                let even = vqtbl1q_s8(lut, vandq_u8(bytes, low4));
-                let odd = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
-                let ws = [widen_i8x16(vzip1q_s8(even, odd)), widen_i8x16(vzip2q_s8(even, odd))];
+                let ws = block_floats(bytes);
                 let sv = vdupq_n_f32(0.5 * e8m0_to_f32(s));
                 for (t, a) in acc.iter_mut().enumerate().take(g) {
                     let x0 = (t0 + t) * cols + b * BLOCK;
@@ -203,9 +212,6 @@ pub unsafe fn mxfp4_matvec_q8_dot(
     out: &mut [f32],
 ) {
     let (half, nb) = (cols / 2, cols / BLOCK);
-    // SAFETY: the table holds 16 bytes.
-    let lut = unsafe { vld1q_s8(E2M1_X2_I8.as_ptr()) };
-    let low4 = vdupq_n_u8(0x0F);
     for (r, o) in out.iter_mut().enumerate().take(rows) {
         let prow = &packed[r * half..(r + 1) * half];
         let srow = &scales[r * nb..(r + 1) * nb];
@@ -215,8 +221,7 @@ pub unsafe fn mxfp4_matvec_q8_dot(
             // SAFETY: 16 packed bytes and 2 x 16 quantised activations in bounds.
             let (bytes, qe, qo) =
                 unsafe { (vld1q_u8(prow[b * 16..].as_ptr()), vld1q_s8(qb.as_ptr()), vld1q_s8(qb[16..].as_ptr())) };
-            let even = vqtbl1q_s8(lut, vandq_u8(bytes, low4));
-            let odd = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
+            let (even, odd) = block_ints(bytes);
             let dot = vaddvq_s32(sdot(sdot(vdupq_n_s32(0), even, qe), odd, qo));
             acc += dot as f32 * (0.5 * e8m0_to_f32(srow[b]) * xq.scales[b]);
         }
