@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ensure-toolchain.sh
-cargo build --release --locked -q
+cargo build --release --locked  # cargo shows its progress: the first build takes minutes
 store=target/demo-store
 ./target/release/deltafin convert --from models/k3-demo/hf --to "$store"
 ./target/release/deltafin generate --model "$store" --prompt "${1:-To read a file in Python,}" --max-tokens 40 --ignore-eos

@@ -9,8 +9,8 @@ use deltafin_hub::fetcher::HubFetcher;
 use deltafin_hub::install::{InstallOptions, Mode, env_endpoint, env_http, install as run_install, upgrade};
 use deltafin_hub::remote::OriginKind;
 use deltafin_hub::warmup;
+use deltafin_store::Store;
 use deltafin_store::progress::human;
-use deltafin_store::{SpineDtype, Store};
 
 #[derive(clap::Args)]
 pub struct InstallArgs {
@@ -27,9 +27,8 @@ pub struct InstallArgs {
     /// routed expert fetched on first use.
     #[arg(long, default_value = "stream", value_parser = ["full", "stream"])]
     pub mode: String,
-    /// Storage of spine matrices: int8, bf16 or f32.
-    #[arg(long, default_value = "int8")]
-    pub spine: SpineDtype,
+    #[command(flatten)]
+    pub spine: crate::spine_choice::SpineArgs,
     /// Hub-compatible endpoint (default: HF_ENDPOINT, else https://huggingface.co).
     #[arg(long, conflicts_with = "mirror")]
     pub endpoint: Option<String>,
@@ -85,12 +84,13 @@ pub fn install(a: InstallArgs) -> Result<()> {
         (None, Some(e)) => (OriginKind::Hub, e),
         (None, None) => (OriginKind::Hub, env_endpoint()),
     };
+    let (spine, budget_source) = a.spine.precision();
     let opts = InstallOptions {
         repo,
         revision: a.revision,
         to: to.clone(),
         mode: if a.mode == "full" { Mode::Full } else { Mode::Stream },
-        spine: a.spine,
+        spine,
         kind,
         endpoint,
         http: env_http(),
@@ -111,6 +111,10 @@ pub fn install(a: InstallArgs) -> Result<()> {
         r.requests,
         r.retries
     );
+    let auto = deltafin_store::Manifest::load(&to).ok().and_then(|m| m.spine.auto);
+    if let (Some(auto), Some(source)) = (auto, budget_source) {
+        eprintln!("spine: {} ({source})", auto.describe());
+    }
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     }

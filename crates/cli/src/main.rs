@@ -6,6 +6,7 @@ mod kernel_bench;
 mod plan_cmd;
 mod run;
 mod serve_cmd;
+mod spine_choice;
 mod trace_cmd;
 
 use std::path::PathBuf;
@@ -15,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use deltafin_store::convert::{ConvertOptions, convert};
 use deltafin_store::synth::{SynthOptions, SynthSpine, synth};
-use deltafin_store::{ExpertLayout, KeepRule, SpineDtype};
+use deltafin_store::{ExpertLayout, KeepRule};
 
 #[derive(Parser)]
 #[command(name = "deltafin", version, about = "Run giant mixture-of-experts models from local disk")]
@@ -37,9 +38,8 @@ enum Cmd {
         /// Store directory to write.
         #[arg(long)]
         to: PathBuf,
-        /// Storage of spine matrices: int8 (per-row scales), bf16 or f32.
-        #[arg(long, default_value = "int8")]
-        spine: SpineDtype,
+        #[command(flatten)]
+        spine: spine_choice::SpineArgs,
         /// int8 scale group along a row; 0 means one scale per row.
         #[arg(long, default_value_t = 0)]
         int8_group: usize,
@@ -136,17 +136,21 @@ fn dispatch(cli: Cli) -> Result<()> {
     deltafin_engine::os::cpus::start(cli.threads).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, router_f32, keep, experts } => {
+            let (spine, budget_source) = spine.precision();
             let opts =
                 ConvertOptions { spine, int8_group, router_f32, keep, experts, progress: true, ..Default::default() };
             let t0 = std::time::Instant::now();
             let r = convert(&from, &to, &opts).with_context(|| format!("converting {}", from.display()))?;
+            if let (Some(auto), Some(source)) = (r.spine_auto, budget_source) {
+                eprintln!("spine: {} ({source})", auto.describe());
+            }
             eprintln!(
                 "converted {} -> {} in {:.2}s: spine {} bytes ({:?}), {} expert records of {} bytes in {} byte ranges ({:?})",
                 from.display(),
                 to.display(),
                 t0.elapsed().as_secs_f64(),
                 r.spine_bytes,
-                spine,
+                r.spine_dtype,
                 r.expert_records,
                 r.record_bytes,
                 r.expert_ranges,

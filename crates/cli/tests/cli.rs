@@ -267,7 +267,7 @@ fn demo_model_continues_as_its_training_framework_did() {
 /// f32 (the manifest says so) and the store runs.
 #[test]
 fn logits_at_every_position_and_routers_kept_in_f32() {
-    let store = convert("k3-tiny", &["--router-f32"]);
+    let store = convert("k3-tiny", &["--spine", "int8", "--router-f32"]);
     let s = store.path().to_str().unwrap();
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(store.path().join("manifest.json")).unwrap()).unwrap();
@@ -308,7 +308,10 @@ fn logits_at_every_position_and_routers_kept_in_f32() {
 /// bf16 spine's logits bit for bit; a malformed rule is a clear error.
 #[test]
 fn convert_keeps_named_matrices_at_another_precision() {
-    let store = convert("k3-small", &["--keep", "lm_head=bf16", "--keep", "block_sparse_moe.gate.weight=f32"]);
+    let store = convert(
+        "k3-small",
+        &["--spine", "int8", "--keep", "lm_head=bf16", "--keep", "block_sparse_moe.gate.weight=f32"],
+    );
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(store.path().join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["spine"]["keep"][0]["pattern"], "lm_head");
@@ -339,6 +342,51 @@ fn convert_keeps_named_matrices_at_another_precision() {
         let err = fails(&["convert", "--from", from.to_str().unwrap(), "--to", to.to_str().unwrap(), "--keep", bad]);
         assert!(err.contains("--keep") && err.contains(bad), "{bad}: {err}");
     }
+}
+
+/// `convert --spine auto` (the default) keeps the checkpoint's bf16 when the bf16 spine takes at
+/// most half the memory budget and takes int8 otherwise; it says which and why, and the manifest
+/// records what it weighed. An explicit dtype is not weighed.
+#[test]
+fn convert_spine_auto_weighs_the_bf16_spine_against_the_budget() {
+    let from = fixture("k3-small").join("hf");
+    let spine_of = |store: &Path| -> serde_json::Value {
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(store.join("manifest.json")).unwrap()).unwrap();
+        m["spine"].clone()
+    };
+    let run = |extra: &[&str]| -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["convert", "--from", from.to_str().unwrap(), "--to", dir.path().to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let o = Command::new(env!("CARGO_BIN_EXE_deltafin")).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        (dir, err)
+    };
+    let (wide, err) = run(&[]);
+    let s = spine_of(wide.path());
+    assert_eq!(s["matrix_dtype"], "bf16", "{err}");
+    let bf16_bytes = s["auto"]["bf16_bytes"].as_u64().unwrap();
+    assert_eq!(bf16_bytes, s["bytes"].as_u64().unwrap(), "it weighed the spine it wrote");
+    assert!(err.contains("spine: bf16, the checkpoint's precision") && err.contains("MemAvailable"), "{err}");
+
+    let half = bf16_bytes * 2;
+    let (at, err) = run(&["--memory-budget", &half.to_string()]);
+    assert_eq!(spine_of(at.path())["matrix_dtype"], "bf16", "exactly half the budget is enough: {err}");
+    let (narrow, err) = run(&["--memory-budget", &(half - 2).to_string()]);
+    let s = spine_of(narrow.path());
+    assert_eq!(s["matrix_dtype"], "int8", "{err}");
+    assert_eq!(s["auto"]["budget"], half - 2);
+    assert!(err.contains("spine: int8: a bf16 spine") && err.contains("--memory-budget"), "{err}");
+    assert!(s["bytes"].as_u64().unwrap() < bf16_bytes);
+
+    let (fixed, err) = run(&["--spine", "int8"]);
+    let s = spine_of(fixed.path());
+    assert_eq!(s["matrix_dtype"], "int8");
+    assert!(s.get("auto").is_none() && !err.contains("spine: "), "{err}");
+    let err = fails(&["convert", "--from", from.to_str().unwrap(), "--to", "/nonexistent/x", "--spine", "int4"]);
+    assert!(err.contains("expected auto, int8, bf16 or f32"), "{err}");
 }
 
 /// `generate --state-dir` keeps the prompt's and the turn's state on disk: a later process

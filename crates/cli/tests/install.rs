@@ -928,7 +928,9 @@ fn a_full_disk_is_a_clear_error_and_the_store_stays_consistent() {
     );
     drop(small);
 
-    let Some(fs) = Tmpfs::mount(&d.path().join("fill"), "8m") else { panic!("mounted once, not twice") };
+    // Room for the install with its bf16 spine (`--spine auto` on a machine this large) and the
+    // experts the final generation fetches.
+    let Some(fs) = Tmpfs::mount(&d.path().join("fill"), "12m") else { panic!("mounted once, not twice") };
     let store = fs.0.join("s");
     o.set_faults(vec![slow("safetensors", 1_000_000)]);
     let args = [

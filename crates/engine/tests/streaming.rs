@@ -214,7 +214,7 @@ fn streamed_spine_works_with_a_moved_checkpoint() {
     }
     let dir = tempfile::tempdir().unwrap();
     let opts = deltafin_store::convert::ConvertOptions {
-        spine: SpineDtype::Int8,
+        spine: SpineDtype::Int8.into(),
         int8_group: 0,
         experts: ExpertLayout::InPlace,
         progress: false,

@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use deltafin_store::checkpoint::text_prefix;
 use deltafin_store::checksum::Xxh3;
 use deltafin_store::convert::{ConvertOptions, ExpertSums, convert};
-use deltafin_store::manifest::{Manifest, OriginFile, OriginInfo, SpineDtype, StreamingInfo};
+use deltafin_store::manifest::{Manifest, OriginFile, OriginInfo, SpineDtype, SpinePrecision, StreamingInfo};
 use deltafin_store::schema::{Role, checkpoint_name, spine_specs};
 use deltafin_store::shard::{TensorEntry, parse_header};
 use deltafin_store::{K3Config, Store};
@@ -59,7 +59,8 @@ pub struct InstallOptions {
     pub revision: String,
     pub to: PathBuf,
     pub mode: Mode,
-    pub spine: SpineDtype,
+    /// The spine's precision, or how `convert` chooses it.
+    pub spine: SpinePrecision,
     pub kind: OriginKind,
     pub endpoint: String,
     pub http: HttpConfig,
@@ -319,7 +320,12 @@ fn fetch_headers(
 }
 
 /// Which spine tensors sit where, from the config, the index and the headers.
-fn spine_ranges(config: &K3Config, weight_map: &HashMap<String, String>, shards: &mut [ShardPlan]) -> Result<u64> {
+fn spine_ranges(
+    config: &K3Config,
+    weight_map: &HashMap<String, String>,
+    shards: &mut [ShardPlan],
+    spine: SpinePrecision,
+) -> Result<u64> {
     let prefix = text_prefix(weight_map.keys().map(String::as_str));
     let mut entries: HashMap<String, HashMap<String, TensorEntry>> = HashMap::new();
     for s in shards.iter() {
@@ -335,7 +341,7 @@ fn spine_ranges(config: &K3Config, weight_map: &HashMap<String, String>, shards:
         let Some(file) = weight_map.get(&full) else { continue };
         let Some(t) = entries.get(file).and_then(|m| m.get(&full)) else { continue };
         wanted.entry(file.clone()).or_default().push((t.offset, t.offset + t.len));
-        spine_bytes += stored_bytes(&spec.role, t);
+        spine_bytes += stored_bytes(&spec.role, t, spine);
     }
     for s in shards.iter_mut() {
         let mut r = wanted.remove(&s.file.name).unwrap_or_default();
@@ -345,12 +351,17 @@ fn spine_ranges(config: &K3Config, weight_map: &HashMap<String, String>, shards:
     Ok(spine_bytes)
 }
 
-/// Bytes a spine tensor takes in the store (int8 matrices with f32 row scales; vectors f32):
-/// an estimate for the disk plan, before the spine dtype's exact layout.
-fn stored_bytes(role: &Role, t: &TensorEntry) -> u64 {
+/// Bytes a spine tensor takes in the store (int8 matrices with f32 row scales, bf16 or f32
+/// matrices; vectors f32): an estimate for the disk plan, before the spine's exact layout. For
+/// `auto`, whose choice comes with the conversion, the larger (bf16).
+fn stored_bytes(role: &Role, t: &TensorEntry, spine: SpinePrecision) -> u64 {
     let numel = t.numel() as u64;
-    match role {
-        Role::Matrix => numel + t.shape.first().copied().unwrap_or(1) as u64 * 4,
+    match (role, spine) {
+        (Role::Matrix, SpinePrecision::Fixed(SpineDtype::Int8)) => {
+            numel + t.shape.first().copied().unwrap_or(1) as u64 * 4
+        }
+        (Role::Matrix, SpinePrecision::Fixed(SpineDtype::F32)) => numel * 4,
+        (Role::Matrix, _) => numel * 2,
         _ => numel * 4,
     }
 }
@@ -413,7 +424,7 @@ fn stream_install(
         .zip(headers)
         .map(|(file, header)| ShardPlan { file, header, needed: Vec::new() })
         .collect();
-    let spine_estimate = spine_ranges(&config, &weight_map, &mut shards)?;
+    let spine_estimate = spine_ranges(&config, &weight_map, &mut shards, opts.spine)?;
     let small: Vec<&OriginFile> =
         info.files.iter().filter(|f| !shards.iter().any(|s| s.file.name == f.name) && f.size <= SMALL_FILE).collect();
 
@@ -544,8 +555,7 @@ fn stream_install(
     let moe = config.moe_layers();
     deltafin_store::presence::Presence::open_or_create(&opts.to.join(PRESENCE_FILE), &moe, config.num_experts)?;
     let current = Manifest::load(&opts.to).ok();
-    let converted =
-        current.as_ref().is_some_and(|m| m.origin.as_ref() == Some(info) && m.spine.matrix_dtype == opts.spine);
+    let converted = current.as_ref().is_some_and(|m| m.origin.as_ref() == Some(info) && opts.spine.matches(&m.spine));
     if !converted {
         say("converting the spine".into());
         let co = ConvertOptions {
@@ -816,7 +826,11 @@ fn upgrade_with(
             eprintln!("converting the spine again from the verified shards");
         }
         let co = ConvertOptions {
-            spine: m.spine.matrix_dtype,
+            // As first converted: auto weighs the same checkpoint against the same budget.
+            spine: match m.spine.auto {
+                Some(a) => SpinePrecision::Auto { budget: a.budget },
+                None => SpinePrecision::Fixed(m.spine.matrix_dtype),
+            },
             int8_group: m.spine.int8_group,
             progress: !quiet,
             origin: Some(info.clone()),

@@ -36,12 +36,20 @@ pub fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f3
     bf16_matvec_on(Path::best(), w, rows, cols, x, out);
 }
 
-/// [`bf16_matvec`] on `path` (the AVX2 instantiation on AVX2 and AVX-512, else scalar).
+/// [`bf16_matvec`] on `path`: AVX-512 and NEON kernels (the bf16-to-f32 widening is a shift);
+/// the AVX2 instantiation of the scalar twin on AVX2; else scalar.
 pub fn bf16_matvec_on(path: Path, w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(w.len() == rows * cols && x.len() == cols && out.len() == rows, "bf16 matvec shapes");
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them).
-        Path::Avx512 | Path::Avx2 => unsafe { avx2::bf16_matvec(w, rows, cols, x, out) },
+        // SAFETY: AVX-512F present (an available path); shapes checked above.
+        Path::Avx512 => unsafe { avx512::bf16_matvec(w, rows, cols, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA present (an available path).
+        Path::Avx2 => unsafe { avx2::bf16_matvec(w, rows, cols, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON present (an available path); shapes checked above.
+        Path::Neon => unsafe { neon::bf16_matvec(w, rows, cols, x, out) },
         _ => scalar::bf16_matvec(w, rows, cols, x, out),
     }
 }
@@ -280,7 +288,7 @@ mod tests {
             scalar::f32_matvec(&w, rows, cols, &x, &mut b);
             assert_eq!(a, b, "same lane order, same result");
             let wb: Vec<u16> = w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            bf16_matvec(&wb, rows, cols, &x, &mut a);
+            bf16_matvec_on(Path::Avx2, &wb, rows, cols, &x, &mut a);
             scalar::bf16_matvec(&wb, rows, cols, &x, &mut b);
             assert_eq!(a, b);
             let q: Vec<i8> = w.iter().map(|&v| (v * 80.0).clamp(-127.0, 127.0) as i8).collect();
@@ -300,6 +308,57 @@ mod tests {
                 int8_path_matches_oracle(path);
             } else {
                 println!("SKIPPED {path:?}: this CPU lacks it");
+            }
+        }
+    }
+
+    /// The AVX-512 and NEON bf16 kernels against the scalar twin (another summation order and
+    /// FMA: a few ulps of the sum of |w x|), on shapes with and without a tail, and their
+    /// widening exact on special values (signed zero, subnormals, the largest finite).
+    #[test]
+    fn bf16_simd_matches_oracle() {
+        for path in [Path::Avx512, Path::Neon] {
+            if !path.available() {
+                println!("SKIPPED {path:?}: this CPU lacks it");
+                continue;
+            }
+            for &(rows, cols) in &[(1, 1), (3, 7), (4, 32), (5, 33), (7, 256), (3, 7168), (2, 1000)] {
+                let w: Vec<u16> = (0..rows * cols)
+                    .map(|i| match i % 13 {
+                        0 => 0x8000, // -0
+                        1 => 0x0001, // the smallest subnormal
+                        2 => 0x7f7f, // the largest finite bf16
+                        _ => bf16::from_f32(((i * 7919 % 997) as f32 - 498.0) / 331.0).to_bits(),
+                    })
+                    .collect();
+                // x scaled so that the largest weight's products stay finite.
+                let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.77).sin() * 1e-30).collect();
+                let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+                bf16_matvec_on(path, &w, rows, cols, &x, &mut a);
+                scalar::bf16_matvec(&w, rows, cols, &x, &mut b);
+                for r in 0..rows {
+                    let mag: f64 =
+                        (0..cols).map(|c| (bf16::from_bits(w[r * cols + c]).to_f64() * x[c] as f64).abs()).sum();
+                    assert!(
+                        ((a[r] - b[r]).abs() as f64) <= 1e-5 * mag,
+                        "{path:?} {rows}x{cols} row {r}: {} vs {}",
+                        a[r],
+                        b[r]
+                    );
+                }
+            }
+            // One weight per row at a time: the widening alone, exact.
+            for bits in [0x0000u16, 0x8000, 0x0001, 0x807f, 0x3f80, 0xbf80, 0x7f7f, 0xff7f, 0x4049] {
+                let w = vec![bits; 40];
+                let mut x = vec![0.0f32; 40];
+                x[37] = 1.0; // in the tail of a 32-wide step
+                let mut o = [f32::NAN];
+                bf16_matvec_on(path, &w, 1, 40, &x, &mut o);
+                assert_eq!(o[0], bf16::from_bits(bits).to_f32(), "{bits:#x}");
+                let mut x = vec![0.0f32; 40];
+                x[3] = 1.0; // in the vector body
+                bf16_matvec_on(path, &w, 1, 40, &x, &mut o);
+                assert_eq!(o[0], bf16::from_bits(bits).to_f32(), "{bits:#x}");
             }
         }
     }

@@ -39,7 +39,8 @@ pub const TOKENIZER_FILES: [&str; 3] = ["tiktoken.model", "tokenizer_config.json
 
 #[derive(Debug, Clone)]
 pub struct ConvertOptions {
-    pub spine: SpineDtype,
+    /// The spine matrices' precision, or how to choose it.
+    pub spine: SpinePrecision,
     /// int8 group size; 0 = per row.
     pub int8_group: usize,
     /// Keep each MoE layer's router gate in f32 whatever `spine` is (as llama.cpp keeps it):
@@ -76,7 +77,7 @@ pub enum ExpertSums {
 impl Default for ConvertOptions {
     fn default() -> Self {
         ConvertOptions {
-            spine: SpineDtype::Int8,
+            spine: SpinePrecision::Fixed(SpineDtype::Int8),
             int8_group: 0,
             router_f32: false,
             keep: Vec::new(),
@@ -91,6 +92,10 @@ impl Default for ConvertOptions {
 
 pub struct ConvertReport {
     pub spine_bytes: u64,
+    /// The spine matrices' dtype (as asked, or as `auto` chose).
+    pub spine_dtype: SpineDtype,
+    /// What `auto` weighed, when it chose.
+    pub spine_auto: Option<SpineAuto>,
     pub expert_records: usize,
     pub record_bytes: u64,
     pub expert_ranges: usize,
@@ -171,11 +176,19 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
             msg: "experts located without reading them stay in place".into(),
         });
     }
-    let spine_plan = plan_spine(&src, opts)?;
+    let (dtype, auto) = match opts.spine {
+        SpinePrecision::Fixed(d) => (d, None),
+        SpinePrecision::Auto { budget } => {
+            let auto = SpineAuto { budget, bf16_bytes: plan_spine(&src, opts, SpineDtype::Bf16)?.bytes };
+            (auto.choose(), Some(auto))
+        }
+    };
+    let spine_plan = plan_spine(&src, opts, dtype)?;
     let expert_plan = ExpertPlan::new(&src.ck.config);
     let expert_src_bytes = if read_experts { expert_plan.src_bytes() } else { 0 };
     let bar = byte_progress(spine_plan.src_bytes + expert_src_bytes, opts.progress);
-    let spine = write_spine(&spine_plan, opts, &to.join(SPINE_FILE), &bar)?;
+    let mut spine = write_spine(&spine_plan, opts, &to.join(SPINE_FILE), &bar)?;
+    spine.auto = auto;
     let (experts, expert_ranges) = if read_experts {
         locate_experts(&src, &expert_plan, opts.experts, to, &bar)?
     } else {
@@ -185,6 +198,8 @@ pub fn convert(from: &Path, to: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let tokenizer = copy_tokenizer(from, to)?;
     let report = ConvertReport {
         spine_bytes: spine.bytes,
+        spine_dtype: dtype,
+        spine_auto: auto,
         expert_records: expert_plan.records(),
         record_bytes: expert_plan.record_bytes,
         expert_ranges,
@@ -270,6 +285,8 @@ impl PlannedTensor<'_> {
 
 /// The whole spine file's layout, decided before a byte of it is written.
 struct SpinePlan<'a> {
+    /// The dtype of matrices no rule keeps at another precision.
+    dtype: SpineDtype,
     tensors: Vec<PlannedTensor<'a>>,
     /// Size of `spine.bin`, padded to [`IO_ALIGN`].
     bytes: u64,
@@ -279,22 +296,24 @@ struct SpinePlan<'a> {
 
 /// Resolve and check every spine tensor, then lay the spine out. A bad checkpoint fails here, by
 /// tensor name, before anything is written.
-fn plan_spine<'a>(src: &'a Source, opts: &ConvertOptions) -> Result<SpinePlan<'a>, StoreError> {
+fn plan_spine<'a>(src: &'a Source, opts: &ConvertOptions, dtype: SpineDtype) -> Result<SpinePlan<'a>, StoreError> {
     let mut tensors = spine_specs(&src.ck.config)
         .iter()
-        .map(|s| resolve_spine_tensor(src, s, opts))
+        .map(|s| resolve_spine_tensor(src, s, opts, dtype))
         .collect::<Result<Vec<_>, _>>()?;
     let bytes = lay_out_spine(&mut tensors);
     let src_bytes = tensors.iter().map(|p| p.t.len).sum();
-    Ok(SpinePlan { tensors, bytes, src_bytes })
+    Ok(SpinePlan { dtype, tensors, bytes, src_bytes })
 }
 
 /// Find one spine tensor in the checkpoint and check its shape and float dtype; produces it with
-/// its stored dtype, geometry and int8 group, not yet placed.
+/// its stored dtype (`dtype` for matrices no rule keeps otherwise), geometry and int8 group, not
+/// yet placed.
 fn resolve_spine_tensor<'a>(
     src: &'a Source,
     s: &SpineSpec,
     opts: &ConvertOptions,
+    dtype: SpineDtype,
 ) -> Result<PlannedTensor<'a>, StoreError> {
     let full = checkpoint_name(src.prefix, &s.name);
     let (shard, t) = src.ck.find(&full)?;
@@ -319,7 +338,7 @@ fn resolve_spine_tensor<'a>(
         (false, _) => SpineDtype::F32,
         (true, Some(d)) => d,
         (true, None) if router && opts.router_f32 => SpineDtype::F32,
-        (true, None) => opts.spine,
+        (true, None) => dtype,
     };
     let (rows, cols) = if is_matrix { (t.shape[0], t.shape[1]) } else { (1, t.numel()) };
     Ok(PlannedTensor {
@@ -405,10 +424,11 @@ fn write_spine(plan: &SpinePlan, opts: &ConvertOptions, path: &Path, bar: &Progr
     sw.finish()?;
     Ok(SpineInfo {
         file: SPINE_FILE.into(),
-        matrix_dtype: opts.spine,
+        matrix_dtype: plan.dtype,
         int8_group: opts.int8_group,
         router_f32: opts.router_f32,
         keep: opts.keep.clone(),
+        auto: None,
         bytes: plan.bytes,
         tensors,
     })

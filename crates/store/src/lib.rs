@@ -28,6 +28,6 @@ pub mod synth;
 pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
 pub use image::{ImageVerifier, SpineImage};
-pub use manifest::{ExpertLayout, KeepRule, Manifest, SpineDtype};
+pub use manifest::{ExpertLayout, KeepRule, Manifest, SpineDtype, SpinePrecision};
 pub use spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable};
 pub use store::{ExpertFiles, Store};

@@ -108,6 +108,70 @@ impl std::str::FromStr for SpineDtype {
     }
 }
 
+/// How `convert` picks the spine matrices' precision (`convert --spine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpinePrecision {
+    /// This dtype, whatever the machine.
+    Fixed(SpineDtype),
+    /// The checkpoint's own precision, bf16, when the bf16 spine takes at most half of `budget`
+    /// (the memory the runtime will plan with), else int8. On the trained demo model int8 flips
+    /// the top token at 2-3% of positions, almost all through changed expert choices
+    /// (README "Spine quantisation"), so int8 is what a machine takes when it must, not the
+    /// default where bf16 fits with as much memory again left for the expert cache.
+    Auto { budget: u64 },
+}
+
+impl From<SpineDtype> for SpinePrecision {
+    fn from(d: SpineDtype) -> Self {
+        SpinePrecision::Fixed(d)
+    }
+}
+
+impl SpinePrecision {
+    /// Whether a store whose spine section is `spine` was converted as this asks: the same
+    /// fixed dtype, or chosen by `auto` (whatever it chose then: a resumed install does not
+    /// decide again).
+    pub fn matches(&self, spine: &SpineInfo) -> bool {
+        match self {
+            SpinePrecision::Fixed(d) => spine.auto.is_none() && spine.matrix_dtype == *d,
+            SpinePrecision::Auto { .. } => spine.auto.is_some(),
+        }
+    }
+}
+
+/// What `--spine auto` weighed, recorded in the manifest beside the dtype it chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpineAuto {
+    /// The memory budget it was given.
+    pub budget: u64,
+    /// The spine's size with bf16 matrices.
+    pub bf16_bytes: u64,
+}
+
+impl SpineAuto {
+    /// The rule: bf16 when its spine takes at most half the budget.
+    pub fn choose(self) -> SpineDtype {
+        if self.bf16_bytes <= self.budget / 2 { SpineDtype::Bf16 } else { SpineDtype::Int8 }
+    }
+
+    /// The choice and its reason, in words.
+    pub fn describe(self) -> String {
+        let h = crate::progress::human;
+        match self.choose() {
+            SpineDtype::Bf16 => format!(
+                "bf16, the checkpoint's precision: its spine ({}) takes at most half the memory budget ({})",
+                h(self.bf16_bytes),
+                h(self.budget)
+            ),
+            _ => format!(
+                "int8: a bf16 spine ({}) would take more than half the memory budget ({}); --spine bf16 keeps it anyway",
+                h(self.bf16_bytes),
+                h(self.budget)
+            ),
+        }
+    }
+}
+
 /// Spine matrices whose store name contains `pattern` are stored as `dtype` whatever the
 /// spine's dtype is: the few sensitive matrices a mixed-precision spine keeps wider.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -142,6 +206,9 @@ pub struct SpineInfo {
     /// Matrices kept at another precision than `matrix_dtype` (`convert --keep NAME=DTYPE`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub keep: Vec<KeepRule>,
+    /// Set when `convert --spine auto` chose `matrix_dtype`: what it weighed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto: Option<SpineAuto>,
     pub bytes: u64,
     pub tensors: Vec<SpineTensor>,
 }
@@ -366,4 +433,44 @@ pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertP
         off += len;
     }
     (meta, off)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spine(dtype: SpineDtype, auto: Option<SpineAuto>) -> SpineInfo {
+        SpineInfo {
+            file: "spine.bin".into(),
+            matrix_dtype: dtype,
+            int8_group: 0,
+            router_f32: false,
+            keep: Vec::new(),
+            auto,
+            bytes: 0,
+            tensors: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn auto_takes_bf16_up_to_half_the_budget() {
+        assert_eq!(SpineAuto { budget: 200, bf16_bytes: 100 }.choose(), SpineDtype::Bf16);
+        assert_eq!(SpineAuto { budget: 199, bf16_bytes: 100 }.choose(), SpineDtype::Int8);
+        assert_eq!(SpineAuto { budget: 0, bf16_bytes: 1 }.choose(), SpineDtype::Int8);
+        assert!(SpineAuto { budget: 199, bf16_bytes: 100 }.describe().starts_with("int8"));
+    }
+
+    /// A resumed install keeps what auto chose before; a fixed dtype matches only itself.
+    #[test]
+    fn precision_matches_what_was_converted() {
+        let chose = Some(SpineAuto { budget: 1 << 30, bf16_bytes: 1 << 20 });
+        let auto = SpinePrecision::Auto { budget: 1 << 20 };
+        assert!(auto.matches(&spine(SpineDtype::Bf16, chose)));
+        assert!(auto.matches(&spine(SpineDtype::Int8, chose)));
+        assert!(!auto.matches(&spine(SpineDtype::Int8, None)));
+        let int8 = SpinePrecision::Fixed(SpineDtype::Int8);
+        assert!(int8.matches(&spine(SpineDtype::Int8, None)));
+        assert!(!int8.matches(&spine(SpineDtype::Int8, chose)));
+        assert!(!int8.matches(&spine(SpineDtype::Bf16, None)));
+    }
 }

@@ -321,6 +321,7 @@ fn packed_manifest(
             int8_group: 0,
             router_f32: false,
             keep: Vec::new(),
+            auto: None,
             bytes: spine_bytes,
             tensors,
         },

@@ -20,7 +20,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn opts(experts: ExpertLayout) -> ConvertOptions {
-    ConvertOptions { spine: SpineDtype::Int8, int8_group: 0, experts, progress: false, ..Default::default() }
+    ConvertOptions { spine: SpineDtype::Int8.into(), int8_group: 0, experts, progress: false, ..Default::default() }
 }
 
 /// A private copy of the tiny checkpoint, and a store converted from it.

@@ -110,7 +110,7 @@ fn check_index(dir: &Path, out: &Path, text: &[u8]) -> Result<(), TestCaseError>
     bounded(|| {
         if Checkpoint::open(dir).is_ok() {
             let opts = ConvertOptions {
-                spine: SpineDtype::Int8,
+                spine: SpineDtype::Int8.into(),
                 int8_group: 0,
                 experts: ExpertLayout::InPlace,
                 progress: false,
@@ -239,7 +239,7 @@ fn store_dir(layout: ExpertLayout) -> StoreDir {
     copy_dir(&fixture_hf(), &hf);
     let dir = tmp.path().join("store");
     let opts = ConvertOptions {
-        spine: SpineDtype::Bf16,
+        spine: SpineDtype::Bf16.into(),
         int8_group: 0,
         experts: layout,
         progress: false,

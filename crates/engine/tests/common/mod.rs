@@ -35,7 +35,7 @@ pub fn reference(name: &str) -> Reference {
 /// Convert a fixture into a fresh temporary store.
 pub fn convert_fixture(name: &str, spine: SpineDtype, int8_group: usize, experts: ExpertLayout) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
-    let opts = ConvertOptions { spine, int8_group, experts, progress: false, ..Default::default() };
+    let opts = ConvertOptions { spine: spine.into(), int8_group, experts, progress: false, ..Default::default() };
     convert(&fixture_dir(name).join("hf"), dir.path(), &opts).expect("convert");
     dir
 }

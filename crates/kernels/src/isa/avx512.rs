@@ -109,6 +109,42 @@ pub unsafe fn int8_matvec(
     }
 }
 
+/// bf16 weights (raw bits) widened to f32 by a shift, 32 per step in two accumulators; only the
+/// summation order (and FMA's single rounding) differs from [`scalar::bf16_matvec`].
+///
+/// # Safety
+/// AVX-512F must be available; `w.len() == rows * cols`, `x.len() == cols`, `out.len() == rows`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(w.len() == rows * cols && x.len() == cols && out.len() == rows);
+    let body = cols / 32 * 32;
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &w[r * cols..(r + 1) * cols];
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (w32, x32) in row[..body].chunks_exact(32).zip(x[..body].chunks_exact(32)) {
+            // SAFETY: 32 u16 and 32 f32 in bounds per chunk; unaligned loads.
+            let (wl, wh, xl, xh) = unsafe {
+                (
+                    _mm256_loadu_si256(w32.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(w32.as_ptr().add(16) as *const __m256i),
+                    _mm512_loadu_ps(x32.as_ptr()),
+                    _mm512_loadu_ps(x32.as_ptr().add(16)),
+                )
+            };
+            // bf16 is the high half of an f32: widen to 32 bits and shift into place (exact).
+            let fl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wl), 16));
+            let fh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wh), 16));
+            a0 = _mm512_fmadd_ps(fl, xl, a0);
+            a1 = _mm512_fmadd_ps(fh, xh, a1);
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        for (&b, &v) in row[body..].iter().zip(&x[body..]) {
+            s += f32::from_bits((b as u32) << 16) * v;
+        }
+        *o = s;
+    }
+}
+
 /// RMSNorm with the sum of squares in f64 lanes (as the scalar oracle keeps f64); only the
 /// summation order differs from it.
 ///

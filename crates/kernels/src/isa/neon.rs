@@ -78,6 +78,42 @@ pub unsafe fn mxfp4_matvec(packed: &[u8], scales: &[u8], rows: usize, cols: usiz
     }
 }
 
+/// bf16 weights (raw bits) widened to f32 by a shift, 16 per step in four accumulators; only the
+/// summation order (and FMA's single rounding) differs from [`scalar::bf16_matvec`].
+///
+/// # Safety
+/// NEON must be available; `w.len() == rows * cols`, `x.len() == cols`, `out.len() == rows`.
+#[target_feature(enable = "neon")]
+pub unsafe fn bf16_matvec(w: &[u16], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(w.len() == rows * cols && x.len() == cols && out.len() == rows);
+    let body = cols / 16 * 16;
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &w[r * cols..(r + 1) * cols];
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        for (w16, x16) in row[..body].chunks_exact(16).zip(x[..body].chunks_exact(16)) {
+            // SAFETY: 16 u16 and 16 f32 in bounds per chunk; unaligned loads.
+            let (wl, wh) = unsafe { (vld1q_u16(w16.as_ptr()), vld1q_u16(w16.as_ptr().add(8))) };
+            // bf16 is the high half of an f32: widen with a 16-bit shift (exact).
+            let ws = [
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(wl))),
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_high_u16(wl))),
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(wh))),
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_high_u16(wh))),
+            ];
+            for (j, (a, wv)) in acc.iter_mut().zip(ws).enumerate() {
+                // SAFETY: 4 f32 at 4j within the chunk of 16.
+                let xv = unsafe { vld1q_f32(x16.as_ptr().add(4 * j)) };
+                *a = vfmaq_f32(*a, wv, xv);
+            }
+        }
+        let mut s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+        for (&b, &v) in row[body..].iter().zip(&x[body..]) {
+            s += f32::from_bits((b as u32) << 16) * v;
+        }
+        *o = s;
+    }
+}
+
 /// int8 weights with one scale per `group` (a multiple of 16) of each row.
 ///
 /// # Safety
