@@ -25,6 +25,7 @@ import numpy as np
 CONFIGS = [
     # name, convert flags, run flags
     ("bf16 (reference)", ["--spine", "bf16"], []),
+    ("the default (--spine auto)", [], []),
     ("f32", ["--spine", "f32"], []),
     ("int8 per row", ["--spine", "int8"], []),
     ("int8 groups of 128", ["--spine", "int8", "--int8-group", "128"], []),
@@ -69,6 +70,9 @@ def main():
     ap.add_argument("--window", type=int, default=512,
                     help="tokens per window, each from a fresh state (the model was trained on 512)")
     ap.add_argument("--out", help="JSON results")
+    ap.add_argument("--torch-ref", metavar="NPY",
+                    help="PyTorch's log-probabilities for the same positions (tools/demo/quant_study.py --save-ref): "
+                         "each configuration is also compared with the training framework")
     ap.add_argument("--ablation", action="store_true",
                     help="keep one class of spine matrices in bf16 at a time instead of the storage schemes")
     ap.add_argument("--config", action="append", default=[], metavar="FLAGS",
@@ -79,6 +83,7 @@ def main():
     starts = np.linspace(0, len(all_ids) - args.window, n_win).astype(int)
     windows = [all_ids[s:s + args.window].tolist() for s in starts]  # evenly spread over the held-out text
     rows, ref = [], None
+    torch_ref = np.load(args.torch_ref).astype(np.float64) if args.torch_ref else None  # [positions, V]
     with tempfile.TemporaryDirectory() as tmp:
         configs = ABLATION if args.ablation else CONFIGS
         if args.config:  # the reference, then the configurations asked for
@@ -116,7 +121,15 @@ def main():
                 # The model's own quality on the text, as a sanity check: next-token loss.
                 "nll": float(np.mean(nll)),
                 "spine_bytes": manifest["spine"]["bytes"],
+                "matrix_dtype": manifest["spine"]["matrix_dtype"],
             }
+            if torch_ref is not None:
+                # Against the training framework (PyTorch, float32, whole sequences): the same statistics.
+                tkl = (np.exp(torch_ref) * (torch_ref - lp)).sum(-1)
+                row["vs_torch"] = {"top1_agreement": float((lp.argmax(-1) == torch_ref.argmax(-1)).mean()),
+                                   "kl_mean": float(tkl.mean()), "kl_p99": float(np.percentile(tkl, 99))}
+                print(f"{name:50} against PyTorch: top-1 {100 * row['vs_torch']['top1_agreement']:6.2f}%  "
+                      f"KL mean {row['vs_torch']['kl_mean']:.2e}", flush=True)
             rows.append(row)
             print(f"{name:50} top-1 {100 * row['top1_agreement']:6.2f}%  KL mean {row['kl_mean']:.2e}  "
                   f"p99 {row['kl_p99']:.2e}  nll {row['nll']:.4f}  spine {row['spine_bytes'] / 1e6:.1f} MB  "

@@ -160,11 +160,18 @@ def main():
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--train", help="the training split's uint16 ids, for GPTQ's calibration (tools/demo/tokenizer.py)")
     ap.add_argument("--out")
+    ap.add_argument("--save-ref", metavar="NPY",
+                    help="write the reference's log-probabilities [positions, vocab] (float32) for fidelity.py --torch-ref")
+    ap.add_argument("--no-schemes", action="store_true", help="only the reference (with --save-ref)")
     args = ap.parse_args()
     torch.manual_seed(0)
     x = windows(args.tokens, args.n, args.window)
     st = Study(args.hf)
-    ref = st.run(x, "record")
+    ref = st.run(x, "record")  # [windows, window, V]
+    if args.save_ref:
+        np.save(args.save_ref, ref.reshape(-1, ref.shape[-1]).float().numpy())
+    if args.no_schemes:
+        return
     schemes = [(f"bits {b}", lambda n, w, b=b: round_rows(w, b)) for b in (6, 7, 8, 9, 10, 11, 12)]
     schemes.append(("int8 g32", lambda n, w: round_rows(w, 8, 32)))
     if args.train:

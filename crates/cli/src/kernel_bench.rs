@@ -8,7 +8,7 @@ use anyhow::Result;
 use deltafin_engine::kernel_path;
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch, expert_mxfp4_unfused};
 use deltafin_kernels::roofline::{fma_peak_gflops, read_bandwidth_gbps};
-use deltafin_kernels::{int8_matvec, mxfp4_matvec_par, par::par_rows};
+use deltafin_kernels::{bf16_matvec, int8_matvec, mxfp4_matvec_par, par::par_rows};
 use serde_json::{Value, json};
 
 /// Bytes of weights kept in rotation so products stream from RAM, not from the caches.
@@ -49,6 +49,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         Kernel { name: "mxfp4 w1/w3 (K3 expert up/gate)", rows: 3072, cols: 3584, bytes_per_weight: 4.25 / 8.0 },
         Kernel { name: "mxfp4 w2 (K3 expert down)", rows: 3584, cols: 3072, bytes_per_weight: 4.25 / 8.0 },
         Kernel { name: "int8 row-scaled (K3 KDA q_proj)", rows: 12288, cols: 7168, bytes_per_weight: 1.0 },
+        Kernel { name: "bf16 (K3 KDA q_proj, --spine bf16)", rows: 12288, cols: 7168, bytes_per_weight: 2.0 },
     ];
     let mut rows_out = Vec::new();
     let mut xq = deltafin_kernels::approx::QuantizedX::default();
@@ -59,7 +60,13 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         let x: Vec<f32> = (0..k.cols).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect();
         let mut out = vec![0f32; k.rows];
         let mxfp4 = k.name.starts_with("mxfp4");
-        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+        let bf16 = k.name.starts_with("bf16");
+        // bf16 weights: finite values of either sign, exponents near 1 (random bits would be
+        // NaNs and infinities at times).
+        let mats16: Vec<Vec<u16>> = (0..if bf16 { copies } else { 0 })
+            .map(|c| fill(weights, c as u64 + 1).iter().map(|&b| 0x3f00 | (b as u16 & 0x80) << 8 | b as u16 & 0x7f).collect())
+            .collect();
+        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..if bf16 { 0 } else { copies })
             .map(|c| {
                 if mxfp4 {
                     let mut sc = fill(weights / 32, c as u64 + 99);
@@ -81,6 +88,14 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 let mut i = 0usize;
                 let (n, s) = pool.install(|| {
                     run_timed(secs, || {
+                        if bf16 {
+                            let w = &mats16[i % copies];
+                            i += 1;
+                            return par_rows(k.rows, k.cols, &mut out, |r0, o| {
+                                let nr = o.len();
+                                bf16_matvec(&w[r0 * k.cols..(r0 + nr) * k.cols], nr, k.cols, &x, o)
+                            });
+                        }
                         let (p, sc) = &mats[i % copies];
                         i += 1;
                         if approx {
