@@ -15,7 +15,7 @@ out=${1:?output directory}
 mkdir -p "$out"
 store=$(mktemp -d)
 trap 'rm -rf "$store"' EXIT
-"$new" convert --from fixtures/k3-small/hf --to "$store/st" >/dev/null
+"$new" convert --from fixtures/k3-small/hf --to "$store/st" --spine int8 >/dev/null
 prompt=$(seq 0 511 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 37) % 500 + 10}')
 bin() { if [ "$1" = old ]; then echo "$old"; else echo "$new"; fi; }
 

@@ -131,7 +131,7 @@ gen() { "$bin" generate --model "$store" --prompt "$prompt" --max-tokens "$max_t
 stream_run() {
   local run=$1
   rm -rf "$store"
-  step "$run" stream install "$bin" install "$repo" --to "$store" --mode stream --endpoint "$endpoint" --no-hub-cache --json
+  step "$run" stream install "$bin" install "$repo" --to "$store" --mode stream --spine int8 --endpoint "$endpoint" --no-hub-cache --json
   step "$run" stream gen1 gen
   step "$run" stream gen2 gen
   step "$run" stream upgrade "$bin" install --upgrade-to-full "$store" --endpoint "$endpoint" --json
@@ -140,7 +140,7 @@ stream_run() {
 full_run() {
   local run=$1
   rm -rf "$store"
-  step "$run" full install "$bin" install "$repo" --to "$store" --mode full --endpoint "$endpoint" --no-hub-cache --json
+  step "$run" full install "$bin" install "$repo" --to "$store" --mode full --spine int8 --endpoint "$endpoint" --no-hub-cache --json
   step "$run" full gen1 gen --offline
   disk "$run"
   rm -rf "$store"

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bin=target/release/deltafin
 store=${STORE:-target/bench-st-small}
 port=${PORT:-8770}
-[ -d "$store" ] || "$bin" convert --from fixtures/k3-small/hf --to "$store" >/dev/null
+[ -d "$store" ] || "$bin" convert --from fixtures/k3-small/hf --to "$store" --spine int8 >/dev/null
 url=http://127.0.0.1:$port/v1
 
 start() {

@@ -26,7 +26,7 @@ C=$(ids 2000 1)
 CF="$C,$(ids 50 2)"
 
 fixture="$work/k3-small"
-$bin convert --from fixtures/k3-small/hf --to "$fixture" >/dev/null 2>&1
+$bin convert --from fixtures/k3-small/hf --to "$fixture" --spine int8 >/dev/null 2>&1
 synth="$dir/k3-real4-64"
 [ -f "$synth/manifest.json" ] || $bin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out "$synth" >&2
 

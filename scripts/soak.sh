@@ -33,7 +33,7 @@ fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$bin" convert --from fixtures/k3-tiny/hf --to "$work/store" >/dev/null
+"$bin" convert --from fixtures/k3-tiny/hf --to "$work/store" --spine int8 >/dev/null
 echo "soak: $bin, ${seconds}s, $clients clients, --queue $queue (store and server log in $work)"
 status=0
 "$CLIENT_PY" tests/soak/soak.py --bin "$bin" --store "$work/store" --seconds "$seconds" \

@@ -124,6 +124,9 @@ def main():
                 "matrix_dtype": manifest["spine"]["matrix_dtype"],
             }
             if torch_ref is not None:
+                if torch_ref.shape != lp.shape:
+                    raise SystemExit(f"--torch-ref holds {torch_ref.shape}, these positions need {lp.shape}: make it with "
+                                     f"quant_study.py --n {args.n} --window {args.window}")
                 # Against the training framework (PyTorch, float32, whole sequences): the same statistics.
                 tkl = (np.exp(torch_ref) * (torch_ref - lp)).sum(-1)
                 row["vs_torch"] = {"top1_agreement": float((lp.argmax(-1) == torch_ref.argmax(-1)).mean()),

@@ -60,6 +60,9 @@ def main():
     ap.add_argument("--out", default="models/k3-demo/traces")
     ap.add_argument("--prompt", type=int, default=480)
     ap.add_argument("--gen", type=int, default=32)
+    # The committed traces were recorded with the int8 spine, the conversion's default then; bf16 (the default now,
+    # `--spine auto`) changes about one (token, layer) pair's expert set in thirteen (README "Spine quantisation").
+    ap.add_argument("--spine", default="int8", help="the store's spine (convert --spine); int8 reproduces the committed traces")
     args = ap.parse_args()
     enc = encoding(Path(args.hf))
     by = held_out(Path(args.corpus))
@@ -75,7 +78,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
-        subprocess.run([args.bin, "convert", "--from", args.hf, "--to", str(store)], check=True, capture_output=True)
+        subprocess.run([args.bin, "convert", "--from", args.hf, "--to", str(store), "--spine", args.spine], check=True,
+                       capture_output=True)
         for name, text in texts.items():
             ids = enc.encode_ordinary(text)[: args.prompt]
             trace = out / f"{name}.jsonl"

@@ -84,7 +84,7 @@ pub fn install(a: InstallArgs) -> Result<()> {
         (None, Some(e)) => (OriginKind::Hub, e),
         (None, None) => (OriginKind::Hub, env_endpoint()),
     };
-    let (spine, budget_source) = a.spine.precision();
+    let (spine, budget_source) = a.spine.precision()?;
     let opts = InstallOptions {
         repo,
         revision: a.revision,
@@ -113,7 +113,12 @@ pub fn install(a: InstallArgs) -> Result<()> {
     );
     let auto = deltafin_store::Manifest::load(&to).ok().and_then(|m| m.spine.auto);
     if let (Some(auto), Some(source)) = (auto, budget_source) {
-        eprintln!("spine: {} ({source})", auto.describe());
+        // A resumed install keeps what auto chose when the store was first converted.
+        let when = match spine {
+            deltafin_store::SpinePrecision::Auto { budget } if budget == auto.budget => source,
+            _ => "chosen when the store was first converted".into(),
+        };
+        eprintln!("spine: {} ({when})", auto.describe());
     }
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

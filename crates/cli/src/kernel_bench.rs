@@ -64,7 +64,9 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
         // bf16 weights: finite values of either sign, exponents near 1 (random bits would be
         // NaNs and infinities at times).
         let mats16: Vec<Vec<u16>> = (0..if bf16 { copies } else { 0 })
-            .map(|c| fill(weights, c as u64 + 1).iter().map(|&b| 0x3f00 | (b as u16 & 0x80) << 8 | b as u16 & 0x7f).collect())
+            .map(|c| {
+                fill(weights, c as u64 + 1).iter().map(|&b| 0x3f00 | (b as u16 & 0x80) << 8 | b as u16 & 0x7f).collect()
+            })
             .collect();
         let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..if bf16 { 0 } else { copies })
             .map(|c| {

@@ -136,7 +136,7 @@ fn dispatch(cli: Cli) -> Result<()> {
     deltafin_engine::os::cpus::start(cli.threads).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     match cli.cmd {
         Cmd::Convert { from, to, spine, int8_group, router_f32, keep, experts } => {
-            let (spine, budget_source) = spine.precision();
+            let (spine, budget_source) = spine.precision()?;
             let opts =
                 ConvertOptions { spine, int8_group, router_f32, keep, experts, progress: true, ..Default::default() };
             let t0 = std::time::Instant::now();

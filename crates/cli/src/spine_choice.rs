@@ -40,13 +40,19 @@ pub struct SpineArgs {
 }
 
 impl SpineArgs {
-    /// The precision to ask `convert` for, and for `auto` the budget's origin in words.
-    pub fn precision(&self) -> (SpinePrecision, Option<String>) {
-        match self.spine {
-            SpineArg::Fixed(d) => (SpinePrecision::Fixed(d), None),
-            SpineArg::Auto => {
-                let b = self.memory_budget.map_or_else(default_budget, Budget::given);
-                (SpinePrecision::Auto { budget: b.bytes }, Some(b.source))
+    /// The precision to ask `convert` for, and for `auto` the budget's origin in words. A budget
+    /// given with a fixed dtype would be ignored: it is refused instead.
+    pub fn precision(&self) -> anyhow::Result<(SpinePrecision, Option<String>)> {
+        match (self.spine, self.memory_budget) {
+            (SpineArg::Fixed(_), Some(_)) => {
+                anyhow::bail!(
+                    "--memory-budget is what --spine auto weighs; with --spine int8, bf16 or f32 it has no use"
+                )
+            }
+            (SpineArg::Fixed(d), None) => Ok((SpinePrecision::Fixed(d), None)),
+            (SpineArg::Auto, given) => {
+                let b = given.map_or_else(default_budget, Budget::given);
+                Ok((SpinePrecision::Auto { budget: b.bytes }, Some(b.source)))
             }
         }
     }
@@ -67,8 +73,10 @@ mod tests {
     #[test]
     fn auto_takes_the_given_budget() {
         let a = SpineArgs { spine: SpineArg::Auto, memory_budget: Some(1 << 30) };
-        assert_eq!(a.precision().0, SpinePrecision::Auto { budget: 1 << 30 });
-        let f = SpineArgs { spine: SpineArg::Fixed(SpineDtype::Int8), memory_budget: Some(1 << 30) };
-        assert_eq!(f.precision(), (SpinePrecision::Fixed(SpineDtype::Int8), None));
+        assert_eq!(a.precision().unwrap().0, SpinePrecision::Auto { budget: 1 << 30 });
+        let f = SpineArgs { spine: SpineArg::Fixed(SpineDtype::Int8), memory_budget: None };
+        assert_eq!(f.precision().unwrap(), (SpinePrecision::Fixed(SpineDtype::Int8), None));
+        let both = SpineArgs { spine: SpineArg::Fixed(SpineDtype::Int8), memory_budget: Some(1 << 30) };
+        assert!(both.precision().unwrap_err().to_string().contains("--spine auto"));
     }
 }

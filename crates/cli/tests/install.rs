@@ -432,9 +432,19 @@ fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
 
     // Spine bytes that went bad on disk after a stream install was converted from them: the
     // upgrade's sha256 rejects the shard, and once every shard is verified the spine is
-    // converted again, so the full store equals `convert`'s.
+    // converted again, so the full store equals `convert`'s. The install's budget is too small
+    // for a bf16 spine, so `--spine auto` takes int8; a rerun keeps that conversion, and so does
+    // the conversion after the upgrade.
     let s3 = d.path().join("s3");
-    env.install(&o, &s3, "stream", &[]);
+    let (_, err) = env.install(&o, &s3, "stream", &["--memory-budget", "1M"]);
+    assert!(err.contains("converting the spine") && err.contains("spine: int8: a bf16 spine"), "{err}");
+    let (_, err) = env.install(&o, &s3, "stream", &["--memory-budget", "1M"]);
+    assert!(err.contains("the spine is converted already (Int8 matrices); kept"), "{err}");
+    let (_, err) = env.install(&o, &s3, "stream", &[]);
+    assert!(
+        err.contains("the spine is converted already") && err.contains("chosen when the store was first converted"),
+        "{err}"
+    );
     let m: serde_json::Value = serde_json::from_slice(&std::fs::read(s3.join("manifest.json")).unwrap()).unwrap();
     let shard = "model-00004-of-000013.safetensors";
     let blob = m["origin"]["files"].as_array().unwrap().iter().find(|f| f["name"] == shard).unwrap()["sha256"]
@@ -456,8 +466,11 @@ fn corrupt_bytes_are_caught_by_the_checksums_and_fetched_again() {
     let (_, err) = env.ok(&up3);
     assert!(err.contains("converting the spine again"), "{err}");
     let conv = tempfile::tempdir().unwrap();
-    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", conv.path().to_str().unwrap()]);
+    let c = conv.path().to_str().unwrap();
+    env.ok(&["convert", "--from", fixture_hf("k3-small").to_str().unwrap(), "--to", c, "--memory-budget", "1M"]);
     assert_eq!(std::fs::read(s3.join("spine.bin")).unwrap(), std::fs::read(conv.path().join("spine.bin")).unwrap());
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(s3.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!((&m["spine"]["matrix_dtype"], &m["spine"]["auto"]["budget"]), (&"int8".into(), &(1u64 << 20).into()));
     assert!(!s3.join(".deltafin/spine-stale.json").exists());
 
     // An expert whose bytes the origin corrupts on first use (lengths and ETag right) cannot be

@@ -22,7 +22,9 @@ use anyhow::{Context, Result, bail};
 use deltafin_store::checkpoint::text_prefix;
 use deltafin_store::checksum::Xxh3;
 use deltafin_store::convert::{ConvertOptions, ExpertSums, convert};
-use deltafin_store::manifest::{Manifest, OriginFile, OriginInfo, SpineDtype, SpinePrecision, StreamingInfo};
+use deltafin_store::manifest::{
+    Manifest, OriginFile, OriginInfo, SpineAuto, SpineDtype, SpinePrecision, StreamingInfo,
+};
 use deltafin_store::schema::{Role, checkpoint_name, spine_specs};
 use deltafin_store::shard::{TensorEntry, parse_header};
 use deltafin_store::{K3Config, Store};
@@ -324,8 +326,7 @@ fn spine_ranges(
     config: &K3Config,
     weight_map: &HashMap<String, String>,
     shards: &mut [ShardPlan],
-    spine: SpinePrecision,
-) -> Result<u64> {
+) -> Result<SpineEstimate> {
     let prefix = text_prefix(weight_map.keys().map(String::as_str));
     let mut entries: HashMap<String, HashMap<String, TensorEntry>> = HashMap::new();
     for s in shards.iter() {
@@ -334,35 +335,52 @@ fn spine_ranges(
         entries.insert(s.file.name.clone(), parsed.into_iter().map(|t| (t.name.clone(), t)).collect());
     }
     let mut wanted: HashMap<String, Vec<Range>> = HashMap::new();
-    let mut spine_bytes = 0u64;
+    let mut est = SpineEstimate::default();
     for spec in spine_specs(config) {
         let full = checkpoint_name(prefix, &spec.name);
         // A tensor the index does not have is left to the conversion, which names it.
         let Some(file) = weight_map.get(&full) else { continue };
         let Some(t) = entries.get(file).and_then(|m| m.get(&full)) else { continue };
         wanted.entry(file.clone()).or_default().push((t.offset, t.offset + t.len));
-        spine_bytes += stored_bytes(&spec.role, t, spine);
+        let numel = t.numel() as u64;
+        match spec.role {
+            Role::Matrix => {
+                est.matrix_elems += numel;
+                est.matrix_rows += t.shape.first().copied().unwrap_or(1) as u64;
+            }
+            _ => est.vector_elems += numel,
+        }
     }
     for s in shards.iter_mut() {
         let mut r = wanted.remove(&s.file.name).unwrap_or_default();
         r.push((0, s.header.len() as u64));
         s.needed = coalesce(r, COALESCE_GAP);
     }
-    Ok(spine_bytes)
+    Ok(est)
 }
 
-/// Bytes a spine tensor takes in the store (int8 matrices with f32 row scales, bf16 or f32
-/// matrices; vectors f32): an estimate for the disk plan, before the spine's exact layout. For
-/// `auto`, whose choice comes with the conversion, the larger (bf16).
-fn stored_bytes(role: &Role, t: &TensorEntry, spine: SpinePrecision) -> u64 {
-    let numel = t.numel() as u64;
-    match (role, spine) {
-        (Role::Matrix, SpinePrecision::Fixed(SpineDtype::Int8)) => {
-            numel + t.shape.first().copied().unwrap_or(1) as u64 * 4
+/// The converted spine's size, estimated from the headers before its exact layout (for the
+/// disk plan, and for `--spine auto`'s choice when deciding whether a store needs converting).
+#[derive(Debug, Default)]
+struct SpineEstimate {
+    matrix_elems: u64,
+    matrix_rows: u64,
+    vector_elems: u64,
+}
+
+impl SpineEstimate {
+    /// Bytes with matrices as `d` (int8 with per-row f32 scales); vectors are f32.
+    fn bytes(&self, d: SpineDtype) -> u64 {
+        let scales = if d == SpineDtype::Int8 { self.matrix_rows * 4 } else { 0 };
+        self.matrix_elems * d.element_bytes() as u64 + scales + self.vector_elems * 4
+    }
+
+    /// The matrices' dtype the conversion will pick.
+    fn dtype(&self, spine: SpinePrecision) -> SpineDtype {
+        match spine {
+            SpinePrecision::Fixed(d) => d,
+            SpinePrecision::Auto { budget } => SpineAuto { budget, bf16_bytes: self.bytes(SpineDtype::Bf16) }.choose(),
         }
-        (Role::Matrix, SpinePrecision::Fixed(SpineDtype::F32)) => numel * 4,
-        (Role::Matrix, _) => numel * 2,
-        _ => numel * 4,
     }
 }
 
@@ -424,7 +442,8 @@ fn stream_install(
         .zip(headers)
         .map(|(file, header)| ShardPlan { file, header, needed: Vec::new() })
         .collect();
-    let spine_estimate = spine_ranges(&config, &weight_map, &mut shards, opts.spine)?;
+    let estimate = spine_ranges(&config, &weight_map, &mut shards)?;
+    let spine_estimate = estimate.bytes(estimate.dtype(opts.spine));
     let small: Vec<&OriginFile> =
         info.files.iter().filter(|f| !shards.iter().any(|s| s.file.name == f.name) && f.size <= SMALL_FILE).collect();
 
@@ -555,8 +574,12 @@ fn stream_install(
     let moe = config.moe_layers();
     deltafin_store::presence::Presence::open_or_create(&opts.to.join(PRESENCE_FILE), &moe, config.num_experts)?;
     let current = Manifest::load(&opts.to).ok();
-    let converted = current.as_ref().is_some_and(|m| m.origin.as_ref() == Some(info) && opts.spine.matches(&m.spine));
-    if !converted {
+    let bf16_bytes = estimate.bytes(SpineDtype::Bf16);
+    let converted =
+        current.as_ref().is_some_and(|m| m.origin.as_ref() == Some(info) && opts.spine.matches(&m.spine, bf16_bytes));
+    if let (true, Some(m)) = (converted, &current) {
+        say(format!("the spine is converted already ({:?} matrices); kept", m.spine.matrix_dtype));
+    } else {
         say("converting the spine".into());
         let co = ConvertOptions {
             spine: opts.spine,
@@ -826,11 +849,7 @@ fn upgrade_with(
             eprintln!("converting the spine again from the verified shards");
         }
         let co = ConvertOptions {
-            // As first converted: auto weighs the same checkpoint against the same budget.
-            spine: match m.spine.auto {
-                Some(a) => SpinePrecision::Auto { budget: a.budget },
-                None => SpinePrecision::Fixed(m.spine.matrix_dtype),
-            },
+            spine: m.spine.precision(),
             int8_group: m.spine.int8_group,
             progress: !quiet,
             origin: Some(info.clone()),

@@ -374,9 +374,7 @@ fn lay_out_spine(tensors: &mut [PlannedTensor]) -> u64 {
         p.len = match p.dtype {
             // bf16 from a bf16 source is a plain copy of the source bytes.
             SpineDtype::Bf16 if p.t.dtype == Dtype::BF16 => p.t.len,
-            SpineDtype::Bf16 => numel * 2,
-            SpineDtype::F32 => numel * 4,
-            SpineDtype::Int8 => numel,
+            d => numel * d.element_bytes() as u64,
         };
         pos = p.offset + p.len;
         if p.dtype == SpineDtype::Int8 {

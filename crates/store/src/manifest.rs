@@ -96,6 +96,17 @@ pub enum SpineDtype {
     F32,
 }
 
+impl SpineDtype {
+    /// Bytes per stored element (int8's scales aside).
+    pub fn element_bytes(self) -> usize {
+        match self {
+            SpineDtype::Int8 => 1,
+            SpineDtype::Bf16 => 2,
+            SpineDtype::F32 => 4,
+        }
+    }
+}
+
 impl std::str::FromStr for SpineDtype {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -128,13 +139,27 @@ impl From<SpineDtype> for SpinePrecision {
 }
 
 impl SpinePrecision {
-    /// Whether a store whose spine section is `spine` was converted as this asks: the same
-    /// fixed dtype, or chosen by `auto` (whatever it chose then: a resumed install does not
-    /// decide again).
-    pub fn matches(&self, spine: &SpineInfo) -> bool {
+    /// Whether a store whose spine section is `spine` holds what this asks for: the fixed
+    /// dtype; for `auto`, what the rule picks with a bf16 spine of `bf16_bytes` (an estimate
+    /// is enough: a store converted by auto before keeps its choice, so that a resumed install
+    /// does not decide again).
+    pub fn matches(&self, spine: &SpineInfo, bf16_bytes: u64) -> bool {
         match self {
-            SpinePrecision::Fixed(d) => spine.auto.is_none() && spine.matrix_dtype == *d,
-            SpinePrecision::Auto { .. } => spine.auto.is_some(),
+            SpinePrecision::Fixed(d) => spine.matrix_dtype == *d,
+            SpinePrecision::Auto { budget } => {
+                spine.auto.is_some() || spine.matrix_dtype == SpineAuto { budget: *budget, bf16_bytes }.choose()
+            }
+        }
+    }
+}
+
+impl SpineInfo {
+    /// How to convert again as this spine was converted (auto weighs the same checkpoint
+    /// against the same budget, so it chooses the same).
+    pub fn precision(&self) -> SpinePrecision {
+        match self.auto {
+            Some(a) => SpinePrecision::Auto { budget: a.budget },
+            None => SpinePrecision::Fixed(self.matrix_dtype),
         }
     }
 }
@@ -159,7 +184,7 @@ impl SpineAuto {
         let h = crate::progress::human;
         match self.choose() {
             SpineDtype::Bf16 => format!(
-                "bf16, the checkpoint's precision: its spine ({}) takes at most half the memory budget ({})",
+                "bf16 (Kimi K3's checkpoint precision): a bf16 spine ({}) takes at most half the memory budget ({})",
                 h(self.bf16_bytes),
                 h(self.budget)
             ),
@@ -460,17 +485,24 @@ mod tests {
         assert!(SpineAuto { budget: 199, bf16_bytes: 100 }.describe().starts_with("int8"));
     }
 
-    /// A resumed install keeps what auto chose before; a fixed dtype matches only itself.
+    /// A resumed install keeps what auto chose before, and a store converted without auto
+    /// matches auto when it holds what auto would pick; a fixed dtype matches that dtype.
     #[test]
     fn precision_matches_what_was_converted() {
         let chose = Some(SpineAuto { budget: 1 << 30, bf16_bytes: 1 << 20 });
+        // A budget under which auto would now pick int8 (bf16 of 1 MiB > half of 1 MiB).
         let auto = SpinePrecision::Auto { budget: 1 << 20 };
-        assert!(auto.matches(&spine(SpineDtype::Bf16, chose)));
-        assert!(auto.matches(&spine(SpineDtype::Int8, chose)));
-        assert!(!auto.matches(&spine(SpineDtype::Int8, None)));
+        let mib = 1 << 20;
+        assert!(auto.matches(&spine(SpineDtype::Bf16, chose), mib), "chosen before: kept");
+        assert!(auto.matches(&spine(SpineDtype::Int8, chose), mib));
+        assert!(auto.matches(&spine(SpineDtype::Int8, None), mib), "int8 by hand, int8 by the rule");
+        assert!(!auto.matches(&spine(SpineDtype::Bf16, None), mib), "bf16 by hand, int8 by the rule");
+        assert!(SpinePrecision::Auto { budget: 1 << 30 }.matches(&spine(SpineDtype::Bf16, None), mib));
         let int8 = SpinePrecision::Fixed(SpineDtype::Int8);
-        assert!(int8.matches(&spine(SpineDtype::Int8, None)));
-        assert!(!int8.matches(&spine(SpineDtype::Int8, chose)));
-        assert!(!int8.matches(&spine(SpineDtype::Bf16, None)));
+        assert!(int8.matches(&spine(SpineDtype::Int8, None), mib));
+        assert!(int8.matches(&spine(SpineDtype::Int8, chose), mib));
+        assert!(!int8.matches(&spine(SpineDtype::Bf16, chose), mib));
+        assert_eq!(spine(SpineDtype::Int8, chose).precision(), SpinePrecision::Auto { budget: 1 << 30 });
+        assert_eq!(spine(SpineDtype::Int8, None).precision(), SpinePrecision::Fixed(SpineDtype::Int8));
     }
 }

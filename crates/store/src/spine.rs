@@ -157,11 +157,7 @@ pub(crate) fn check_tensor(
     let bad =
         |msg: &str| StoreError::Store { path: spine_path.to_path_buf(), msg: format!("spine tensor '{name}': {msg}") };
     let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
-    let esize = match t.dtype {
-        SpineDtype::F32 => 4,
-        SpineDtype::Bf16 => 2,
-        SpineDtype::Int8 => 1,
-    };
+    let esize = t.dtype.element_bytes();
     let len = usize::try_from(t.len).map_err(|_| bad("length does not match shape"))?;
     if numel.checked_mul(esize) != Some(len) {
         return Err(bad("length does not match shape"));

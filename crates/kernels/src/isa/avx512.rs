@@ -1,5 +1,5 @@
 //! Layer 3, the AVX-512 kernels (x86_64) that are not tiles: F + BW for the one-input int8
-//! product, RMSNorm, softmax and the input staging of the MXFP4 tiles; F + BW + VL + VNNI for the
+//! product, F for the bf16 product, RMSNorm, softmax and the input staging of the MXFP4 tiles; F + BW + VL + VNNI for the
 //! approximate-mode product. The register-blocked exact MXFP4 products and the prompt chunk's
 //! int8 product are in [`super::avx512_tile`]. Imports only `format` and `scalar`. Their oracles
 //! are the scalar twins.

@@ -1,4 +1,4 @@
-//! Layer 3, every NEON kernel (aarch64): MXFP4 and int8 mat-vecs, the batched MXFP4 expert
+//! Layer 3, every NEON kernel (aarch64): MXFP4, int8 and bf16 mat-vecs, the batched MXFP4 expert
 //! product, the approximate product with `sdot`, RMSNorm and softmax. Imports only `format` and
 //! `scalar`. Their oracles are the scalar twins; the tests run them under `qemu-aarch64` on x86
 //! machines (`scripts/test-neon.sh`).
