@@ -27,6 +27,25 @@ use crate::k3::snapshot;
 
 const EXT: &str = "dfstate";
 const TMP_EXT: &str = "dfstate-tmp";
+/// A temporary file untouched this long is what an interrupted write left, whoever wrote it.
+/// Younger ones may be another process's write in progress (two servers, or a server and a
+/// `generate`, may share a directory); a snapshot is written in seconds.
+const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Whether a temporary file `name` (`{snapshot}.{pid}.{TMP_EXT}`) is left over from an
+/// interrupted write: its writer is gone (where the system tells), it is older than
+/// [`STALE_TMP`], or it names no writer (an older version's).
+fn stale_tmp(name: &str, age: Option<std::time::Duration>) -> bool {
+    let writer = name
+        .strip_suffix(&format!(".{TMP_EXT}"))
+        .and_then(|n| n.rsplit_once('.'))
+        .and_then(|(_, pid)| pid.parse::<u32>().ok());
+    match writer {
+        None => true,
+        Some(pid) if pid == std::process::id() => false,
+        Some(pid) => crate::os::process::alive(pid) == Some(false) || age.is_some_and(|a| a >= STALE_TMP),
+    }
+}
 
 /// What the store did, for `/metrics` and reports.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -84,7 +103,8 @@ pub fn prefix_key(tokens: &[u32]) -> u64 {
 
 impl PrefixStore {
     /// Open (creating) `dir` for snapshots of model `identity`, keeping at most `budget` bytes
-    /// of them. Temporary files left by an interrupted write are deleted.
+    /// of them. Temporary files left by an interrupted write are deleted ([`stale_tmp`]); those
+    /// of another process's write in progress are not.
     pub fn open(dir: &Path, budget: u64, identity: u64) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut entries = Vec::new();
@@ -94,7 +114,10 @@ impl PrefixStore {
             let path = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
             if name.ends_with(TMP_EXT) {
-                let _ = std::fs::remove_file(&path);
+                let age = e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+                if stale_tmp(&name, age) {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             let Some(rest) = name.strip_prefix(&prefix).and_then(|r| r.strip_suffix(&format!(".{EXT}"))) else {
@@ -239,7 +262,10 @@ impl PrefixStore {
         }
         self.evict_to(self.budget - bytes);
         let name = format!("{:016x}-{key:016x}-{}", self.identity, tokens.len());
-        let (tmp, path) = (self.dir.join(format!("{name}.{TMP_EXT}")), self.dir.join(format!("{name}.{EXT}")));
+        // The temporary name is this process's own, so that two processes sharing the
+        // directory never write into one file; the rename publishes whole snapshots only.
+        let tmp = self.dir.join(format!("{name}.{}.{TMP_EXT}", std::process::id()));
+        let path = self.dir.join(format!("{name}.{EXT}"));
         let written = (|| {
             let mut f = File::create(&tmp)?;
             f.write_all(&self.buf)?;

@@ -115,10 +115,37 @@ fn torn_corrupt_and_interrupted_snapshots_are_never_used() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x01;
     std::fs::write(&flipped, bytes).unwrap();
-    // An interrupted write leaves a temporary file; the next open deletes it.
-    std::fs::write(dir.path().join("0000000000000007-0000000000000001-5.dfstate-tmp"), b"half a snap").unwrap();
+    // An interrupted write leaves a temporary file named after its writer's process: the next
+    // open deletes it when that process is gone (where the system tells: Linux) or the file
+    // is old. A fresh one of a live process (a shared directory) is another write in progress:
+    // kept, as is this process's own.
+    let name = |n: u32, pid: u32| dir.path().join(format!("0000000000000007-000000000000000{n}-5.{pid}.dfstate-tmp"));
+    let child = |secs: &str| {
+        let mut c = std::process::Command::new(if cfg!(windows) { "ping" } else { "sleep" });
+        if cfg!(windows) {
+            c.args(["-n", secs, "127.0.0.1"]);
+        } else {
+            c.arg(secs);
+        }
+        c.stdout(std::process::Stdio::null()).spawn().unwrap()
+    };
+    let mut gone = child("0");
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    let mut writer = child("60");
+    let (dead, old, live) = (name(1, gone_pid), name(2, 1), name(3, writer.id()));
+    let own = name(5, std::process::id());
+    let old_unnamed = dir.path().join("0000000000000007-0000000000000004-5.dfstate-tmp");
+    for p in [&dead, &old, &live, &old_unnamed, &own] {
+        std::fs::write(p, b"half a snap").unwrap();
+    }
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options().write(true).open(&old).unwrap().set_modified(hour_ago).unwrap();
     let mut ps = PrefixStore::open(dir.path(), 1 << 30, 7).unwrap();
-    assert!(!dir.path().join("0000000000000007-0000000000000001-5.dfstate-tmp").exists());
+    assert_eq!(dead.exists(), !cfg!(target_os = "linux"), "a dead writer's file goes where liveness is known");
+    assert!(!old.exists() && !old_unnamed.exists() && live.exists() && own.exists());
+    let _ = writer.kill();
+    let _ = writer.wait();
     let (got, logits) = resume(&mut ps, &model, &f.store, &a);
     assert_eq!(got, 10);
     assert!(same(&logits, &run(&model, &f.store, &a).1));
