@@ -70,10 +70,6 @@ fn chunked_prompt_matches_token_by_token() {
     }
 }
 
-fn same(x: &[f32], y: &[f32]) -> bool {
-    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
-}
-
 /// The generation loop cuts prompts by the plan's chunk size (`RunConfig::prefill_chunk`, set
 /// from the budget or `--prefill-chunk`): the prompt's logits and the greedy tokens after it
 /// are the same for every size, with the spine resident or streamed, and the prompt's figures

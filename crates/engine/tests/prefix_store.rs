@@ -12,10 +12,6 @@ use deltafin_engine::k3::{K3Model, K3State, RunConfig};
 use deltafin_engine::prefix_store::PrefixStore;
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
-fn same(x: &[f32], y: &[f32]) -> bool {
-    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
-}
-
 struct Fixture {
     _dir: tempfile::TempDir,
     store: Store,

@@ -12,10 +12,6 @@ use deltafin_engine::k3::snapshot::{self, SnapshotError};
 use deltafin_engine::k3::{K3Model, LayerState, RunConfig};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
-fn same(x: &[f32], y: &[f32]) -> bool {
-    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
-}
-
 #[test]
 fn a_restored_state_continues_bit_for_bit() {
     for name in FIXTURES {

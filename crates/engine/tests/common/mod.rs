@@ -41,6 +41,11 @@ pub fn convert_fixture(name: &str, spine: SpineDtype, int8_group: usize, experts
 }
 
 /// Max absolute difference divided by max |reference|.
+/// Bit for bit the same floats (NaNs and signed zeros included).
+pub fn same(x: &[f32], y: &[f32]) -> bool {
+    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let d = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
