@@ -220,7 +220,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         bail!("--routing-locality must be between 0 and 1");
     }
     // A trace records each layer's prediction of the next layer's picks.
-    let opts = RunOptions { predict: a.trace.is_some(), ..a.model.run_options()? };
+    // With --state-dir the state store holds one snapshot's bytes besides the live state.
+    let opts = RunOptions {
+        predict: a.trace.is_some(),
+        state_copies: 1 + usize::from(a.state_dir.is_some()),
+        ..a.model.run_options()?
+    };
     let (store, mut s) = a.model.open_with(&opts)?;
     let tok = load_tokenizer(&store)?;
     let prompt_ids = match (&a.prompt, &a.prompt_tokens) {

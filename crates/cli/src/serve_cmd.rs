@@ -85,7 +85,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let tokenizer = Tokenizer::load(&store.dir)?;
     let mut run_opts = a.model.run_options()?;
-    run_opts.state_copies = if a.no_prefix_cache { 1 } else { 2 };
+    // The live state, the prefix snapshot (unless --no-prefix-cache), and the state store's
+    // buffer of one snapshot (--state-dir).
+    run_opts.state_copies = 1 + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
     run_opts.fetcher = a.model.fetcher_for(&store)?;
     let cfg = &store.manifest.config;
     let id = a.served_model_name.clone().unwrap_or_else(|| {

@@ -408,6 +408,29 @@ fn convert_spine_auto_weighs_the_bf16_spine_against_the_budget() {
     assert!(err.contains("--memory-budget is what --spine auto weighs"), "{err}");
 }
 
+/// The memory plan reserves the state store's buffer: with `--state-dir` it counts two sequence
+/// states (the live one and one snapshot's bytes), and says so.
+#[test]
+fn the_plan_reserves_the_state_stores_buffer() {
+    let store = convert("k3-small", &[]);
+    let states = tempfile::tempdir().unwrap();
+    let s = store.path().to_str().unwrap();
+    let args = ["generate", "--model", s, "--prompt-tokens", "5,17,3", "--max-tokens", "2", "--json"];
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let v: serde_json::Value = serde_json::from_str(&ok(&[&args[..], extra].concat())).unwrap();
+        v["plan"].clone()
+    };
+    let (one, two) = (plan(&[]), plan(&["--state-dir", states.path().to_str().unwrap()]));
+    assert_eq!((&one["state_copies"], &two["state_copies"]), (&1.into(), &2.into()));
+    assert_eq!(two["state_bytes"].as_u64().unwrap(), 2 * one["state_bytes"].as_u64().unwrap());
+    let o = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([&args[..7], &["--state-dir", states.path().to_str().unwrap()]].concat())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("x2: the live state and its snapshots in memory"), "{err}");
+}
+
 /// `generate --state-dir` keeps the prompt's and the turn's state on disk: a later process
 /// whose prompt extends either resumes from it (`cached_prompt_tokens`) and generates exactly
 /// what a run from scratch does; another numerics mode (another identity) is not served.

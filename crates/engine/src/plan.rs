@@ -30,8 +30,12 @@ pub struct Plan {
     pub spine_stream_buffer_bytes: u64,
     /// Spine bytes read from disk per token (the streamed layers).
     pub spine_bytes_per_token: u64,
+    /// All the sequence states reserved (`state_copies` of them).
     pub state_bytes: u64,
     pub context_tokens: usize,
+    /// Sequence states reserved: the live one, a server's prefix snapshot, the state store's
+    /// buffer.
+    pub state_copies: usize,
     pub io_buffers: usize,
     pub io_buffer_bytes: u64,
     pub slot_bytes: u64,
@@ -63,6 +67,17 @@ pub struct Plan {
 /// Bytes of one expert buffer: the aligned windows of a record's ranges, back to back.
 pub fn slot_bytes(m: &Manifest) -> u64 {
     geometry::slot_bytes(m.experts.layers.iter().flat_map(|l| &l.experts)) as u64
+}
+
+/// What the state line of a plan says when it reserves more than the live state.
+fn copies_note(copies: usize) -> String {
+    if copies > 1 {
+        format!(
+            ", x{copies}: the live state and its snapshots in memory; serve --no-prefix-cache and no --state-dir keep one"
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens.
@@ -234,7 +249,8 @@ pub struct PlanRequest {
     pub io_buffers: usize,
     /// `--resident-spine-layers`.
     pub resident_layers: Option<usize>,
-    /// Sequence states kept at once (a server's prefix snapshot makes two).
+    /// Sequence states kept at once: the live one, a server's prefix snapshot, and the state
+    /// store's buffer (`--state-dir`) each count one.
     pub state_copies: usize,
     /// `--prefill-chunk`.
     pub prefill_chunk: Option<usize>,
@@ -262,8 +278,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
     let (budget, budget_source) = (budget.bytes, budget.source.clone());
     // The live sequence state, plus any snapshot kept for prefix reuse.
     let state = state_bytes(m, context) * state_copies.max(1) as u64;
-    let snapshot_note =
-        if state_copies > 1 { " (live state and prefix snapshot; serve --no-prefix-cache halves it)" } else { "" };
+    let snapshot_note = copies_note(state_copies);
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
     let (per_layer_spine, other_spine) = spine_layer_bytes(m);
@@ -343,6 +358,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         spine_bytes_per_token: streamed_bytes,
         state_bytes: state,
         context_tokens: context,
+        state_copies: state_copies.max(1),
         io_buffers,
         io_buffer_bytes: io,
         slot_bytes: slot,
@@ -365,7 +381,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context)\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context{})\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             self.budget_source,
             human(self.spine_bytes),
@@ -375,6 +391,7 @@ impl Plan {
             human(self.spine_stream_buffer_bytes),
             human(self.state_bytes),
             self.context_tokens,
+            copies_note(self.state_copies),
             human(self.io_buffer_bytes),
             self.io_buffers,
             human(self.slot_bytes),

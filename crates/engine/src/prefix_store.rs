@@ -32,6 +32,14 @@ const TMP_EXT: &str = "dfstate-tmp";
 /// `generate`, may share a directory); a snapshot is written in seconds.
 const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// Replace `buf`'s contents with the file at `path` (its capacity is kept for the next one).
+fn read_into(path: &Path, buf: &mut Vec<u8>) -> io::Result<()> {
+    use std::io::Read;
+    buf.clear();
+    File::open(path)?.read_to_end(buf)?;
+    Ok(())
+}
+
 /// Whether a temporary file `name` (`{snapshot}.{pid}.{TMP_EXT}`) is left over from an
 /// interrupted write: its writer is gone (where the system tells), it is older than
 /// [`STALE_TMP`], or it names no writer (an older version's).
@@ -77,7 +85,9 @@ pub struct PrefixStore {
     budget: u64,
     identity: u64,
     entries: Vec<Entry>,
-    /// Encoding buffer, reused.
+    /// One snapshot's bytes, reused to encode and to read: about one sequence state (which the
+    /// memory plan reserves as a state copy when a state directory is in use) plus the logits
+    /// and the token list.
     buf: Vec<u8>,
     pub counters: StoreCounters,
 }
@@ -183,8 +193,11 @@ impl PrefixStore {
         let mut found = None;
         for i in candidates {
             let e = &self.entries[i];
-            let bytes = match std::fs::read(&e.path) {
-                Ok(b) => Some(b),
+            // Into the one buffer that `save` encodes into: the store holds at most one
+            // snapshot's bytes in memory (the plan counts one state copy for it).
+            let read = read_into(&e.path, &mut self.buf);
+            let bytes = match read {
+                Ok(()) => Some(&self.buf),
                 Err(err) => {
                     // Gone or unreadable: forgotten, so it no longer counts towards the budget.
                     tracing::warn!("prompt state {} unreadable ({err}); forgotten", e.path.display());
@@ -194,7 +207,7 @@ impl PrefixStore {
             };
             let restored = bytes.and_then(|bytes| {
                 self.counters.bytes_read += bytes.len() as u64;
-                match snapshot::decode(&bytes, self.identity, st, logits) {
+                match snapshot::decode(bytes, self.identity, st, logits) {
                     Ok(tokens) if tokens == prompt[..e.tokens] => Some(()),
                     Ok(_) => None, // a hash collision: another prefix, not this one
                     Err(err) => {

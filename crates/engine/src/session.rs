@@ -36,7 +36,8 @@ pub struct RunOptions {
     pub approx: bool,
     /// Predict each next MoE layer's experts even without prefetch (for router traces).
     pub predict: bool,
-    /// Sequence states the plan reserves: 1, or 2 when a server keeps a prefix snapshot.
+    /// Sequence states the plan reserves: the live one, plus one for a server's prefix snapshot
+    /// and one for the state store's buffer (`--state-dir`).
     pub state_copies: usize,
     /// Prompt tokens per chunk (`--prefill-chunk`); `None` sizes chunks from the budget.
     pub prefill_chunk: Option<usize>,
