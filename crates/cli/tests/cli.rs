@@ -428,7 +428,7 @@ fn the_plan_reserves_the_state_stores_buffer() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("x2: the live state and its snapshots in memory"), "{err}");
+    assert!(err.contains("(x2: the live state and its snapshots in memory)"), "{err}");
 }
 
 /// `generate --state-dir` keeps the prompt's and the turn's state on disk: a later process

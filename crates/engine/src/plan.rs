@@ -71,13 +71,7 @@ pub fn slot_bytes(m: &Manifest) -> u64 {
 
 /// What the state line of a plan says when it reserves more than the live state.
 fn copies_note(copies: usize) -> String {
-    if copies > 1 {
-        format!(
-            ", x{copies}: the live state and its snapshots in memory; serve --no-prefix-cache and no --state-dir keep one"
-        )
-    } else {
-        String::new()
-    }
+    if copies > 1 { format!(" (x{copies}: the live state and its snapshots in memory)") } else { String::new() }
 }
 
 /// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens.

@@ -27,10 +27,13 @@ use crate::k3::snapshot;
 
 const EXT: &str = "dfstate";
 const TMP_EXT: &str = "dfstate-tmp";
-/// A temporary file untouched this long is what an interrupted write left, whoever wrote it.
-/// Younger ones may be another process's write in progress (two servers, or a server and a
-/// `generate`, may share a directory); a snapshot is written in seconds.
+/// Where the file system cannot lock files: a temporary file untouched this long (either way,
+/// should the clock have moved) is what an interrupted write left; a snapshot is written in
+/// seconds.
 const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Temporary files written by this process so far (part of their names).
+static TMP_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Replace `buf`'s contents with the file at `path` (its capacity is kept for the next one).
 fn read_into(path: &Path, buf: &mut Vec<u8>) -> io::Result<()> {
@@ -40,18 +43,21 @@ fn read_into(path: &Path, buf: &mut Vec<u8>) -> io::Result<()> {
     Ok(())
 }
 
-/// Whether a temporary file `name` (`{snapshot}.{pid}.{TMP_EXT}`) is left over from an
-/// interrupted write: its writer is gone (where the system tells), it is older than
-/// [`STALE_TMP`], or it names no writer (an older version's).
-fn stale_tmp(name: &str, age: Option<std::time::Duration>) -> bool {
-    let writer = name
-        .strip_suffix(&format!(".{TMP_EXT}"))
-        .and_then(|n| n.rsplit_once('.'))
-        .and_then(|(_, pid)| pid.parse::<u32>().ok());
-    match writer {
-        None => true,
-        Some(pid) if pid == std::process::id() => false,
-        Some(pid) => crate::os::process::alive(pid) == Some(false) || age.is_some_and(|a| a >= STALE_TMP),
+/// Whether the temporary file at `path` is left over from an interrupted write. Its writer holds
+/// an exclusive lock on it from creation to rename, and the system drops the lock when the
+/// writer dies, however it dies: a file that can be locked has no writer. That holds across
+/// processes, containers sharing a volume and (on file systems that lock) machines. Where locks
+/// are not supported, the file's age decides.
+fn stale_tmp(path: &Path) -> bool {
+    let Ok(f) = File::options().read(true).write(true).open(path) else { return false };
+    match f.try_lock() {
+        Ok(()) => true,
+        Err(std::fs::TryLockError::WouldBlock) => false,
+        Err(std::fs::TryLockError::Error(_)) => f
+            .metadata()
+            .and_then(|m| m.modified())
+            .map(|t| SystemTime::now().duration_since(t).unwrap_or_else(|e| e.duration()) >= STALE_TMP)
+            .unwrap_or(false),
     }
 }
 
@@ -113,8 +119,8 @@ pub fn prefix_key(tokens: &[u32]) -> u64 {
 
 impl PrefixStore {
     /// Open (creating) `dir` for snapshots of model `identity`, keeping at most `budget` bytes
-    /// of them. Temporary files left by an interrupted write are deleted ([`stale_tmp`]); those
-    /// of another process's write in progress are not.
+    /// of them. Temporary files left by an interrupted write are deleted; those of another
+    /// process's write in progress (a shared directory) are not: see `stale_tmp`.
     pub fn open(dir: &Path, budget: u64, identity: u64) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut entries = Vec::new();
@@ -124,8 +130,7 @@ impl PrefixStore {
             let path = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
             if name.ends_with(TMP_EXT) {
-                let age = e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
-                if stale_tmp(&name, age) {
+                if stale_tmp(&path) {
                     let _ = std::fs::remove_file(&path);
                 }
                 continue;
@@ -135,8 +140,10 @@ impl PrefixStore {
             };
             let Some((key, tokens)) = rest.split_once('-') else { continue };
             let (Ok(key), Ok(tokens)) = (u64::from_str_radix(key, 16), tokens.parse::<usize>()) else { continue };
-            let meta = e.metadata()?;
-            entries.push(Entry { tokens, key, bytes: meta.len(), used: meta.modified()?, path });
+            // Another process sharing the directory may have evicted it since the listing.
+            let Ok(meta) = e.metadata() else { continue };
+            let Ok(used) = meta.modified() else { continue };
+            entries.push(Entry { tokens, key, bytes: meta.len(), used, path });
         }
         let mut s = PrefixStore {
             dir: dir.to_path_buf(),
@@ -190,6 +197,7 @@ impl PrefixStore {
         candidates.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].tokens));
         let t0 = std::time::Instant::now();
         let mut dead = Vec::new();
+        let mut forgotten = Vec::new();
         let mut found = None;
         for i in candidates {
             let e = &self.entries[i];
@@ -199,9 +207,11 @@ impl PrefixStore {
             let bytes = match read {
                 Ok(()) => Some(&self.buf),
                 Err(err) => {
-                    // Gone or unreadable: forgotten, so it no longer counts towards the budget.
+                    // Gone (another process sharing the directory evicted it) or unreadable:
+                    // forgotten, so it no longer counts towards the budget, but not deleted
+                    // (the error may pass, or the name may hold another process's new file).
                     tracing::warn!("prompt state {} unreadable ({err}); forgotten", e.path.display());
-                    dead.push(i);
+                    forgotten.push(i);
                     None
                 }
             };
@@ -237,7 +247,7 @@ impl PrefixStore {
         let mut i = 0;
         self.entries.retain(|_| {
             i += 1;
-            !dead.contains(&(i - 1))
+            !dead.contains(&(i - 1)) && !forgotten.contains(&(i - 1))
         });
         match tokens {
             Some(_) => self.counters.hits += 1,
@@ -275,15 +285,22 @@ impl PrefixStore {
         }
         self.evict_to(self.budget - bytes);
         let name = format!("{:016x}-{key:016x}-{}", self.identity, tokens.len());
-        // The temporary name is this process's own, so that two processes sharing the
-        // directory never write into one file; the rename publishes whole snapshots only.
-        let tmp = self.dir.join(format!("{name}.{}.{TMP_EXT}", std::process::id()));
+        // The temporary name is this write's own (process, clock, serial), so that no two
+        // writers, in one process or several sharing the directory, write into one file; the
+        // lock, held until the rename publishes the whole snapshot, tells a start that the
+        // file is being written (see `stale_tmp`).
+        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let serial = TMP_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self.dir.join(format!("{name}.{}-{nanos}-{serial}.{TMP_EXT}", std::process::id()));
         let path = self.dir.join(format!("{name}.{EXT}"));
         let written = (|| {
-            let mut f = File::create(&tmp)?;
+            let mut f = File::options().write(true).create_new(true).open(&tmp)?;
+            // A file system without locks still gets the snapshot (starts then go by age).
+            if let Err(e) = f.lock() {
+                tracing::debug!("locking {}: {e}", tmp.display());
+            }
             f.write_all(&self.buf)?;
             f.sync_all()?;
-            drop(f);
             std::fs::rename(&tmp, &path)
         })();
         if let Err(e) = written {

@@ -8,11 +8,9 @@
 //! - [`files`]: opening a file for reads that bypass the system's cache.
 //! - [`machine`]: what machine this is, and a drive's size and free space (benchmark reports).
 //! - [`memory`]: giving pages back, the page size, the peak resident size.
-//! - [`process`]: whether another process is still running.
 
 pub mod budget;
 pub mod cpus;
 pub mod files;
 pub mod machine;
 pub mod memory;
-pub mod process;
