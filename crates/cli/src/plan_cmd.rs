@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use deltafin_engine::plan::{Budget, PlanRequest, human, make_plan, prefill_token_bytes};
+use deltafin_engine::blocks::mla::LatentDtype;
+use deltafin_engine::plan::{Budget, PlanRequest, human, longest_context, make_plan, prefill_token_bytes, state_bytes};
 use deltafin_store::K3Config;
 use deltafin_store::synth::{k3_release_config, paper_manifest};
 use serde_json::json;
@@ -23,6 +24,10 @@ pub struct PlanArgs {
     pub memory_budget: Vec<u64>,
     #[arg(long, default_value_t = 4096)]
     pub context: usize,
+    /// How the MLA latent cache stores its values: bf16 (what the engine uses with an int8 or
+    /// bf16 spine) or f32.
+    #[arg(long, default_value = "bf16")]
+    pub latent_cache: String,
     /// Prompt tokens per chunk (default: sized from the budget).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
@@ -51,6 +56,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     };
     let m = paper_manifest(&cfg);
     let k = cfg.num_experts_per_token;
+    let latent_cache: LatentDtype = a.latent_cache.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     let mut out = Vec::new();
     for &b in &a.memory_budget {
         let req = PlanRequest {
@@ -60,19 +66,29 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             resident_layers: a.resident_spine_layers,
             state_copies: 1,
             prefill_chunk: a.prefill_chunk,
+            latent_cache,
         };
         let plan = make_plan(&m, &Budget::given(b), &req)?;
         let per_token = plan.spine_bytes_per_token + plan.expected_expert_bytes_per_token;
+        let longest = longest_context(&m, &Budget::given(b), &req);
+        let state_per_1k = state_bytes(&m, 1000, latent_cache.bytes()) - state_bytes(&m, 0, latent_cache.bytes());
         if !a.json {
             println!("{}", plan.describe());
             println!(
-                "  read per token (cold, uniform routing): {} = streamed spine {} + experts {}\n",
+                "  read per token (cold, uniform routing): {} = streamed spine {} + experts {}",
                 human(per_token),
                 human(plan.spine_bytes_per_token),
                 human(plan.expected_expert_bytes_per_token)
             );
+            println!(
+                "  longest context this budget holds: {longest} tokens ({} latent cache: {} per 1,000 tokens; the model allows {})\n",
+                latent_cache.name(),
+                human(state_per_1k),
+                cfg.max_position_embeddings
+            );
         }
-        out.push(json!({ "plan": plan, "read_bytes_per_token": per_token }));
+        out.push(json!({ "plan": plan, "read_bytes_per_token": per_token, "longest_context": longest,
+                         "state_bytes_per_1000_tokens": state_per_1k }));
     }
     if a.json {
         println!(

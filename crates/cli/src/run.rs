@@ -29,9 +29,14 @@ pub struct ModelArgs {
     /// this process' cgroup memory limit when that is smaller.
     #[arg(long, value_parser = parse_size)]
     pub memory_budget: Option<u64>,
-    /// Context length the plan reserves attention cache for.
-    #[arg(long, default_value_t = 4096)]
+    /// Context length the plan reserves attention cache for (up to the model's maximum; a
+    /// context the budget cannot hold is refused at start, with the longest one it can).
+    #[arg(long, default_value_t = 4096, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1u64 << 24)))]
     pub context: usize,
+    /// How the MLA latent cache stores its values: auto (f32 with an f32 spine, else bf16),
+    /// bf16 (half the memory and bandwidth, f32 accumulation) or f32.
+    #[arg(long, default_value = "auto")]
+    pub latent_cache: String,
     /// Expert read back-end: auto (io_uring when the kernel allows, else pread), io-uring, pread.
     #[arg(long, default_value = "auto")]
     pub io_backend: String,
@@ -108,6 +113,10 @@ impl ModelArgs {
             predict: false,
             state_copies: 1,
             prefill_chunk: self.prefill_chunk.map(|n| n as usize),
+            latent_cache: match self.latent_cache.as_str() {
+                "auto" => None,
+                o => Some(o.parse().map_err(|e: String| anyhow::anyhow!(e))?),
+            },
             fetcher: None,
         })
     }
@@ -267,7 +276,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             let manifest = std::fs::read(store.dir.join("manifest.json")).context("reading the store's manifest")?;
             let id = deltafin_engine::prefix_store::identity(
                 deltafin_store::checksum::xxh3_64(&manifest),
-                s.numerics(),
+                &s.state_numerics(),
                 &s.variant(),
             );
             let ps = deltafin_engine::prefix_store::PrefixStore::open(dir, a.state_budget, id)
@@ -317,6 +326,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": s.numerics(),
             "approximate": s.model.run().approx,
+            "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
             "timing": {

@@ -6,6 +6,7 @@ use anyhow::{Result, bail};
 use deltafin_store::{AttnKind, Manifest};
 use serde::Serialize;
 
+use crate::blocks::mla::LatentDtype;
 pub use crate::os::budget::CgroupMemory;
 use crate::stream::geometry;
 
@@ -33,6 +34,8 @@ pub struct Plan {
     /// All the sequence states reserved (`state_copies` of them).
     pub state_bytes: u64,
     pub context_tokens: usize,
+    /// How the MLA latent cache stores its values (bf16 or f32).
+    pub latent_cache: LatentDtype,
     /// Sequence states reserved: the live one, a server's prefix snapshot, the state store's
     /// buffer.
     pub state_copies: usize,
@@ -74,8 +77,9 @@ fn copies_note(copies: usize) -> String {
     if copies > 1 { format!(" (x{copies}: the live state and its snapshots in memory)") } else { String::new() }
 }
 
-/// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens.
-pub fn state_bytes(m: &Manifest, context: usize) -> u64 {
+/// Recurrent state of every KDA layer plus the MLA latent cache for `context` tokens, at
+/// `latent_bytes` per cached value (2 for bf16, 4 for f32).
+pub fn state_bytes(m: &Manifest, context: usize, latent_bytes: usize) -> u64 {
     let c = &m.config;
     let lac = &c.linear_attn_config;
     let p = lac.num_heads * lac.head_dim;
@@ -84,9 +88,9 @@ pub fn state_bytes(m: &Manifest, context: usize) -> u64 {
             AttnKind::Kda => {
                 (lac.num_heads * lac.head_dim * lac.head_dim + 3 * (lac.short_conv_kernel_size - 1) * p) * 4
             }
-            AttnKind::Mla => context * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
+            AttnKind::Mla => context.saturating_mul((c.kv_lora_rank + c.qk_rope_head_dim) * latent_bytes),
         })
-        .sum::<usize>() as u64
+        .fold(0u64, |a, b| a.saturating_add(b as u64))
 }
 
 /// Spine bytes of each decoder layer, and of everything outside the layers (embeddings, final
@@ -248,6 +252,19 @@ pub struct PlanRequest {
     pub state_copies: usize,
     /// `--prefill-chunk`.
     pub prefill_chunk: Option<usize>,
+    /// How the MLA latent cache stores its values.
+    pub latent_cache: LatentDtype,
+}
+
+/// The MLA attention's working set (absorbed queries and latent outputs of a few tokens at a
+/// time, whatever the chunk: `blocks::mla::Mla::working_bytes`), when the model has MLA layers.
+pub fn mla_working_bytes(m: &Manifest) -> u64 {
+    let c = &m.config;
+    if !(0..c.num_hidden_layers).any(|l| c.attn_kind(l) == AttnKind::Mla) {
+        return 0;
+    }
+    crate::blocks::mla::Mla::working_bytes(c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim)
+        as u64
 }
 
 /// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
@@ -266,12 +283,74 @@ fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Opti
     (0..=n).rev().find(|&r| cost(r).0 <= budget).map(|r| (r, cost(r).1))
 }
 
+/// The memory plan for `req` under `budget`, or why it cannot be made. A budget too small for the
+/// requested context says the longest context it holds.
 pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan> {
-    let PlanRequest { context, experts_per_token, io_buffers, resident_layers, state_copies, prefill_chunk } =
-        req.clone();
+    match try_plan(m, budget, req) {
+        Ok(p) => Ok(p),
+        Err(Shortfall::Chunk(why)) => bail!("{why}"),
+        Err(Shortfall::Budget(why)) => {
+            let longest = longest_context(m, budget, req);
+            let hint = if longest == 0 {
+                "; not even one token of context fits: the budget is below what the model needs without any state"
+                    .to_string()
+            } else if longest < req.context {
+                format!(
+                    "; this budget holds a context of at most {longest} tokens (use --context {longest} or less, or a larger budget)"
+                )
+            } else {
+                String::new()
+            };
+            bail!("{why}{hint}")
+        }
+    }
+}
+
+/// The longest context (up to the model's `max_position_embeddings`) whose state fits beside
+/// the minimum of everything else under `budget`, with `req`'s other settings (a forced prompt
+/// chunk left to the plan); 0 when not even one token fits.
+pub fn longest_context(m: &Manifest, budget: &Budget, req: &PlanRequest) -> usize {
+    let fits = |context: usize| {
+        let r = PlanRequest { context, prefill_chunk: None, ..req.clone() };
+        try_plan(m, budget, &r).is_ok()
+    };
+    let max = m.config.max_position_embeddings.max(1);
+    if !fits(1) {
+        return 0;
+    }
+    if fits(max) {
+        return max;
+    }
+    // fits(lo), !fits(hi): the state grows with the context, so the answer is where it stops.
+    let (mut lo, mut hi) = (1, max);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) { lo = mid } else { hi = mid }
+    }
+    lo
+}
+
+/// Why no plan fits.
+enum Shortfall {
+    /// A forced prompt chunk does not fit.
+    Chunk(String),
+    /// The budget is below the minimum.
+    Budget(String),
+}
+
+fn try_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan, Shortfall> {
+    let PlanRequest {
+        context,
+        experts_per_token,
+        io_buffers,
+        resident_layers,
+        state_copies,
+        prefill_chunk,
+        latent_cache,
+    } = req.clone();
     let (budget, budget_source) = (budget.bytes, budget.source.clone());
     // The live sequence state, plus any snapshot kept for prefix reuse.
-    let state = state_bytes(m, context) * state_copies.max(1) as u64;
+    let state = state_bytes(m, context, latent_cache.bytes()).saturating_mul(state_copies.max(1) as u64);
     let snapshot_note = copies_note(state_copies);
     let slot = slot_bytes(m);
     let io = io_buffers as u64 * slot;
@@ -283,35 +362,37 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
     // resident layer less costs one layer's bytes per token.
     let minimum = other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0);
     let per_token = prefill_token_bytes(m, experts_per_token);
-    let beyond_minimum = budget.saturating_sub(minimum + state + io + FIXED_OVERHEAD);
+    // What no plan can do without: the process' own overhead and MLA's attention working set.
+    let overhead = FIXED_OVERHEAD + mla_working_bytes(m);
+    let beyond_minimum = budget.saturating_sub((minimum + io + overhead).saturating_add(state));
     let (mut chunk, mut chunk_source) = choose_prefill_chunk(beyond_minimum, per_token, context, prefill_chunk);
     let prefill = per_token.saturating_mul(chunk as u64);
-    let rest = state + io + FIXED_OVERHEAD + prefill;
+    let rest = state.saturating_add(io + overhead + prefill);
     let (resident, stream_reserve) =
         choose_resident(&per_layer_spine, other_spine, rest, budget, resident_layers).unwrap_or((0, u64::MAX / 4));
     let streamed_bytes: u64 = per_layer_spine[resident..].iter().sum();
     let spine = other_spine + per_layer_spine[..resident].iter().sum::<u64>();
-    let fixed = spine.saturating_add(stream_reserve) + rest;
+    let fixed = spine.saturating_add(stream_reserve).saturating_add(rest);
     if prefill_chunk.is_some() && budget < fixed {
-        bail!(
+        return Err(Shortfall::Chunk(format!(
             "--prefill-chunk {chunk} needs {} of activations ({} per token), but the memory budget {} leaves {} after the spine, state and buffers; use a smaller chunk or a larger budget",
             human(prefill),
             human(per_token),
             human(budget),
             human(beyond_minimum)
-        );
+        )));
     }
     if budget < fixed {
-        bail!(
+        return Err(Shortfall::Budget(format!(
             "memory budget {} ({budget_source}) is below the minimum {} (embeddings and head {}, streamed spine layers {}, state {} for {context} tokens{snapshot_note}, I/O buffers {}, overhead {})",
             human(budget),
-            human(minimum + rest),
+            human(minimum.saturating_add(rest)),
             human(other_spine),
             human(STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0)),
             human(state),
             human(io),
-            human(FIXED_OVERHEAD)
-        );
+            human(overhead)
+        )));
     }
     let free = budget - fixed;
     let slots_total = free.checked_div(slot).unwrap_or(0);
@@ -352,6 +433,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         spine_bytes_per_token: streamed_bytes,
         state_bytes: state,
         context_tokens: context,
+        latent_cache,
         state_copies: state_copies.max(1),
         io_buffers,
         io_buffer_bytes: io,
@@ -362,7 +444,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
         experts_per_token,
         cache_slots_per_layer: per_layer,
         cache_bytes,
-        overhead_bytes: FIXED_OVERHEAD,
+        overhead_bytes: overhead,
         prefill_chunk: chunk,
         prefill_bytes: prefill,
         prefill_chunk_source: chunk_source,
@@ -375,7 +457,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Pla
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context{})\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context, {} latent cache{})\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             self.budget_source,
             human(self.spine_bytes),
@@ -385,6 +467,7 @@ impl Plan {
             human(self.spine_stream_buffer_bytes),
             human(self.state_bytes),
             self.context_tokens,
+            self.latent_cache.name(),
             copies_note(self.state_copies),
             human(self.io_buffer_bytes),
             self.io_buffers,

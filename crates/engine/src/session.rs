@@ -9,6 +9,7 @@ use deltafin_store::Store;
 use deltafin_store::presence::ExpertFetcher;
 use serde::Serialize;
 
+use crate::blocks::mla::LatentDtype;
 use crate::k3::{K3Model, PromptBorrowing, RunConfig};
 use crate::plan::{Budget, Plan, PlanRequest, default_budget, make_plan};
 use crate::stream::activity::{DiskActivity, Watched};
@@ -41,6 +42,9 @@ pub struct RunOptions {
     pub state_copies: usize,
     /// Prompt tokens per chunk (`--prefill-chunk`); `None` sizes chunks from the budget.
     pub prefill_chunk: Option<usize>,
+    /// How the MLA latent cache stores its values; `None`: f32 for an f32 spine (the exactness
+    /// studies' configuration, as the reference keeps an f32 model's cache), else bf16.
+    pub latent_cache: Option<LatentDtype>,
     /// Fills a streaming store's absent experts on first use; `None` = offline (an absent
     /// expert is an error that says how to fetch it).
     pub fetcher: Option<Arc<dyn ExpertFetcher>>,
@@ -62,6 +66,7 @@ impl Default for RunOptions {
             predict: false,
             state_copies: 1,
             prefill_chunk: None,
+            latent_cache: None,
             fetcher: None,
         }
     }
@@ -110,7 +115,15 @@ impl Session {
         // Both read back-ends (experts, streamed spine) report to one activity: the disk's
         // idle time.
         let activity = Arc::new(DiskActivity::default());
+        let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
+        let max = store.manifest.config.max_position_embeddings;
+        anyhow::ensure!(
+            opts.context_tokens <= max,
+            "--context {} is beyond the model's {max} positions (its max_position_embeddings)",
+            opts.context_tokens
+        );
         let req = PlanRequest {
+            latent_cache,
             context: opts.context_tokens,
             experts_per_token: k,
             io_buffers,
@@ -127,6 +140,7 @@ impl Session {
                 prefetch: opts.prefetch,
                 predict: opts.predict,
                 context_reserve: opts.context_tokens,
+                latent_cache: Some(latent_cache),
                 approx: opts.approx,
                 io_backend: opts.backend,
                 prefill_chunk: plan.prefill_chunk,
@@ -175,6 +189,12 @@ impl Session {
     /// How this run computes, for every output.
     pub fn numerics(&self) -> &'static str {
         if self.model.run().approx { "approximate (int8 activations for routed experts)" } else { "exact" }
+    }
+
+    /// What a prompt state on disk must match beyond the store: the numerics and the latent
+    /// cache's dtype (a bf16 cache's states are not an f32 cache's).
+    pub fn state_numerics(&self) -> String {
+        format!("{}|latent {}", self.numerics(), self.model.latent_cache().name())
     }
 
     pub fn report(&self) -> StreamReport {

@@ -101,7 +101,39 @@ impl Linear {
         }
     }
 
-    /// `out += alpha * W[r, :]`: used to apply a matrix transposed (MLA's absorbed key).
+    /// Rows `r0 .. r0+n` as a kernel view (MLA's key rows of one head, for the transposed
+    /// product).
+    pub fn dense_rows(&self, r0: usize, n: usize) -> k::format::Dense<'_> {
+        let (c, span) = (self.cols, r0 * self.cols..(r0 + n) * self.cols);
+        match &self.data {
+            SpineData::F32(w) => k::format::Dense::F32(&w[span]),
+            SpineData::Bf16(w) => k::format::Dense::Bf16(&w[span]),
+            SpineData::Int8 { q, scales, group } => {
+                let g = c / group;
+                k::format::Dense::Int8 { q: &q[span], scales: &scales[r0 * g..(r0 + n) * g], group: *group }
+            }
+        }
+    }
+
+    /// Rows `r0 .. r0+n` of `W x` for `t_n` inputs on the calling thread (MLA's value rows of one
+    /// head, while the heads share the pool), per input bit-identical to [`Self::forward_rows`]
+    /// of those rows. Shapes: xs `[T, cols]`, outs `[T, n]`.
+    pub fn rows_batch_serial(&self, r0: usize, n: usize, xs: &[f32], t_n: usize, outs: &mut [f32]) {
+        let c = self.cols;
+        assert!(xs.len() >= t_n * c && outs.len() >= t_n * n);
+        if let SpineData::Int8 { q, scales, group } = &self.data
+            && t_n > 1
+        {
+            let g = c / group;
+            let (qs, ss) = (&q[r0 * c..(r0 + n) * c], &scales[r0 * g..(r0 + n) * g]);
+            return k::int8_matvec_multi(qs, ss, *group, n, c, &xs[..t_n * c], t_n, &mut outs[..t_n * n], n);
+        }
+        for t in 0..t_n {
+            self.rows_serial(r0, &xs[t * c..(t + 1) * c], &mut outs[t * n..(t + 1) * n]);
+        }
+    }
+
+    /// `out += alpha * W[r, :]`: row `r` scaled into `out` (the embedding lookup).
     pub fn axpy_row(&self, r: usize, alpha: f32, out: &mut [f32]) {
         let c = self.cols;
         match &self.data {

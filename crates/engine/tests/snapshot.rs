@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use deltafin_engine::blocks::mla::{LatentCache, LatentDtype};
 use deltafin_engine::experts::StoreExperts;
 use deltafin_engine::generate::argmax;
 use deltafin_engine::k3::snapshot::{self, SnapshotError};
@@ -79,6 +80,24 @@ fn bad_snapshots_are_refused() {
         assert!(restore(&bad, 1).is_err(), "a flipped bit at {at} was not caught");
     }
     assert_eq!(restore(b"not a snapshot at all, but long enough", 1), Err(SnapshotError::Magic));
+    // A snapshot of the previous format (f32 latents and rope channels apart) is refused by its
+    // version, before anything in it is read, with a message that says so.
+    let mut v1 = good.clone();
+    v1[7] = b'1';
+    let err = restore(&v1, 1).unwrap_err();
+    assert_eq!(err, SnapshotError::Version(b'1'));
+    assert!(err.to_string().contains("version 1"), "{err}");
+    // A state whose latent cache is f32 does not restore into a bf16 run (nor the reverse).
+    let f32_model =
+        K3Model::load(&store, &RunConfig { latent_cache: Some(LatentDtype::F32), ..Default::default() }).unwrap();
+    let (mut s32, mut l32) = (f32_model.new_state(), vec![0f32; v]);
+    f32_model.forward_chunk(&mut s32, &mut StoreExperts::new(&store), &[5, 17, 3], &mut l32).unwrap();
+    let mut as_f32 = Vec::new();
+    snapshot::encode(&s32, &l32, &[5, 17, 3], 1, &mut as_f32);
+    assert_eq!(restore(&as_f32, 1), Err(SnapshotError::Shape("MLA cache dtype")));
+    let (mut back, mut lb) = (f32_model.new_state(), vec![0f32; v]);
+    assert!(snapshot::decode(&as_f32, 1, &mut back, &mut lb).is_ok());
+    assert_eq!(lb, l32);
     // Well-formed files (right checksum and identity) that do not fit: an MLA cache of another
     // width for the same length, and a token list that is not the state's length.
     let mut wide = model.new_state();
@@ -86,7 +105,11 @@ fn bad_snapshots_are_refused() {
     let mut mla = 0;
     for l in wide.layers.iter_mut() {
         if let LayerState::Mla(m) = l {
-            m.latents.resize(m.len * (m.kv_lora + 1), 0.5);
+            let n = m.len * (m.width() + 1);
+            match &mut m.cache {
+                LatentCache::Bf16(v) => v.resize(n, 0x3f00),
+                LatentCache::F32(v) => v.resize(n, 0.5),
+            }
             mla += 1;
         }
     }

@@ -132,3 +132,84 @@ mod tests {
         }
     }
 }
+
+/// A dense `[rows, cols]` weight matrix in one of the spine's storage formats, row-major. The
+/// transposed products ([`crate::matvec::vecmat`]) read it element by element as f32: f32 as is,
+/// bf16 widened (exact), int8 times its scale (`q * scales[r, c / group]`, one rounding).
+#[derive(Clone, Copy)]
+pub enum Dense<'a> {
+    F32(&'a [f32]),
+    /// Raw bf16 bits.
+    Bf16(&'a [u16]),
+    /// `q [rows, cols]`, `scales [rows, cols / group]`.
+    Int8 {
+        q: &'a [i8],
+        scales: &'a [f32],
+        group: usize,
+    },
+}
+
+impl Dense<'_> {
+    /// Whether the storage holds `rows x cols` values (and, for int8, whole scale groups).
+    pub fn holds(&self, rows: usize, cols: usize) -> bool {
+        match *self {
+            Dense::F32(w) => w.len() == rows * cols,
+            Dense::Bf16(w) => w.len() == rows * cols,
+            Dense::Int8 { q, scales, group } => {
+                group != 0
+                    && cols.is_multiple_of(group)
+                    && q.len() == rows * cols
+                    && scales.len() == rows * (cols / group)
+            }
+        }
+    }
+
+    /// Element `(r, c)` of a matrix `cols` wide, as f32 (the scalar definition every path keeps).
+    #[inline(always)]
+    pub fn at(&self, cols: usize, r: usize, c: usize) -> f32 {
+        match *self {
+            Dense::F32(w) => w[r * cols + c],
+            Dense::Bf16(w) => bf16_to_f32(w[r * cols + c]),
+            Dense::Int8 { q, scales, group } => q[r * cols + c] as f32 * scales[r * (cols / group) + c / group],
+        }
+    }
+}
+
+/// bf16 bits to f32 (exact: the bits move up by 16).
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 to bf16 bits, rounding to nearest even (NaN stays NaN).
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// The rows of MLA's latent cache, `[positions, width]`: per position the normed latent
+/// (`kv_lora` values) then the `rope` channels, in f32 or as bf16 bits.
+#[derive(Clone, Copy)]
+pub enum LatentRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl LatentRows<'_> {
+    /// Positions held, at `width` values each.
+    pub fn positions(&self, width: usize) -> usize {
+        match self {
+            LatentRows::F32(v) => v.len() / width.max(1),
+            LatentRows::Bf16(v) => v.len() / width.max(1),
+        }
+    }
+
+    /// Value `c` of position `t`, as f32.
+    #[inline(always)]
+    pub fn at(&self, width: usize, t: usize, c: usize) -> f32 {
+        match self {
+            LatentRows::F32(v) => v[t * width + c],
+            LatentRows::Bf16(v) => bf16_to_f32(v[t * width + c]),
+        }
+    }
+}

@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::format::{BLOCK, E2M1_LUT, E2M1_X2_I8, Mxfp4, QuantizedX, check_matvec_shapes, e8m0_to_f32};
+use crate::format::{
+    BLOCK, Dense, E2M1_LUT, E2M1_X2_I8, Mxfp4, QuantizedX, bf16_to_f32, check_matvec_shapes, e8m0_to_f32,
+};
 
 // ---- Element-wise helpers and reductions -------------------------------------------------------
 
@@ -360,6 +362,109 @@ pub fn mla_head_attend(
     mla_scores(q_lat, q_pe, latents, k_pe, scale, scores);
     softmax_inplace(scores);
     mla_mix(scores, latents, q_lat.len(), o_lat);
+}
+
+// ---- Transposed products and the one-pass MLA attention --------------------------------------
+
+/// The transposed product `out[m] = x[m]^T W` for `n` inputs: `out[m * os + c] = sum_r x[m * xs + r]
+/// W[r, c]`. Per output, `acc = fma(x[m, r], W[r, c], acc)` from `acc = 0` over the rows in
+/// order, with `W[r, c]` as [`Dense::at`] reads it: every path keeps exactly this arithmetic
+/// (element-wise fused multiply-adds vectorise without reordering), so all are bit-identical to
+/// this twin. Shapes: w `[rows, cols]`, xs `[n, x_stride]` (first `rows` read), out
+/// `[n, out_stride]` (first `cols` written).
+#[allow(clippy::too_many_arguments)]
+pub fn vecmat(
+    w: Dense,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    x_stride: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    for m in 0..n {
+        let x = &xs[m * x_stride..m * x_stride + rows];
+        let o = &mut out[m * out_stride..m * out_stride + cols];
+        vecmat_cols(&w, cols, x, 0, o);
+    }
+}
+
+/// Columns `c0 .. c0 + out.len()` of one input's transposed product (the remainder columns of the
+/// SIMD paths run here). Shapes: x `[rows]`.
+#[inline(always)]
+pub fn vecmat_cols(w: &Dense, cols: usize, x: &[f32], c0: usize, out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        for (r, &xr) in x.iter().enumerate() {
+            acc = xr.mul_add(w.at(cols, r, c0 + j), acc);
+        }
+        *o = acc;
+    }
+}
+
+/// Widen bf16 bits to f32 (exact). Shapes: src, dst `[n]`.
+#[inline(always)]
+pub fn widen_bf16(src: &[u16], dst: &mut [f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16_to_f32(s);
+    }
+}
+
+/// The scores of one block of the one-pass MLA attention: `s[i * s_stride + j] = q_i . row_j`
+/// for `nq` queries (`q_stride` apart) and `nb` rows of `width` values, each a plain dot product
+/// ([`dot`]). The scalar path's kernel (the SIMD paths sum in their own lanes).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_block_scores(
+    q: &[f32],
+    q_stride: usize,
+    nq: usize,
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    for i in 0..nq {
+        let qi = &q[i * q_stride..i * q_stride + width];
+        for j in 0..nb {
+            s[i * s_stride + j] = dot(qi, &rows[j * width..(j + 1) * width]);
+        }
+    }
+}
+
+/// `x[j] = exp(x[j] - shift)` (libm's exp: the scalar path's).
+pub fn exp_shifted(x: &mut [f32], shift: f32) {
+    for v in x.iter_mut() {
+        *v = (*v - shift).exp();
+    }
+}
+
+/// The read-out of one block: `out_i[d] = out_i[d] * alpha_i + sum_{j < nb} p[i, j] row_j[d]` for
+/// `d < kvl`, per element a multiply then fused multiply-adds in row order (every path's
+/// arithmetic). Shapes: p `[nq, p_stride]`, alpha `[nq]`, rows `[nb, width]`, out `[nq, o_stride]`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_block_mix(
+    p: &[f32],
+    p_stride: usize,
+    alpha: &[f32],
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    kvl: usize,
+    out: &mut [f32],
+    o_stride: usize,
+) {
+    for (i, &a) in alpha.iter().enumerate() {
+        let o = &mut out[i * o_stride..i * o_stride + kvl];
+        for (d, od) in o.iter_mut().enumerate() {
+            let mut acc = *od * a;
+            for j in 0..nb {
+                acc = p[i * p_stride + j].mul_add(rows[j * width + d], acc);
+            }
+            *od = acc;
+        }
+    }
 }
 
 // ---- Roofline probe ------------------------------------------------------------------------------

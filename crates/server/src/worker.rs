@@ -287,7 +287,7 @@ fn run_job(
 /// Open the prompt-state store for this model, and say what it holds and may hold.
 fn open_state_store(s: &StateStoreOptions, session: &Session) -> anyhow::Result<PrefixStore> {
     // Another numerics mode or experts-per-token gives other states from the same weights.
-    let identity = deltafin_engine::prefix_store::identity(s.identity, session.numerics(), &session.variant());
+    let identity = deltafin_engine::prefix_store::identity(s.identity, &session.state_numerics(), &session.variant());
     let store = PrefixStore::open(&s.dir, s.budget, identity)
         .map_err(|e| anyhow::anyhow!("opening the prompt-state directory {}: {e}", s.dir.display()))?;
     eprintln!("  {}", store.describe());

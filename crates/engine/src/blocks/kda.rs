@@ -7,6 +7,7 @@
 use anyhow::Result;
 use deltafin_kernels::attention::kda_head_step;
 use deltafin_kernels::ops::{rms_norm_inplace, sigmoid, silu, softplus};
+use deltafin_kernels::par::PAR_MIN_WEIGHTS;
 use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
 use rayon::prelude::*;
@@ -167,8 +168,11 @@ impl Kda {
             }
             self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys);
         } else {
-            let mut g = sc.take(d); // [Dk] decay of this head
-            let mut delta = sc.take(d); // [Dv]
+            // A decode step (or a short chunk): token by token, each token's heads on the thread
+            // pool when the states are large enough to gain (K3: 96 heads of 64 KiB), each with
+            // its own decay and delta scratch.
+            let parallel = nh * d * d >= PAR_MIN_WEIGHTS && deltafin_kernels::par::threads() > 1;
+            let mut gd = sc.take(nh * 2 * d); // [heads, 2, D] each head's decay and delta
             for t in 0..t_n {
                 let span = t * p..(t + 1) * p;
                 for (i, dst) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
@@ -176,22 +180,30 @@ impl Kda {
                 }
                 let (a_t, b_t, gate_t, y) =
                     (&a[span.clone()], &b[t * nh..(t + 1) * nh], &gate[span.clone()], &mut ys[span]);
-                for (h, &b_h) in b_t.iter().enumerate() {
+                let head = |h: usize, (q, k, s, y, gd): HeadBufs<'_>| {
                     let hs = h * d..(h + 1) * d;
-                    let s = &mut st.s[h * d * d..(h + 1) * d * d]; // [Dv, Dk]
-                    let heads = HeadIn {
-                        q: &mut q[hs.clone()],
-                        k: &mut k[hs.clone()],
-                        v: &v[hs.clone()],
-                        a: &a_t[hs.clone()],
-                        b: b_h,
-                        gate: &gate_t[hs.clone()],
-                    };
-                    self.head_step(h, heads, s, &mut g, &mut delta, &mut y[hs]);
+                    let x = HeadIn { q, k, v: &v[hs.clone()], a: &a_t[hs.clone()], b: b_t[h], gate: &gate_t[hs] };
+                    let (g, delta) = gd.split_at_mut(d);
+                    self.head_step(h, x, s, g, delta, y);
+                };
+                if parallel {
+                    let heads = (
+                        q[..p].par_chunks_mut(d),
+                        k[..p].par_chunks_mut(d),
+                        st.s.par_chunks_mut(d * d),
+                        y.par_chunks_mut(d),
+                        gd.par_chunks_mut(2 * d),
+                    );
+                    heads.into_par_iter().enumerate().for_each(|(h, x)| head(h, x));
+                } else {
+                    let serial = q[..p].chunks_mut(d).zip(k[..p].chunks_mut(d)).zip(st.s.chunks_mut(d * d));
+                    let serial = serial.zip(y.chunks_mut(d)).zip(gd.chunks_mut(2 * d));
+                    for (h, ((((q, k), s), y), gd)) in serial.enumerate() {
+                        head(h, (q, k, s, y, gd));
+                    }
                 }
             }
-            sc.give(g);
-            sc.give(delta);
+            sc.give(gd);
         }
         self.o_proj.forward_batch(&ys, t_n, outs);
         let [p0, p1, p2] = pre;
@@ -266,9 +278,13 @@ impl Kda {
     }
 }
 
-/// A prompt chunk at least this long runs its KDA heads in parallel (shorter ones, decode steps
-/// included, stay on the calling thread and allocate nothing).
+/// A prompt chunk at least this long walks the chunk head by head, the heads in parallel;
+/// shorter ones (decode steps included) go token by token, each token's heads in parallel.
 const PARALLEL_HEADS_MIN_TOKENS: usize = 8;
+
+/// One head's buffers in a decode step: q and k `[D]` (normalised in place), its state
+/// `[Dv, Dk]`, its output `[D]`, and its decay and delta scratch `[2, D]`.
+type HeadBufs<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32], &'a mut [f32], &'a mut [f32]);
 
 /// One head's inputs for one token: q and k before their normalisation, v, the decay logits,
 /// the beta logit and the output-gate logits. All `[D]`.

@@ -6,14 +6,73 @@
 //! `score = scale * (q_nope^T W_k c + q_pe^T k_pe)` is computed as `(W_k^T q_nope) . c`, and the
 //! value `W_v (sum_t p_t c_t)`. K3 projects and caches the 64 "rope" channels but never rotates
 //! them.
+//!
+//! Absorbed, all heads attend over one shared cache (multi-query attention), so a chunk's
+//! attention is matrix work: the key absorption of every head and token at once (a transposed
+//! product against each head's key rows of `kv_b`), one pass over the cache per token for all
+//! its heads (`kernels::attention::mla_attend_chunk`), and the value absorption as a batched
+//! product over each head's value rows; the heads run on the thread pool. The cache holds the
+//! latent and rope channels of each position together, in bf16 (the default) or f32.
 
 use anyhow::Result;
-use deltafin_kernels::attention::mla_head_attend;
+use deltafin_kernels::attention::{LatentRows, mla_attend_chunk, mla_attend_scratch};
+use deltafin_kernels::format::f32_to_bf16;
+use deltafin_kernels::matvec::vecmat;
 use deltafin_kernels::ops::{rms_norm_inplace, sigmoid};
+use deltafin_kernels::par::PAR_MIN_WEIGHTS;
 use deltafin_store::{K3Config, SpineSource};
+use rayon::prelude::*;
 
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
+
+/// Tokens of a chunk whose absorbed queries and latent outputs are held at once (the attention's
+/// working set is this many tokens, whatever the chunk: the memory plan counts it once,
+/// [`Mla::working_bytes`]).
+pub const ATTENTION_TOKENS: usize = 32;
+
+/// How the latent cache stores its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LatentDtype {
+    /// bf16, accumulated in f32: half the memory and the bandwidth of f32 (the default).
+    Bf16,
+    /// f32: what an f32 spine's exactness studies compare against.
+    F32,
+}
+
+impl LatentDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            LatentDtype::Bf16 => 2,
+            LatentDtype::F32 => 4,
+        }
+    }
+
+    /// The default for a spine stored as `spine`: f32 with an f32 spine (exactness studies; the
+    /// reference keeps an f32 model's cache in f32), else bf16.
+    pub fn auto(spine: deltafin_store::manifest::SpineDtype) -> Self {
+        if spine == deltafin_store::manifest::SpineDtype::F32 { LatentDtype::F32 } else { LatentDtype::Bf16 }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LatentDtype::Bf16 => "bf16",
+            LatentDtype::F32 => "f32",
+        }
+    }
+}
+
+impl std::str::FromStr for LatentDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "bf16" => Ok(LatentDtype::Bf16),
+            "f32" => Ok(LatentDtype::F32),
+            o => Err(format!("unknown latent cache dtype '{o}' (bf16 or f32)")),
+        }
+    }
+}
 
 /// The reference's q_a/kv_a layer norms use a fixed eps, not the model's rms_norm_eps.
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -45,16 +104,20 @@ pub struct Mla {
     pub o_proj: Linear,
 }
 
+/// The cached rows `[t, kv_lora + rope]` of one MLA layer: per position the normed latent, then
+/// the rope channels.
+pub enum LatentCache {
+    F32(Vec<f32>),
+    /// bf16 bits.
+    Bf16(Vec<u16>),
+}
+
 /// Per-sequence cache of one MLA layer.
-#[derive(Default)]
 pub struct MlaState {
-    /// `[t, kv_lora]`.
-    pub latents: Vec<f32>,
-    /// `[t, rope]`.
-    pub k_pe: Vec<f32>,
+    pub cache: LatentCache,
     pub len: usize,
-    /// Values per token of `latents` and of `k_pe` (the model's widths: what a restored
-    /// snapshot is checked against).
+    /// Values per position of the latent and of the rope channels (the model's widths: what a
+    /// restored snapshot is checked against).
     pub kv_lora: usize,
     pub rope: usize,
 }
@@ -62,14 +125,60 @@ pub struct MlaState {
 impl MlaState {
     /// A cache with room for `tokens` positions reserved up front, so decoding within that
     /// context never reallocates.
-    pub fn with_capacity(tokens: usize, kv_lora: usize, rope: usize) -> Self {
-        MlaState {
-            latents: Vec::with_capacity(tokens * kv_lora),
-            k_pe: Vec::with_capacity(tokens * rope),
-            len: 0,
-            kv_lora,
-            rope,
+    pub fn with_capacity(tokens: usize, kv_lora: usize, rope: usize, dtype: LatentDtype) -> Self {
+        let n = tokens * (kv_lora + rope);
+        let cache = match dtype {
+            LatentDtype::F32 => LatentCache::F32(Vec::with_capacity(n)),
+            LatentDtype::Bf16 => LatentCache::Bf16(Vec::with_capacity(n)),
+        };
+        MlaState { cache, len: 0, kv_lora, rope }
+    }
+
+    /// Values per cached position.
+    pub fn width(&self) -> usize {
+        self.kv_lora + self.rope
+    }
+
+    pub fn dtype(&self) -> LatentDtype {
+        match self.cache {
+            LatentCache::F32(_) => LatentDtype::F32,
+            LatentCache::Bf16(_) => LatentDtype::Bf16,
         }
+    }
+
+    /// Append one position's row (rounded to the cache's dtype). Shape: row `[kv_lora + rope]`.
+    pub fn push(&mut self, row: &[f32]) {
+        debug_assert_eq!(row.len(), self.width());
+        match &mut self.cache {
+            LatentCache::F32(v) => v.extend_from_slice(row),
+            LatentCache::Bf16(v) => v.extend(row.iter().map(|&x| f32_to_bf16(x))),
+        }
+        self.len += 1;
+    }
+
+    /// The cached rows, for the attention kernel.
+    pub fn rows(&self) -> LatentRows<'_> {
+        match &self.cache {
+            LatentCache::F32(v) => LatentRows::F32(v),
+            LatentCache::Bf16(v) => LatentRows::Bf16(v),
+        }
+    }
+
+    /// Make this cache hold `other`'s positions (no reallocation within the reserved context).
+    /// Both must have the same dtype.
+    pub fn copy_from(&mut self, other: &MlaState) {
+        match (&mut self.cache, &other.cache) {
+            (LatentCache::F32(a), LatentCache::F32(b)) => {
+                a.clear();
+                a.extend_from_slice(b);
+            }
+            (LatentCache::Bf16(a), LatentCache::Bf16(b)) => {
+                a.clear();
+                a.extend_from_slice(b);
+            }
+            _ => panic!("latent caches of different dtypes"),
+        }
+        self.len = other.len;
     }
 }
 
@@ -107,15 +216,26 @@ impl Mla {
         self.forward_chunk(st, x, 1, out, sc)
     }
 
+    /// Bytes of the attention's working set for a chunk (absorbed queries `[heads, width]`, latent
+    /// outputs `[heads, kv_lora]` x 2, value-absorbed outputs `[heads, v]` and the attention
+    /// kernel's scratch, for [`ATTENTION_TOKENS`] tokens), held besides the chunk's per-token
+    /// buffers.
+    pub fn working_bytes(heads: usize, kv_lora: usize, rope: usize, v_dim: usize) -> usize {
+        let width = kv_lora + rope;
+        let kernel = mla_attend_scratch(heads, ATTENTION_TOKENS, width).max(mla_attend_scratch(heads, 1, width));
+        4 * (ATTENTION_TOKENS * heads * (width + 2 * kv_lora + v_dim) + kernel)
+    }
+
     /// `t_n` tokens in order, causally: the chunk's projections at once (each matrix read once
-    /// per share of tokens), every token's latent appended to the cache, then each head's
-    /// absorbed attention for every token, token `t` over the positions up to its own (the
-    /// head's rows of `kv_b` stay in cache across the chunk), then the output projection of
-    /// the chunk. Per token the arithmetic is exactly the single-token step's. Shapes: xs, outs
-    /// `[T, hidden]` (xs already normed).
+    /// per share of tokens), every token's latent row appended to the cache, then the
+    /// attention of up to [`ATTENTION_TOKENS`] tokens at a time (key absorption, one pass over
+    /// the cache per token for all heads, value absorption; heads and tokens on the thread
+    /// pool), then the output projection of the chunk. Per token the arithmetic does not depend
+    /// on the chunk or the thread count. Shapes: xs, outs `[T, hidden]` (xs already normed).
     pub fn forward_chunk(&self, st: &mut MlaState, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
         let (nh, nope, rope, vd, kvl) = (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
         let qd = nope + rope;
+        let width = kvl + rope;
         let mut q = sc.take(t_n * nh * qd); // [T, heads, nope + rope]
         match &self.q {
             QProj::LowRank { a, norm, b } => {
@@ -130,39 +250,75 @@ impl Mla {
             }
             QProj::Full(p) => p.forward_batch(xs, t_n, &mut q),
         }
-        let w = kvl + rope;
-        let mut ckv = sc.take(t_n * w); // [T, kv_lora + rope]
+        // The softmax scale goes into the query (nope and rope parts) before the absorption.
+        let scale = (qd as f32).powf(-0.5);
+        q.iter_mut().for_each(|v| *v *= scale);
+        let mut ckv = sc.take(t_n * width); // [T, kv_lora + rope]
         self.kv_a.forward_batch(xs, t_n, &mut ckv);
-        let first = st.len; // positions already cached before this chunk
-        for i in 0..t_n {
-            let c = &mut ckv[i * w..(i + 1) * w];
+        let first = st.len; // positions cached before this chunk
+        for c in ckv.chunks_exact_mut(width) {
             rms_norm_inplace(&mut c[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
-            st.latents.extend_from_slice(&c[..kvl]);
-            st.k_pe.extend_from_slice(&c[kvl..]);
-            st.len += 1;
+            st.push(c);
         }
 
-        let scale = (qd as f32).powf(-0.5);
+        let sub = t_n.min(ATTENTION_TOKENS);
         let mut attn = sc.take(t_n * nh * vd); // [T, heads, v]
-        let mut q_lat = sc.take(kvl); // [kv_lora]
-        let mut scores = sc.take(st.len); // [t]
-        let mut o_lat = sc.take(kvl); // [kv_lora]
-        for h in 0..nh {
-            let krow = h * (nope + vd);
-            for i in 0..t_n {
-                let qh = &q[(i * nh + h) * qd..(i * nh + h + 1) * qd];
-                // Absorb the key projection: q_lat = W_k^T q_nope.
-                q_lat.fill(0.0);
-                for (n, &qn) in qh[..nope].iter().enumerate() {
-                    self.kv_b.axpy_row(krow + n, qn, &mut q_lat);
+        let mut q_cat = sc.take(nh * sub * width); // [heads, S, kv_lora + rope] absorbed queries
+        let mut o_lat = sc.take(sub * nh * kvl); // [S, heads, kv_lora] latent outputs
+        let mut o_head = sc.take(if sub > 1 { nh * sub * kvl } else { 0 }); // [heads, S, kv_lora]
+        let mut o_v = sc.take(nh * sub * vd); // [heads, S, v]
+        // The attention kernel's scratch (blocks of cached rows, scores, softmax state per item).
+        let mut att_sc = sc.take(mla_attend_scratch(nh, sub, width).max(mla_attend_scratch(nh, 1, width)));
+        for s0 in (0..t_n).step_by(sub) {
+            let sn = sub.min(t_n - s0);
+            let q_cat = &mut q_cat[..nh * sn * width];
+            // Key absorption, every head: q_lat = W_k^T q_nope (a transposed product against the
+            // head's key rows), then the rope part beside it.
+            let absorb_keys = |h: usize, qc: &mut [f32]| {
+                let qh = &q[(s0 * nh + h) * qd..];
+                vecmat(self.kv_b.dense_rows(h * (nope + vd), nope), nope, kvl, qh, nh * qd, sn, qc, width);
+                for i in 0..sn {
+                    let pe = &qh[i * nh * qd + nope..i * nh * qd + qd];
+                    qc[i * width + kvl..(i + 1) * width].copy_from_slice(pe);
                 }
-                // Causal: token i sees the cached positions and the chunk's up to itself.
-                let len = first + i + 1;
-                let (lat, pe) = (&st.latents[..len * kvl], &st.k_pe[..len * rope]);
-                mla_head_attend(&q_lat, &qh[nope..], lat, pe, scale, &mut scores[..len], &mut o_lat);
-                // Absorb the value projection: out_h = W_v o_lat.
-                let dst = &mut attn[(i * nh + h) * vd..(i * nh + h + 1) * vd];
-                self.kv_b.forward_rows(krow + nope, vd, &o_lat, dst);
+            };
+            // The heads share the thread pool when the products are large enough to gain.
+            let parallel = sn * nh * nope * kvl >= PAR_MIN_WEIGHTS;
+            if parallel {
+                q_cat.par_chunks_mut(sn * width).enumerate().for_each(|(h, qc)| absorb_keys(h, qc));
+            } else {
+                q_cat.chunks_mut(sn * width).enumerate().for_each(|(h, qc)| absorb_keys(h, qc));
+            }
+            let o_lat = &mut o_lat[..sn * nh * kvl];
+            mla_attend_chunk(q_cat, nh, sn, first + s0, st.rows(), width, kvl, o_lat, &mut att_sc);
+            // Each head's latent outputs side by side (a single token's already are).
+            let o_head: &[f32] = if sn == 1 {
+                o_lat
+            } else {
+                let oh = &mut o_head[..nh * sn * kvl];
+                for (i, row) in o_lat.chunks_exact(nh * kvl).enumerate() {
+                    for h in 0..nh {
+                        oh[(h * sn + i) * kvl..(h * sn + i + 1) * kvl].copy_from_slice(&row[h * kvl..(h + 1) * kvl]);
+                    }
+                }
+                oh
+            };
+            // Value absorption, every head: out_h = W_v o_lat (the head's value rows).
+            let o_v = &mut o_v[..nh * sn * vd];
+            let absorb_values = |h: usize, ov: &mut [f32]| {
+                let o = &o_head[h * sn * kvl..(h + 1) * sn * kvl];
+                self.kv_b.rows_batch_serial(h * (nope + vd) + nope, vd, o, sn, ov);
+            };
+            if parallel {
+                o_v.par_chunks_mut(sn * vd).enumerate().for_each(|(h, ov)| absorb_values(h, ov));
+            } else {
+                o_v.chunks_mut(sn * vd).enumerate().for_each(|(h, ov)| absorb_values(h, ov));
+            }
+            for i in 0..sn {
+                for h in 0..nh {
+                    let dst = ((s0 + i) * nh + h) * vd;
+                    attn[dst..dst + vd].copy_from_slice(&o_v[(h * sn + i) * vd..(h * sn + i + 1) * vd]);
+                }
             }
         }
         if let Some(g) = &self.gate {
@@ -174,7 +330,7 @@ impl Mla {
             sc.give(gv);
         }
         self.o_proj.forward_batch(&attn, t_n, outs);
-        for buf in [q, ckv, attn, q_lat, scores, o_lat] {
+        for buf in [q, ckv, attn, q_cat, o_lat, o_head, o_v, att_sc] {
             sc.give(buf);
         }
     }

@@ -15,7 +15,7 @@ use deltafin_store::{AttnKind, K3Config, SpineSource, Store};
 
 use crate::blocks::attn_res::effective_weight;
 use crate::blocks::kda::{Kda, KdaState};
-use crate::blocks::mla::{Mla, MlaState};
+use crate::blocks::mla::{LatentDtype, Mla, MlaState};
 use crate::blocks::mlp::GatedMlp;
 use crate::blocks::moe::{LatentMoe, Routing};
 use crate::experts::RecordLayout;
@@ -45,6 +45,10 @@ pub struct RunConfig {
     pub predict: bool,
     /// Positions of MLA cache reserved when a sequence starts (it still grows past them).
     pub context_reserve: usize,
+    /// How the MLA latent cache stores its values; `None` picks by the spine's dtype
+    /// ([`LatentDtype::auto`]: f32 for an f32 spine, else bf16). [`K3Model::latent_cache`] says
+    /// what the run uses.
+    pub latent_cache: Option<LatentDtype>,
     /// Approximate mode: routed experts take int8-quantised activations (labelled in outputs).
     pub approx: bool,
     /// Reader back-end for streamed spine layers; `None` picks io_uring when available.
@@ -75,6 +79,7 @@ impl Default for RunConfig {
             prefetch: false,
             predict: false,
             context_reserve: 256,
+            latent_cache: None,
             approx: false,
             io_backend: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
@@ -141,6 +146,8 @@ pub struct K3Model {
     /// The checkpoint's config, with `num_experts_per_token` as this run uses it.
     pub config: K3Config,
     run: RunConfig,
+    /// The latent cache's dtype (the run's, or the spine's default).
+    latent: LatentDtype,
     /// `[vocab, H]`.
     pub embed: Linear,
     pub layers: Vec<LayerSlot>,
@@ -247,11 +254,17 @@ impl K3Model {
             } else {
                 Some(Linear::load_shaped(store, "lm_head.weight", c.vocab_size, h)?)
             },
+            latent: run.latent_cache.unwrap_or_else(|| LatentDtype::auto(store.manifest.spine.matrix_dtype)),
             run: run.clone(),
             spine_stream,
             layers,
             config: c,
         })
+    }
+
+    /// How the MLA latent cache of this model's sequences stores its values.
+    pub fn latent_cache(&self) -> LatentDtype {
+        self.latent
     }
 
     /// How this model runs.
@@ -306,6 +319,7 @@ impl K3Model {
                         self.run.context_reserve,
                         c.kv_lora_rank,
                         c.qk_rope_head_dim,
+                        self.latent,
                     )),
                 })
                 .collect(),

@@ -7,13 +7,18 @@
 //! not checked against the model:
 //!
 //! ```text
-//! magic "DFSTATE1" | identity u64 | n_tokens u32 | tokens [u32]
+//! magic "DFSTATE" version u8 | identity u64 | n_tokens u32 | tokens [u32]
 //! position u64 | n_layers u32 | per layer: kind u8 (0 none, 1 KDA, 2 MLA) and its arrays
+//!   (MLA: len u64, dtype u8 (0 f32, 1 bf16), then the cached rows [len, kv_lora + rope] as f32
+//!   or as bf16 bits)
 //! routing: per layer n u32, experts [u32], weights [f32]
 //! logits [f32] | xxh3-64 of everything before it
 //! ```
 //!
-//! An array is `len u32` then its values. Restoring checks the checksum first (a torn or corrupt
+//! An array is `len u32` then its values (4 bytes each, 2 for bf16). Version 2 keeps the MLA
+//! cache as the model holds it (latent and rope channels of a position together, f32 or bf16);
+//! version 1 (f32 latents and rope channels apart) is refused with [`SnapshotError::Version`],
+//! never read as version 2. Restoring checks the checksum first (a torn or corrupt
 //! file is refused whole), then the identity, then every array's length against the state it
 //! is restored into: nothing is read past what was checked, and a refused snapshot leaves the
 //! target state's buffers as they were sized (their contents are then unspecified).
@@ -21,14 +26,23 @@
 use deltafin_store::checksum::xxh3_64;
 
 use super::state::{K3State, LayerState};
+use crate::blocks::mla::LatentCache;
 
-const MAGIC: &[u8; 8] = b"DFSTATE1";
+/// `DFSTATE` then the format version.
+const MAGIC: &[u8; 7] = b"DFSTATE";
+const VERSION: u8 = b'2';
 
 /// Why a snapshot was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SnapshotError {
     #[error("not a state snapshot (bad magic)")]
     Magic,
+    #[error(
+        "the snapshot is in state format version {found}, this build reads version {wants} (states are recomputed)",
+        found = *.0 as char,
+        wants = VERSION as char
+    )]
+    Version(u8),
     #[error("the snapshot is torn or corrupt (checksum mismatch)")]
     Checksum,
     #[error("the snapshot was made by another model or configuration")]
@@ -43,6 +57,7 @@ pub enum SnapshotError {
 pub fn encode(st: &K3State, logits: &[f32], tokens: &[u32], identity: u64, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(MAGIC);
+    out.push(VERSION);
     out.extend_from_slice(&identity.to_le_bytes());
     put_u32s(out, tokens);
     out.extend_from_slice(&(st.position as u64).to_le_bytes());
@@ -60,8 +75,17 @@ pub fn encode(st: &K3State, logits: &[f32], tokens: &[u32], identity: u64, out: 
             LayerState::Mla(m) => {
                 out.push(2);
                 out.extend_from_slice(&(m.len as u64).to_le_bytes());
-                put_f32s(out, &m.latents);
-                put_f32s(out, &m.k_pe);
+                match &m.cache {
+                    LatentCache::F32(v) => {
+                        out.push(0);
+                        put_f32s(out, v);
+                    }
+                    LatentCache::Bf16(v) => {
+                        out.push(1);
+                        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                        v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+                    }
+                }
             }
         }
     }
@@ -110,11 +134,14 @@ pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32])
                 if len != position {
                     return Err(SnapshotError::Shape("MLA cache length"));
                 }
-                // Exactly this model's widths for `len` tokens, before anything is copied.
-                let want = (len.checked_mul(m.kv_lora), len.checked_mul(m.rope));
-                let (Some(kv), Some(rope)) = want else { return Err(SnapshotError::Shape("MLA cache length")) };
-                r.f32s_exact(&mut m.latents, kv)?;
-                r.f32s_exact(&mut m.k_pe, rope)?;
+                // Exactly this model's widths for `len` tokens, in this run's dtype, before
+                // anything is copied.
+                let Some(n) = len.checked_mul(m.width()) else { return Err(SnapshotError::Shape("MLA cache length")) };
+                match (r.u8()?, &mut m.cache) {
+                    (0, LatentCache::F32(v)) => r.f32s_exact(v, n)?,
+                    (1, LatentCache::Bf16(v)) => r.u16s_exact(v, n)?,
+                    _ => return Err(SnapshotError::Shape("MLA cache dtype")),
+                }
                 m.len = len;
             }
             _ => return Err(SnapshotError::Shape("layer kinds")),
@@ -145,18 +172,22 @@ pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32])
 
 /// The body after checking magic, checksum and identity, positioned after the identity.
 fn checked(bytes: &[u8], identity: u64) -> Result<Reader<'_>, SnapshotError> {
-    if bytes.len() < MAGIC.len() + 16 {
+    if bytes.len() < MAGIC.len() + 17 {
         return Err(SnapshotError::Truncated);
     }
     if &bytes[..MAGIC.len()] != MAGIC {
         return Err(SnapshotError::Magic);
+    }
+    // The version before the checksum: an older format's bytes are never interpreted.
+    if bytes[MAGIC.len()] != VERSION {
+        return Err(SnapshotError::Version(bytes[MAGIC.len()]));
     }
     let (body, sum) = bytes.split_at(bytes.len() - 8);
     let stored = u64::from_le_bytes(sum.try_into().map_err(|_| SnapshotError::Truncated)?);
     if xxh3_64(body) != stored {
         return Err(SnapshotError::Checksum);
     }
-    let mut r = Reader { rest: &body[MAGIC.len()..] };
+    let mut r = Reader { rest: &body[MAGIC.len() + 1..] };
     if r.u64()? != identity {
         return Err(SnapshotError::Identity);
     }
@@ -231,6 +262,20 @@ impl Reader<'_> {
         }
         dst.clear();
         dst.extend(self.take(4 * n)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(())
+    }
+
+    /// [`Self::f32s_exact`] for a bf16 cache (2 bytes per value).
+    fn u16s_exact(&mut self, dst: &mut Vec<u16>, n: usize) -> Result<(), SnapshotError> {
+        let stored = self.u32()? as usize;
+        if stored != n {
+            return Err(SnapshotError::Shape("MLA cache width"));
+        }
+        if self.rest.len() / 2 < n {
+            return Err(SnapshotError::Truncated);
+        }
+        dst.clear();
+        dst.extend(self.take(2 * n)?.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
         Ok(())
     }
 

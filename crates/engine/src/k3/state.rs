@@ -50,13 +50,7 @@ impl K3State {
                     }
                     a.s.copy_from_slice(&b.s);
                 }
-                (LayerState::Mla(a), LayerState::Mla(b)) => {
-                    a.latents.clear();
-                    a.latents.extend_from_slice(&b.latents);
-                    a.k_pe.clear();
-                    a.k_pe.extend_from_slice(&b.k_pe);
-                    a.len = b.len;
-                }
+                (LayerState::Mla(a), LayerState::Mla(b)) => a.copy_from(b),
                 (a, b) => assert!(matches!((a, b), (LayerState::None, LayerState::None)), "layer kinds differ"),
             }
         }

@@ -33,6 +33,8 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
+pub mod avx512_attn;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512_math;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_tile;

@@ -10,7 +10,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::format::{BLOCK, E2M1_X2_I8, e8m0_to_f32};
+use crate::format::{BLOCK, Dense, E2M1_X2_I8, e8m0_to_f32};
 use crate::scalar;
 
 /// Sixteen signed bytes as four f32 vectors, in order.
@@ -366,5 +366,298 @@ pub unsafe fn softmax_inplace(x: &mut [f32]) {
     }
     for v in &mut x[full..] {
         *v /= s;
+    }
+}
+
+// ---- Transposed products and the one-pass MLA attention --------------------------------------
+
+/// [`scalar::vecmat`] with NEON: tiles of 4 inputs x 16 columns (one input: 32 columns), weights
+/// widened to f32 four at a time as `Dense::at` reads them, per output `acc = fma(x, w, acc)`
+/// over the rows in order, the last columns through the scalar twin's loop: bit-identical to it.
+///
+/// # Safety
+/// NEON must be available; `w` holds `rows x cols` (an int8 group is a multiple of 8), xs and
+/// out hold `n` rows of their strides (checked by the caller).
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn vecmat(
+    w: Dense,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    x_stride: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    // SAFETY (every closure): `vecmat_tiles` asks only for rows < `rows` and 4 columns from a
+    // column < cols - 3, inside the `rows x cols` the caller checked.
+    match w {
+        Dense::F32(v) => unsafe {
+            vecmat_tiles(&w, rows, cols, xs, x_stride, n, out, out_stride, |r, c| {
+                vld1q_f32(v.as_ptr().add(r * cols + c))
+            })
+        },
+        Dense::Bf16(v) => unsafe {
+            vecmat_tiles(&w, rows, cols, xs, x_stride, n, out, out_stride, |r, c| {
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(v.as_ptr().add(r * cols + c))))
+            })
+        },
+        Dense::Int8 { q, scales, group } => unsafe {
+            let g = cols / group;
+            vecmat_tiles(&w, rows, cols, xs, x_stride, n, out, out_stride, |r, c| {
+                let b = i32::from_le_bytes(*(q.as_ptr().add(r * cols + c) as *const [u8; 4]));
+                let v8 = vreinterpret_s8_s32(vdup_n_s32(b));
+                let f = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(v8))));
+                vmulq_n_f32(f, *scales.get_unchecked(r * g + c / group))
+            })
+        },
+    }
+}
+
+/// The tiles of [`vecmat`] over a weight loader `w4(r, c)` (four weights of row `r` from column
+/// `c`, as f32).
+///
+/// # Safety
+/// As [`vecmat`]; `w4` must be valid for every row below `rows` and column below `cols - 3`.
+#[inline]
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn vecmat_tiles(
+    w: &Dense,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    x_stride: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+    w4: impl Fn(usize, usize) -> float32x4_t,
+) {
+    let wide = if n == 1 { 32 } else { 16 };
+    let simd_cols = cols / 4 * 4;
+    let mut m0 = 0;
+    while m0 < n {
+        let mn = (n - m0).min(4);
+        let mut c0 = 0;
+        while c0 < simd_cols {
+            let cw = (simd_cols - c0).min(wide);
+            // SAFETY: inputs m0 .. m0+mn and columns c0 .. c0+cw are in bounds (cw a multiple of 4).
+            unsafe {
+                match (mn, cw / 4) {
+                    (1, 8) => vecmat_tile::<1, 8>(rows, xs, x_stride, m0, c0, out, out_stride, &w4),
+                    (4, 4) => vecmat_tile::<4, 4>(rows, xs, x_stride, m0, c0, out, out_stride, &w4),
+                    (_, v) => {
+                        for m in m0..m0 + mn {
+                            for k in 0..v {
+                                vecmat_tile::<1, 1>(rows, xs, x_stride, m, c0 + 4 * k, out, out_stride, &w4);
+                            }
+                        }
+                    }
+                }
+            }
+            c0 += cw;
+        }
+        for m in m0..m0 + mn {
+            let x = &xs[m * x_stride..m * x_stride + rows];
+            scalar::vecmat_cols(w, cols, x, simd_cols, &mut out[m * out_stride + simd_cols..m * out_stride + cols]);
+        }
+        m0 += mn;
+    }
+}
+
+/// One tile: `M` inputs x `V` vectors of columns, `M x V` accumulators in registers.
+///
+/// # Safety
+/// As [`vecmat_tiles`]; inputs `m0 .. m0+M` exist.
+#[inline]
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn vecmat_tile<const M: usize, const V: usize>(
+    rows: usize,
+    xs: &[f32],
+    x_stride: usize,
+    m0: usize,
+    c0: usize,
+    out: &mut [f32],
+    out_stride: usize,
+    w4: &impl Fn(usize, usize) -> float32x4_t,
+) {
+    let mut acc = [[vdupq_n_f32(0.0); V]; M];
+    for r in 0..rows {
+        let wv: [float32x4_t; V] = std::array::from_fn(|v| w4(r, c0 + 4 * v));
+        for (m, a) in acc.iter_mut().enumerate() {
+            let x = vdupq_n_f32(xs[(m0 + m) * x_stride + r]);
+            for (a, w) in a.iter_mut().zip(wv) {
+                *a = vfmaq_f32(*a, x, w);
+            }
+        }
+    }
+    for (m, a) in acc.iter().enumerate() {
+        let o = &mut out[(m0 + m) * out_stride + c0..(m0 + m) * out_stride + c0 + 4 * V];
+        for (v, a) in a.iter().enumerate() {
+            // SAFETY: `o` holds 4 * V floats.
+            unsafe { vst1q_f32(o.as_mut_ptr().add(4 * v), *a) };
+        }
+    }
+}
+
+/// The scores of one block of the one-pass MLA attention (`scalar::mla_block_scores`) with NEON:
+/// per (query, row) one 4-lane accumulator over the width in order, reduced by `vaddvq_f32`, in
+/// tiles of 4 queries x 4 rows (16 chains). A tile's missing queries or rows repeat its last one
+/// and are not stored, so a pair's score does not depend on its neighbours.
+///
+/// # Safety
+/// NEON must be available; `width` is a multiple of 4; q holds `nq` queries `q_stride` apart,
+/// rows `nb` rows of `width`, s `nq` rows of `s_stride >= nb` (checked by the caller).
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn mla_block_scores(
+    q: &[f32],
+    q_stride: usize,
+    nq: usize,
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    for j0 in (0..nb).step_by(4) {
+        let rp: [*const f32; 4] = std::array::from_fn(|b| rows[(j0 + b).min(nb - 1) * width..].as_ptr());
+        for i0 in (0..nq).step_by(4) {
+            let qp: [*const f32; 4] = std::array::from_fn(|a| q[(i0 + a).min(nq - 1) * q_stride..].as_ptr());
+            let mut acc = [[vdupq_n_f32(0.0); 4]; 4];
+            for c in (0..width).step_by(4) {
+                // SAFETY: every pointer starts a row of at least `width` values; c + 4 <= width.
+                unsafe {
+                    let kv: [float32x4_t; 4] = std::array::from_fn(|b| vld1q_f32(rp[b].add(c)));
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        let qv = vld1q_f32(qp[a].add(c));
+                        for (x, k) in acc.iter_mut().zip(kv) {
+                            *x = vfmaq_f32(*x, qv, k);
+                        }
+                    }
+                }
+            }
+            for (a, acc) in acc.iter().enumerate().take((nq - i0).min(4)) {
+                for (b, x) in acc.iter().enumerate().take((nb - j0).min(4)) {
+                    s[(i0 + a) * s_stride + j0 + b] = vaddvq_f32(*x);
+                }
+            }
+        }
+    }
+}
+
+/// `x[j] = exp(x[j] - shift)` with the 4-lane exp (the tail through a padded copy, so every
+/// element gets the same lane arithmetic).
+///
+/// # Safety
+/// NEON must be available.
+#[target_feature(enable = "neon")]
+pub unsafe fn exp_shifted(x: &mut [f32], shift: f32) {
+    let sh = vdupq_n_f32(shift);
+    let n4 = x.len() / 4 * 4;
+    for i in (0..n4).step_by(4) {
+        // SAFETY: 4 floats from `i`.
+        unsafe {
+            let p = x.as_mut_ptr().add(i);
+            vst1q_f32(p, exp_f32x4(vsubq_f32(vld1q_f32(p), sh)));
+        }
+    }
+    if n4 < x.len() {
+        let rest = x.len() - n4;
+        let mut t = [0f32; 4];
+        t[..rest].copy_from_slice(&x[n4..]);
+        // SAFETY: `t` holds 4 floats.
+        unsafe { vst1q_f32(t.as_mut_ptr(), exp_f32x4(vsubq_f32(vld1q_f32(t.as_ptr()), sh))) };
+        x[n4..].copy_from_slice(&t[..rest]);
+    }
+}
+
+/// The read-out of one block (`scalar::mla_block_mix`, bit-identical to it) in tiles of 4
+/// queries x 16 values (16 accumulators), each value `acc = out * alpha` then
+/// `acc = fma(p_ij, row_j, acc)` over the rows in order.
+///
+/// # Safety
+/// NEON must be available; `kvl` is a multiple of 4 and at most `width`; shapes as the scalar
+/// twin's (checked by the caller).
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn mla_block_mix(
+    p: &[f32],
+    p_stride: usize,
+    alpha: &[f32],
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    kvl: usize,
+    out: &mut [f32],
+    o_stride: usize,
+) {
+    let nq = alpha.len();
+    let mut d0 = 0;
+    while d0 < kvl {
+        let dv = if kvl - d0 >= 16 { 4 } else { 1 };
+        for i0 in (0..nq).step_by(4) {
+            let qn = (nq - i0).min(4);
+            // SAFETY: values d0 .. d0 + 4 dv <= kvl of rows < nb and of outputs i0 .. i0+qn. A
+            // partial group of queries goes one query at a time (the same arithmetic).
+            unsafe {
+                match (qn, dv) {
+                    (4, 4) => mix_tile::<4, 4>(p, p_stride, alpha, rows, nb, width, out, o_stride, i0, d0),
+                    (4, _) => mix_tile::<4, 1>(p, p_stride, alpha, rows, nb, width, out, o_stride, i0, d0),
+                    (_, 4) => (i0..i0 + qn)
+                        .for_each(|i| mix_tile::<1, 4>(p, p_stride, alpha, rows, nb, width, out, o_stride, i, d0)),
+                    _ => (i0..i0 + qn)
+                        .for_each(|i| mix_tile::<1, 1>(p, p_stride, alpha, rows, nb, width, out, o_stride, i, d0)),
+                }
+            }
+        }
+        d0 += 4 * dv;
+    }
+}
+
+/// `Q` queries from `i0` x `V` vectors of values from `d0`.
+///
+/// # Safety
+/// As [`mla_block_mix`].
+#[inline]
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn mix_tile<const Q: usize, const V: usize>(
+    p: &[f32],
+    p_stride: usize,
+    alpha: &[f32],
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    out: &mut [f32],
+    o_stride: usize,
+    i0: usize,
+    d0: usize,
+) {
+    let mut acc = [[vdupq_n_f32(0.0); V]; Q];
+    for (a, acc) in acc.iter_mut().enumerate() {
+        for (v, x) in acc.iter_mut().enumerate() {
+            // SAFETY: output row i0 + a holds kvl >= d0 + 4 V values.
+            *x = vmulq_n_f32(unsafe { vld1q_f32(out.as_ptr().add((i0 + a) * o_stride + d0 + 4 * v)) }, alpha[i0 + a]);
+        }
+    }
+    for j in 0..nb {
+        // SAFETY: row j holds width >= d0 + 4 V values.
+        let rv: [float32x4_t; V] =
+            std::array::from_fn(|v| unsafe { vld1q_f32(rows.as_ptr().add(j * width + d0 + 4 * v)) });
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let pj = vdupq_n_f32(p[(i0 + a) * p_stride + j]);
+            for (x, r) in acc.iter_mut().zip(rv) {
+                *x = vfmaq_f32(*x, pj, r);
+            }
+        }
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        for (v, x) in acc.iter().enumerate() {
+            // SAFETY: as the loads above.
+            unsafe { vst1q_f32(out.as_mut_ptr().add((i0 + a) * o_stride + d0 + 4 * v), *x) };
+        }
     }
 }
