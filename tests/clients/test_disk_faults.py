@@ -8,6 +8,7 @@ server keeps answering, and the request after the restore gives the same text as
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import pytest
 from conftest import CLIENT_TIMEOUT, HF_DIR, REPO_ROOT, SERVED_MODEL, ServerLauncher, http_request, make_openai
 
 PROMPT = "The lighthouse keeper counted the boats"
+# The expert cache line of the plan a server prints at start.
+SLOTS_RE = re.compile(r"expert cache .*\((\d+) slots per layer x \d+ MoE layers, of (\d+) experts\)")
 
 
 @pytest.fixture
@@ -30,12 +33,50 @@ def packed_server(deltafin_bin: Path, tmp_path: Path):
         capture_output=True,
         timeout=300,
     )
-    # A budget that leaves about half the experts a cache slot (9 of 16 per layer here):
-    # a cache of every expert would serve the next request from memory and hide the corruption.
+    # A budget that leaves about half the experts a cache slot: a cache of every expert would
+    # serve the next request from memory and hide the corruption. The plan's fixed overhead and
+    # state sizes move with the engine, so the budget is not written down but found from the
+    # server's own plan: the smallest that gives each layer at least half its experts.
+    lo, hi = 16 << 10, 1 << 20  # KiB: too small to start, and room for every expert
+    assert planned_slots(deltafin_bin, store, lo) is None
+    top = planned_slots(deltafin_bin, store, hi)
+    assert top is not None and top[0] == top[1], top
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        got = planned_slots(deltafin_bin, store, mid)
+        if got is not None and 2 * got[0] >= got[1]:
+            hi = mid
+        else:
+            lo = mid
+    slots, experts = planned_slots(deltafin_bin, store, hi)
+    assert slots < experts, f"at {hi} KiB every expert has a slot: nothing would be read"
     launcher = ServerLauncher(deltafin_bin, store, tmp_path)
-    server = launcher.start("--memory-budget", "98M")
+    server = launcher.start("--memory-budget", f"{hi}K")
     yield server, store
     launcher.stop_all()
+
+
+def planned_slots(binary: Path, store: Path, kib: int) -> tuple[int, int] | None:
+    """(cache slots per layer, experts per layer) of the plan `serve` prints at start with a budget
+    of `kib` KiB, or None where it refuses the budget."""
+    proc = subprocess.Popen(
+        [str(binary), "serve", "--model", str(store), "--port", "0", "--memory-budget", f"{kib}K"],
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            m = SLOTS_RE.search(line)
+            if m:
+                return int(m.group(1)), int(m.group(2))
+        return None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def complete(client) -> str:

@@ -34,6 +34,11 @@ pub struct BenchArgs {
     /// against their floor.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub prompt_length: Option<u64>,
+    /// Decode at a long context without timing its prompt: every MLA layer's latent cache starts
+    /// with this many synthetic positions (see generate --context-fill). The floors count the
+    /// attention over them.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub context_fill: usize,
     /// Tokens to generate per run (the first decode step is excluded from the steady rate).
     #[arg(long, default_value_t = 5)]
     pub max_tokens: usize,
@@ -145,6 +150,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         (None, None) => vec![11, 22, 33, 44, 55],
     };
     let prompt_s = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    // The context the runs need, at least --context: the latent cache is reserved for it.
+    let context = m.context.max(a.context_fill + prompt.len() + a.max_tokens);
     let mut gen_args: Vec<String> = vec![
         "generate".into(),
         "--json".into(),
@@ -162,7 +169,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "--queue-depth".into(),
         m.queue_depth.to_string(),
         "--context".into(),
-        m.context.to_string(),
+        context.to_string(),
+        "--context-fill".into(),
+        a.context_fill.to_string(),
         "--cache-policy".into(),
         format!("{:?}", m.cache_policy).to_lowercase(),
     ];
@@ -247,18 +256,27 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 format!("--{}", a.vary.as_deref().and_then(|v| v.split_once('=')).map(|(f, _)| f).unwrap_or(""));
             let mut ga = without_flag(&gen_args, extra.first().map(String::as_str).or(Some(varied.as_str())));
             ga.extend(extra.iter().cloned());
-            // The compute roof of this moment, for the time-to-first-token floor.
-            let peak_gflops = deltafin_kernels::roofline::fma_peak_gflops(deltafin_engine::threads(), 0.3);
+            // The compute and memory roofs of this moment, for the floors.
+            let roofs = roofs_now();
             let g = run_self(&ga)?;
             let acc = &mut accs[c];
-            acc.add(&p, &pb, &g, peak_gflops);
+            acc.add(&p, &pb, &g, roofs);
+            let peak_gflops = roofs.peak_gflops;
+            let last = |v: &[f64]| v.last().copied().unwrap_or(f64::NAN);
             eprintln!(
-                "run {}/{} [{label}]: raw {:.2} GB/s (batched {:.2}); {:.3} s/token, {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
+                "run {}/{} [{label}]: raw {:.2} GB/s (batched {:.2}), memory {:.1} GB/s, {:.1} GFLOP/s; {:.3} s/token at a context of {} (floor {:.3}: disk {:.3}, memory {:.3}, compute {:.3}), {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
                 i + 1,
                 a.runs,
-                acc.raw.last().copied().unwrap_or(f64::NAN),
-                acc.raw_batched.last().copied().unwrap_or(f64::NAN),
-                acc.spt.last().copied().unwrap_or(f64::NAN),
+                last(&acc.raw),
+                last(&acc.raw_batched),
+                roofs.mem_gbps,
+                roofs.peak_gflops,
+                last(&acc.spt),
+                a.context_fill + prompt.len(),
+                last(&acc.floor),
+                last(&acc.floor_disk),
+                last(&acc.floor_memory),
+                last(&acc.floor_compute),
                 human(acc.bpt.last().copied().unwrap_or(0.0) as u64),
                 acc.ach.last().copied().unwrap_or(f64::NAN),
                 100.0 * acc.frac.last().copied().unwrap_or(f64::NAN),
@@ -278,7 +296,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     peak_gflops,
                 );
             }
-            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "peak_gflops": peak_gflops, "run": g }));
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "peak_gflops": peak_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
         }
     }
     let summaries: Vec<Value> =
@@ -318,6 +336,22 @@ fn without_flag(args: &[String], flag: Option<&str>) -> Vec<String> {
     out
 }
 
+/// The compute and memory roofs measured just before a run, with the run's threads.
+#[derive(Clone, Copy)]
+struct Roofs {
+    peak_gflops: f64,
+    mem_gbps: f64,
+}
+
+fn roofs_now() -> Roofs {
+    let threads = deltafin_engine::threads();
+    // 256 MiB: far beyond any last-level cache, so the read comes from DRAM.
+    let buf = vec![1u64; 32 << 20];
+    let mem_gbps = deltafin_kernels::roofline::read_bandwidth_gbps(&buf, threads, 0.3);
+    drop(buf);
+    Roofs { peak_gflops: deltafin_kernels::roofline::fma_peak_gflops(threads, 0.3), mem_gbps }
+}
+
 #[derive(Default)]
 struct Acc {
     runs: Vec<Value>,
@@ -330,7 +364,17 @@ struct Acc {
     hit: Vec<f64>,
     ach: Vec<f64>,
     frac: Vec<f64>,
+    /// Decode floor per token: the largest of its disk, memory and compute sides.
     floor: Vec<f64>,
+    floor_disk: Vec<f64>,
+    floor_memory: Vec<f64>,
+    floor_compute: Vec<f64>,
+    mem_gbps: Vec<f64>,
+    decode_flops: Vec<f64>,
+    decode_attention_flops: Vec<f64>,
+    decode_bytes_touched: Vec<f64>,
+    kv_bytes: Vec<f64>,
+    prefill_attention_flops: Vec<f64>,
     rss: Vec<f64>,
     iow: Vec<f64>,
     /// Time to first token and what bounds it: distinct expert bytes of the prompt, streamed
@@ -346,7 +390,8 @@ struct Acc {
 }
 
 impl Acc {
-    fn add(&mut self, p: &Value, pb: &Value, g: &Value, peak_gflops: f64) {
+    fn add(&mut self, p: &Value, pb: &Value, g: &Value, roofs: Roofs) {
+        let peak_gflops = roofs.peak_gflops;
         let raw_gbps = p["gbps"].as_f64().unwrap_or(f64::NAN);
         let list = |v: &Value| -> Vec<f64> {
             v.as_array().map(|v| v.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
@@ -372,7 +417,21 @@ impl Acc {
         self.hit.push(g["stream"]["hit_rate"].as_f64().unwrap_or(f64::NAN));
         self.ach.push(achieved);
         self.frac.push(achieved / raw_gbps);
-        self.floor.push(bytes_per_token / (raw_gbps * 1e9));
+        let dw = &g["timing"]["decode_work"];
+        let num = |k: &str| dw[k].as_f64().unwrap_or(f64::NAN);
+        let disk = bytes_per_token / (raw_gbps * 1e9);
+        let memory = num("bytes_touched") / (roofs.mem_gbps * 1e9);
+        let compute = num("flops") / (peak_gflops * 1e9);
+        self.floor.push(disk.max(memory).max(compute));
+        self.floor_disk.push(disk);
+        self.floor_memory.push(memory);
+        self.floor_compute.push(compute);
+        self.mem_gbps.push(roofs.mem_gbps);
+        self.decode_flops.push(num("flops"));
+        self.decode_attention_flops.push(num("attention_flops"));
+        self.decode_bytes_touched.push(num("bytes_touched"));
+        self.kv_bytes.push(num("kv_bytes"));
+        self.prefill_attention_flops.push(g["timing"]["prompt_attention_flops"].as_f64().unwrap_or(f64::NAN));
         self.rss.push(g["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN));
         self.iow.push(g["stream"]["io_wait_s"].as_f64().unwrap_or(f64::NAN) / total_s);
         let pr = &g["timing"]["prompt"];
@@ -407,7 +466,21 @@ impl Acc {
             "prefill_expert_bytes_read": med(&self.prefill_expert_read),
             "prefill_spine_bytes": med(&self.prefill_spine),
             "prefill_flops": med(&self.prefill_flops),
+            "prefill_attention_flops": med(&self.prefill_attention_flops),
             "peak_gflops": med(&self.peak_gflops),
+        });
+        // The decode floor's three sides and the work they are made of.
+        let decode = json!({
+            "floor_disk_s_per_token": med(&self.floor_disk),
+            "floor_memory_s_per_token": med(&self.floor_memory),
+            "floor_compute_s_per_token": med(&self.floor_compute),
+            "memory_gbps": med(&self.mem_gbps),
+            "context_fill": a.context_fill,
+            "decode_context": a.context_fill + prompt.len(),
+            "attention_flops": med(&self.decode_attention_flops),
+            "decode_flops": med(&self.decode_flops),
+            "decode_bytes_touched": med(&self.decode_bytes_touched),
+            "kv_bytes": med(&self.kv_bytes),
         });
         let mut out = json!({
             "config": label,
@@ -433,6 +506,7 @@ impl Acc {
                 "achieved_gbps": stat(&self.ach), "bandwidth_fraction": stat(&self.frac), "hit_rate": stat(&self.hit),
                 "peak_rss_bytes": stat(&self.rss), "ttft_s": stat(&self.ttft), "ttft_floor_s": stat(&self.ttft_floor),
                 "peak_gflops": stat(&self.peak_gflops), "disk_idle_fraction": stat(&self.idle),
+                "memory_gbps": stat(&self.mem_gbps), "floor_s_per_token": stat(&self.floor),
             },
             "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
             "prompt_tokens": prompt,
@@ -457,8 +531,12 @@ impl Acc {
             "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
             "per_run": self.runs,
         });
-        if let (Some(o), Value::Object(p)) = (out.as_object_mut(), prefill) {
-            o.extend(p);
+        if let Some(o) = out.as_object_mut() {
+            for part in [prefill, decode] {
+                if let Value::Object(p) = part {
+                    o.extend(p);
+                }
+            }
         }
         out
     }
@@ -488,6 +566,20 @@ fn print_summary(out: &Value) {
         f("ttft_s"),
         out["io_backend"],
         out["kernel_path"],
+    );
+    println!(
+        "decode at a context of {} ({} synthetic): floor {:.3} s/token = max(disk {:.3}, memory {:.3} for {} touched incl. {} of latent cache at {:.1} GB/s, compute {:.3} for {:.1} GFLOP incl. {:.1} of attention)",
+        out["decode_context"],
+        out["context_fill"],
+        f("floor_s_per_token"),
+        f("floor_disk_s_per_token"),
+        f("floor_memory_s_per_token"),
+        human(f("decode_bytes_touched") as u64),
+        human(f("kv_bytes") as u64),
+        f("memory_gbps"),
+        f("floor_compute_s_per_token"),
+        f("decode_flops") / 1e9,
+        f("attention_flops") / 1e9,
     );
     println!(
         "expert reads {} per token (+ spine {}), hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",

@@ -198,6 +198,11 @@ pub struct GenerateArgs {
     /// Bytes of snapshots `--state-dir` keeps; the least recently used go first.
     #[arg(long, default_value = "8G", value_parser = parse_size, value_name = "BYTES")]
     pub state_budget: u64,
+    /// Start as if this many tokens came before the prompt: every MLA layer's latent cache holds
+    /// that many synthetic positions, so decode is timed at that context without computing its
+    /// prompt (`bench --context-fill`). The text that follows means nothing.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub context_fill: usize,
     /// Generate this many times in this process and report the last (warm-cache measurement).
     #[arg(long, default_value_t = 1, hide = true)]
     pub repeat: usize,
@@ -248,6 +253,21 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
+    // The latent cache is reserved for --context positions: a longer sequence would grow it past
+    // what the memory plan holds.
+    let needed = a.context_fill + prompt_ids.len() + a.max_tokens;
+    if needed > a.model.context {
+        let fill = if a.context_fill > 0 { format!(" after --context-fill {}", a.context_fill) } else { String::new() };
+        bail!(
+            "a prompt of {} tokens{fill} and --max-tokens {} need a context of {needed} tokens, more than --context {} (`deltafin plan` says the longest this budget holds)",
+            prompt_ids.len(),
+            a.max_tokens,
+            a.model.context
+        );
+    }
+    if a.context_fill > 0 && a.state_dir.is_some() {
+        bail!("--context-fill cannot go with --state-dir (a synthetic context is no prompt's state)");
+    }
     let eos = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos_id) };
     let mut trace = match &a.trace {
         Some(p) => Some(TraceWriter::create(
@@ -296,6 +316,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             routing: routing.as_mut(),
             progress: Some(&mut progress),
             states: states.as_mut(),
+            context_fill: a.context_fill,
         };
         g = Some(generate_with(&s.model, &mut s.experts, &prompt_ids, a.max_tokens, eos, hooks)?);
         bar.finish();
@@ -308,6 +329,18 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let steps = &g.timing.decode_step_s;
     let decode_tps = (!steps.is_empty()).then(|| steps.len() as f64 / steps.iter().sum::<f64>());
     let report = s.report();
+    let k = s.model.config.num_experts_per_token;
+    let cached = a.context_fill + g.cached_prompt_tokens;
+    let (prompt_flops, prompt_attention_flops) = deltafin_engine::plan::prompt_flops(
+        &store.manifest,
+        k,
+        cached,
+        g.prompt_tokens.len() - g.cached_prompt_tokens,
+        g.timing.prompt.chunks,
+    );
+    let last_context = a.context_fill + g.prompt_tokens.len() + g.tokens.len().saturating_sub(1);
+    let decode_work =
+        deltafin_engine::plan::decode_work(&store.manifest, k, last_context, s.model.latent_cache().bytes());
     if a.json {
         let out = serde_json::json!({
             "prompt_tokens": g.prompt_tokens,
@@ -333,7 +366,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
                 "prompt_s": g.timing.prompt_s,
                 "ttft_s": g.timing.prompt_s,
                 "prompt": g.timing.prompt,
-                "prompt_flops": deltafin_engine::plan::prompt_flops(&store.manifest, s.model.config.num_experts_per_token, g.prompt_tokens.len(), g.timing.prompt.chunks),
+                "prompt_flops": prompt_flops,
+                "prompt_attention_flops": prompt_attention_flops,
+                "context_fill": a.context_fill,
+                // One decode step at the context the last token was generated at.
+                "decode_work": decode_work,
                 "decode_step_s": g.timing.decode_step_s,
                 "decode_step_bytes": g.timing.decode_step_bytes,
                 "decode_step_disk_idle_s": g.timing.decode_step_disk_idle_s,

@@ -571,3 +571,37 @@ fn a_replayed_trace_pins_the_picks_and_the_predictions() {
     }
     assert!(predictions > 0, "the recording has look-ahead predictions to replay");
 }
+
+/// `--context-fill N` decodes at a context of N tokens without computing their prompt: every MLA
+/// layer's latent cache starts with N synthetic positions, so the work a step reports grows by
+/// exactly N positions of attention and cache; a context that cannot hold the fill, the prompt
+/// and the tokens is refused before anything runs (the latent cache is reserved for it).
+#[test]
+fn decode_at_a_filled_context_and_contexts_too_short_for_the_run() {
+    let store = convert("k3-tiny", &[]);
+    let s = store.path().to_str().unwrap();
+    let base = ["generate", "--model", s, "--prompt-tokens", "1,2,3", "--max-tokens", "4"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { base.iter().chain(extra).copied().collect() };
+    let err = fails(&with(&["--context", "6"]));
+    assert!(err.contains("need a context of 7 tokens") && err.contains("--context 6"), "{err}");
+    let err = fails(&with(&["--context-fill", "100", "--context", "106"]));
+    assert!(err.contains("after --context-fill 100") && err.contains("context of 107"), "{err}");
+    let run = |fill: &'static str| -> serde_json::Value {
+        let out = ok(&with(&["--context-fill", fill, "--context", "2000", "--json"]));
+        serde_json::from_str(&out).expect("one JSON object on stdout")
+    };
+    let (a, b) = (run("0"), run("1000"));
+    assert_eq!(b["timing"]["context_fill"], 1000);
+    assert_eq!(b["tokens"].as_array().unwrap().len(), 4);
+    let w = |v: &serde_json::Value, k: &str| v["timing"]["decode_work"][k].as_f64().unwrap();
+    // The last token is decoded after 6 positions without the fill and 1,006 with it; each step
+    // touches its own row too: 7 and 1,007 rows of cache.
+    assert!(w(&a, "kv_bytes") > 0.0);
+    assert_eq!(w(&a, "kv_bytes") * 1007.0, w(&b, "kv_bytes") * 7.0);
+    assert!(w(&b, "attention_flops") > w(&a, "attention_flops"));
+    assert_eq!(w(&b, "flops") - w(&a, "flops"), w(&b, "attention_flops") - w(&a, "attention_flops"));
+    assert_eq!(w(&b, "bytes_touched") - w(&a, "bytes_touched"), w(&b, "kv_bytes") - w(&a, "kv_bytes"));
+    // The prompt's own attention runs after the fill, too.
+    let pa = |v: &serde_json::Value| v["timing"]["prompt_attention_flops"].as_f64().unwrap();
+    assert!(pa(&b) > pa(&a));
+}

@@ -57,6 +57,10 @@ pub struct GenerateHooks<'a> {
     /// Prompt states on disk (`generate --state-dir`): [`generate_with`] resumes from the
     /// longest stored prefix of the prompt and keeps the prompt's and the finished turn's state.
     pub states: Option<&'a mut crate::prefix_store::PrefixStore>,
+    /// Start as if this many positions came before the prompt
+    /// ([`K3Model::fill_context_synthetic`]): decode timed at a long context without its
+    /// prompt (`bench --context-fill`). Not with `states`.
+    pub context_fill: usize,
 }
 
 /// How far the prompt is: `layers_done` of `layers_total` (a layer of a chunk counts once per
@@ -423,9 +427,13 @@ pub fn generate_with(
     mut hooks: GenerateHooks<'_>,
 ) -> Result<Generation> {
     anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    let mut st = model.new_state();
+    if hooks.context_fill > 0 {
+        anyhow::ensure!(hooks.states.is_none(), "a synthetic context fill cannot meet stored prompt states");
+        model.fill_context_synthetic(&mut st, hooks.context_fill)?;
+    }
     let bytes0 = experts.bytes_read();
     let start = Instant::now();
-    let mut st = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
     let mut states = hooks.states.take();
     let resumed = match states.as_deref_mut() {

@@ -182,15 +182,41 @@ fn pooled_floats(phases: &[&[usize]]) -> usize {
     (0..ranks).map(|r| sorted.iter().filter_map(|v| v.get(r)).copied().max().unwrap_or(0)).sum()
 }
 
-/// Floating-point operations (a multiply-add is two) to process a prompt of `tokens` tokens,
-/// from an empty context, in `chunks` chunks: every layer matrix of the spine once per token
-/// (the embedding is a row lookup; the head runs once per chunk, on its last token), the routed
-/// experts (`k` per token per MoE layer, three MXFP4 matrices each), MLA's attention over the
-/// tokens before each one (scores and values in the absorbed latent form) and KDA's per-head
-/// state update. The compute side of a time-to-first-token floor.
-pub fn prompt_flops(m: &Manifest, experts_per_token: usize, tokens: usize, chunks: usize) -> f64 {
-    let c = &m.config;
+/// Attention's cost per token of one model, apart from the matrices: the MLA layers' work per
+/// cached position (scores over the latent and rope channels, values over the latent, all heads,
+/// in the absorbed form) and the KDA layers' per-token state update. One place for the prompt
+/// and decode floors.
+struct AttentionCost {
+    /// FLOPs per (token, attended position), summed over the MLA layers.
+    mla_per_position: f64,
+    /// FLOPs per token, summed over the KDA layers.
+    kda_per_token: f64,
+    /// Cached values per position, summed over the MLA layers (`kv_lora + rope` each).
+    mla_values_per_position: f64,
+}
+
+fn attention_cost(c: &deltafin_store::K3Config) -> AttentionCost {
     let lac = &c.linear_attn_config;
+    let (mut mla, mut kda) = (0.0, 0.0);
+    for l in 0..c.num_hidden_layers {
+        match c.attn_kind(l) {
+            AttnKind::Mla => mla += 1.0,
+            AttnKind::Kda => kda += 1.0,
+        }
+    }
+    let width = (c.kv_lora_rank + c.qk_rope_head_dim) as f64;
+    AttentionCost {
+        // Per head: a dot over the width for the score, an axpy over the latent for the value.
+        mla_per_position: mla * c.num_attention_heads as f64 * 2.0 * (width + c.kv_lora_rank as f64),
+        kda_per_token: kda * (lac.num_heads * lac.head_dim * lac.head_dim) as f64 * 8.0,
+        mla_values_per_position: mla * width,
+    }
+}
+
+/// FLOPs of every layer matrix of the spine and the `k` routed experts of every MoE layer for
+/// one token (the embedding is a row lookup; the head is apart).
+fn matrix_flops_per_token(m: &Manifest, experts_per_token: usize) -> f64 {
+    let c = &m.config;
     let layer_matrices: f64 = m
         .spine
         .tensors
@@ -200,22 +226,62 @@ pub fn prompt_flops(m: &Manifest, experts_per_token: usize, tokens: usize, chunk
         .sum();
     let moe_layers = m.experts.layers.len() as f64;
     let expert = 3.0 * (c.moe_intermediate_size * c.expert_input_dim()) as f64;
-    let per_token = 2.0 * (layer_matrices + moe_layers * experts_per_token as f64 * expert);
-    let (mut mla, mut kda) = (0.0, 0.0);
-    for l in 0..c.num_hidden_layers {
-        match c.attn_kind(l) {
-            AttnKind::Mla => mla += 1.0,
-            AttnKind::Kda => kda += 1.0,
-        }
-    }
-    let t = tokens as f64;
-    // Σ_{p=1..T} p positions attended to.
-    let attended = t * (t + 1.0) / 2.0;
-    let mla_flops =
-        mla * c.num_attention_heads as f64 * (2 * c.kv_lora_rank + c.qk_rope_head_dim) as f64 * 2.0 * attended;
-    let kda_flops = kda * (lac.num_heads * lac.head_dim * lac.head_dim) as f64 * 8.0 * t;
+    2.0 * (layer_matrices + moe_layers * experts_per_token as f64 * expert)
+}
+
+/// Floating-point operations (a multiply-add is two) to process a prompt of `tokens` tokens
+/// after `context` cached positions, in `chunks` chunks: every layer matrix of the spine once per
+/// token (the embedding is a row lookup; the head runs once per chunk, on its last token), the
+/// routed experts (`k` per token per MoE layer, three MXFP4 matrices each), MLA's attention over
+/// the positions before each token (scores and values in the absorbed latent form) and KDA's
+/// per-head state update. The compute side of a time-to-first-token floor. Returns (all, the
+/// attention's share).
+pub fn prompt_flops(
+    m: &Manifest,
+    experts_per_token: usize,
+    context: usize,
+    tokens: usize,
+    chunks: usize,
+) -> (f64, f64) {
+    let c = &m.config;
+    let a = attention_cost(c);
+    let (t, ctx) = (tokens as f64, context as f64);
+    // Σ_{p=1..T} (context + p) positions attended to.
+    let attended = t * ctx + t * (t + 1.0) / 2.0;
+    let attention = a.mla_per_position * attended + a.kda_per_token * t;
     let head = chunks as f64 * 2.0 * (c.vocab_size * c.hidden_size) as f64;
-    per_token * t + mla_flops + kda_flops + head
+    (matrix_flops_per_token(m, experts_per_token) * t + attention + head, attention)
+}
+
+/// What one decode step at a context of `context` positions computes and touches in memory:
+/// the compute and memory sides of a decode floor (the disk side is the bytes it reads).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DecodeWork {
+    /// Every FLOP of the step: matrices, routed experts, head and attention.
+    pub flops: f64,
+    /// The attention's share of `flops`.
+    pub attention_flops: f64,
+    /// Bytes the step must read from memory at least once: every layer matrix of the spine, the
+    /// head, the `k` routed expert records of every MoE layer and the MLA latent cache.
+    pub bytes_touched: u64,
+    /// The latent cache's share of `bytes_touched`: `kv_bytes` of every MLA layer at `context`.
+    pub kv_bytes: u64,
+}
+
+pub fn decode_work(m: &Manifest, experts_per_token: usize, context: usize, latent_bytes: usize) -> DecodeWork {
+    let c = &m.config;
+    let (flops, attention_flops) = prompt_flops(m, experts_per_token, context, 1, 1);
+    let a = attention_cost(c);
+    let kv_bytes = (a.mla_values_per_position * (context + 1) as f64) as u64 * latent_bytes as u64;
+    let (per_layer, _) = spine_layer_bytes(m);
+    let head: u64 = m.spine.tensors.iter().filter(|t| t.name == "lm_head.weight").map(|t| t.len + t.scales_len).sum();
+    let experts = m.experts.layers.len() as u64 * experts_per_token as u64 * m.experts.record_bytes;
+    DecodeWork {
+        flops,
+        attention_flops,
+        bytes_touched: per_layer.iter().sum::<u64>() + head + experts + kv_bytes,
+        kv_bytes,
+    }
 }
 
 /// Share of the memory beyond the minimum (embeddings, head, two streamed layer images, state,

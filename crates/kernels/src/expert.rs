@@ -2,10 +2,10 @@
 //! or a small batch of inputs. Imports `format`, `cpu`, `par`, `scalar`, `isa` and, the one
 //! operation module below it, `mxfp4` (the down product and the paths without AVX-512).
 //!
-//! On AVX-512 the gate (w1) and up (w3) products and then the down product run as register
-//! tiles ([`crate::isa::avx512_tile`]), SiTU applied between them; the batched form decodes each
-//! weight block once for a group of inputs and is, per input, bit-identical to the single-input
-//! expert.
+//! On AVX-512 and AVX2 the gate (w1) and up (w3) products and then the down product run as
+//! register tiles ([`crate::isa::avx512_tile`], [`crate::isa::avx2_tile`]), SiTU applied between
+//! them; the batched form decodes each weight block once for a group of inputs and is, per input,
+//! bit-identical to the single-input expert.
 //!
 //! Shapes: w1, w3 packed `[I, L/2]` + scales `[I, L/32]`; w2 packed `[L, I/2]` + scales
 //! `[L, I/32]`; x `[L]`; out `[L]`; `act` is caller scratch of `[I]`. Batched: xs `[n, L]`, act
@@ -17,7 +17,7 @@ use crate::cpu::Path;
 pub use crate::format::Mxfp4;
 use crate::format::{BLOCK, check_matmat_shapes};
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx512, avx512_tile};
+use crate::isa::{avx2_tile, avx512_tile, staging};
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::mxfp4::mxfp4_matmat_on;
 use crate::mxfp4::mxfp4_matvec_par_on;
@@ -25,7 +25,7 @@ use crate::mxfp4::mxfp4_matvec_par_on;
 use crate::par::{par_rows, par_rows_wide};
 use crate::scalar::situ;
 
-/// The expert on the best path: register tiles with AVX-512, else [`expert_mxfp4_unfused`].
+/// The expert on the best path: register tiles with AVX-512 or AVX2, else [`expert_mxfp4_unfused`].
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4(
     w1: Mxfp4,
@@ -42,8 +42,9 @@ pub fn expert_mxfp4(
     expert_mxfp4_on(Path::best(), w1, w3, w2, inter, latent, x, beta, linear_beta, act, out);
 }
 
-/// [`expert_mxfp4`] on `path`: gate and up as register tiles with SiTU on AVX-512
-/// ([`crate::isa::avx512_tile::gate_up_situ`]), else [`expert_mxfp4_unfused_on`].
+/// [`expert_mxfp4`] on `path`: gate and up as register tiles with SiTU on AVX-512 and AVX2
+/// ([`crate::isa::avx512_tile::gate_up_situ`], [`crate::isa::avx2_tile::gate_up_situ`]), else
+/// [`expert_mxfp4_unfused_on`].
 #[allow(clippy::too_many_arguments)]
 pub fn expert_mxfp4_on(
     path: Path,
@@ -68,14 +69,14 @@ pub fn expert_mxfp4_on(
     assert_eq!(out.len(), latent);
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => {
-            avx512::with_deinterleaved(x, |xd| {
+        p @ (Path::Avx512 | Path::Avx2) => {
+            staging::with_deinterleaved(x, |xd| {
                 par_rows(inter, 2 * latent, act, |r0, a| {
-                    // SAFETY: AVX-512F/BW present (an available path); shapes asserted above.
-                    unsafe { avx512_tile::gate_up_situ(w1, w3, r0, latent, xd, 1, beta, linear_beta, a) }
+                    // SAFETY: `p` is an available x86 tile path; shapes asserted above.
+                    unsafe { x86_gate_up_situ(p, w1, w3, r0, latent, xd, 1, beta, linear_beta, a) }
                 })
             });
-            mxfp4_matvec_par_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, out);
+            mxfp4_matvec_par_on(p, w2.packed, w2.scales, latent, inter, act, out);
         }
         p => expert_mxfp4_unfused_on(p, w1, w3, w2, inter, latent, x, beta, linear_beta, act, out),
     }
@@ -179,14 +180,14 @@ pub fn expert_mxfp4_batch_on(
     assert_eq!(out.len(), n * latent);
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        Path::Avx512 if n > 1 => {
-            avx512::with_batch_staging(xs, latent, inter, n, act, |xd, staged| {
+        p @ (Path::Avx512 | Path::Avx2) if n > 1 => {
+            staging::with_batch_staging(xs, latent, inter, n, act, |xd, staged| {
                 par_rows_wide(inter, 2 * latent * n, n, staged, |r0, o| {
-                    // SAFETY: AVX-512F/BW present (an available path); shapes checked above.
-                    unsafe { avx512_tile::gate_up_situ(w1, w3, r0, latent, xd, n, beta, linear_beta, o) }
+                    // SAFETY: `p` is an available x86 tile path; shapes checked above.
+                    unsafe { x86_gate_up_situ(p, w1, w3, r0, latent, xd, n, beta, linear_beta, o) }
                 });
             });
-            mxfp4_matmat_on(Path::Avx512, w2.packed, w2.scales, latent, inter, act, n, out);
+            mxfp4_matmat_on(p, w2.packed, w2.scales, latent, inter, act, n, out);
         }
         // Gate and up for the whole batch with the batched NEON product, SiTU per input, then
         // the down product batched: per input the same operations as the one-input expert.
@@ -222,6 +223,36 @@ pub fn expert_mxfp4_batch_on(
     }
 }
 
+/// The fused gate, up and SiTU of an x86 path ([`avx512_tile::gate_up_situ`] or
+/// [`avx2_tile::gate_up_situ`]): `act [rows, n]`.
+///
+/// # Safety
+/// `path` is [`Path::Avx512`] or [`Path::Avx2`] and available on this CPU; shapes as the
+/// kernels' `# Safety` sections say.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn x86_gate_up_situ(
+    path: Path,
+    w1: Mxfp4,
+    w3: Mxfp4,
+    r0: usize,
+    latent: usize,
+    xd: &[f32],
+    n: usize,
+    beta: f32,
+    linear_beta: Option<f32>,
+    act: &mut [f32],
+) {
+    debug_assert!(matches!(path, Path::Avx512 | Path::Avx2) && path.available());
+    // SAFETY: the caller's guarantee: the path's features are present and the shapes hold.
+    unsafe {
+        match path {
+            Path::Avx512 => avx512_tile::gate_up_situ(w1, w3, r0, latent, xd, n, beta, linear_beta, act),
+            _ => avx2_tile::gate_up_situ(w1, w3, r0, latent, xd, n, beta, linear_beta, act),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,8 +278,8 @@ mod tests {
         for (u, v) in a.iter().zip(&b) {
             assert!((u - v).abs() <= 1e-5 * scale, "{u} vs {v}");
         }
-        if Path::best() != Path::Avx512 {
-            println!("SKIPPED fused AVX-512 path: this CPU lacks it (unfused path compared with itself)");
+        if !matches!(Path::best(), Path::Avx512 | Path::Avx2) {
+            println!("SKIPPED fused x86 tile paths: this CPU lacks them (unfused path compared with itself)");
         }
     }
 
@@ -296,7 +327,7 @@ mod tests {
             }
         }
         match Path::best() {
-            Path::Avx512 | Path::Neon => println!("batched expert on {:?} tested", Path::best()),
+            Path::Avx512 | Path::Avx2 | Path::Neon => println!("batched expert on {:?} tested", Path::best()),
             _ => println!(
                 "SKIPPED batched expert: this CPU has neither AVX-512 nor NEON (the per-input loop was tested)"
             ),

@@ -13,7 +13,7 @@ use crate::format::Dense;
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx2, avx512, avx512_tile};
+use crate::isa::{avx2, avx2_tile, avx512, avx512_tile};
 use crate::scalar;
 
 /// f32 weights on the best path. Shapes: w `[rows, cols]`, x `[cols]`, out `[rows]`.
@@ -63,7 +63,8 @@ pub fn int8_matvec(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: us
 }
 
 /// [`int8_matvec`] on `path`. The AVX-512 and NEON kernels need a scale group that is a multiple
-/// of 16; for other groups AVX-512 falls back to the AVX2 instantiation and NEON to scalar.
+/// of 16 and the AVX2 tiles one of 8; for other groups x86 falls back to the AVX2 instantiation of
+/// the scalar twin and NEON to scalar.
 #[allow(clippy::too_many_arguments)]
 pub fn int8_matvec_on(
     path: Path,
@@ -83,6 +84,13 @@ pub fn int8_matvec_on(
             unsafe { avx512::int8_matvec(q, scales, group, rows, cols, x, out) }
         }
         #[cfg(target_arch = "x86_64")]
+        Path::Avx512 | Path::Avx2 if group != 0 && group.is_multiple_of(8) => {
+            check_int8(q, scales, group, rows, cols, x, out);
+            // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them); shapes and
+            // group checked.
+            unsafe { avx2_tile::int8_rows(q, scales, group, rows, cols, x, 1, out, rows) }
+        }
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them).
         Path::Avx512 | Path::Avx2 => unsafe { avx2::int8_matvec(q, scales, group, rows, cols, x, out) },
         #[cfg(target_arch = "aarch64")]
@@ -97,8 +105,9 @@ pub fn int8_matvec_on(
 
 /// [`int8_matvec`] for `n` inputs `xs` `[n, cols]`: `out[j * stride + r] = (W xs[j])[r]`. On
 /// AVX-512 (group a multiple of 16) tiles of four rows and three inputs share each widened
-/// weight chunk and each input load ([`avx512_tile::int8_rows`]); other paths run [`int8_matvec_on`]
-/// per input. Per input bit-identical to [`int8_matvec_on`] on the same path.
+/// weight chunk and each input load ([`avx512_tile::int8_rows`]), on AVX2 (group a multiple of
+/// 8) likewise ([`avx2_tile::int8_rows`]); other paths run [`int8_matvec_on`] per input. Per
+/// input bit-identical to [`int8_matvec_on`] on the same path.
 #[allow(clippy::too_many_arguments)]
 pub fn int8_matvec_multi_on(
     path: Path,
@@ -117,11 +126,19 @@ pub fn int8_matvec_multi_on(
     // Inputs the tiled kernel took (all of them, or none).
     let tiled = {
         #[cfg(target_arch = "x86_64")]
-        if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
+        if n == 0 {
+            0
+        } else if path.or_scalar() == Path::Avx512 && group != 0 && group.is_multiple_of(16) {
             check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
             // SAFETY: AVX-512F/BW present (an available path); shapes, group and the output span
             // checked above (and again by the kernel).
             unsafe { avx512_tile::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
+            n
+        } else if matches!(path.or_scalar(), Path::Avx512 | Path::Avx2) && group != 0 && group.is_multiple_of(8) {
+            check_int8(q, scales, group, rows, cols, &xs[..cols], &out[..rows]);
+            // SAFETY: AVX2 and FMA present (an available path; AVX-512 implies them); shapes,
+            // group and the output span checked above (and again by the kernel).
+            unsafe { avx2_tile::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
             n
         } else {
             0
@@ -288,7 +305,9 @@ mod tests {
                 println!("SKIPPED: path {path:?} not available on this CPU");
                 continue;
             }
-            for &(rows, cols, group) in &[(1, 16, 16), (3, 64, 32), (7, 96, 48), (5, 160, 160), (4, 40, 8)] {
+            for &(rows, cols, group) in
+                &[(1, 16, 16), (3, 64, 32), (7, 96, 48), (5, 160, 160), (4, 40, 8), (13, 48, 24)]
+            {
                 let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 7919 % 255) as i32 - 127) as i8).collect();
                 let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 0.001).collect();
                 for n in [1, 2, 3, 4, 5, 6, 7, 9, 13] {
@@ -351,17 +370,21 @@ mod tests {
             assert_eq!(a, b);
             let q: Vec<i8> = w.iter().map(|&v| (v * 80.0).clamp(-127.0, 127.0) as i8).collect();
             let s = vec![0.0125f32; rows];
-            int8_matvec_on(Path::Avx2, &q, &s, cols, rows, cols, &x, &mut a);
-            scalar::int8_matvec(&q, &s, cols, rows, cols, &x, &mut b);
-            assert_eq!(a, b);
+            if !cols.is_multiple_of(8) {
+                // Groups the AVX2 tiles do not take run the instantiation (tiles: `int8_simd_matches_oracle`).
+                int8_matvec_on(Path::Avx2, &q, &s, cols, rows, cols, &x, &mut a);
+                scalar::int8_matvec(&q, &s, cols, rows, cols, &x, &mut b);
+                assert_eq!(a, b);
+            }
         }
     }
 
-    /// The AVX-512 and NEON int8 kernels against the scalar oracle (different summation order:
-    /// bounded by a few ulps of the sum of |w x|), per-row and grouped scales, extreme values.
+    /// The AVX-512, AVX2 and NEON int8 kernels against the scalar oracle (different summation
+    /// order: bounded by a few ulps of the sum of |w x|), per-row and grouped scales, extreme
+    /// values.
     #[test]
     fn int8_simd_matches_oracle() {
-        for path in [Path::Avx512, Path::Neon] {
+        for path in [Path::Avx512, Path::Avx2, Path::Neon] {
             if path.available() {
                 int8_path_matches_oracle(path);
             } else {
@@ -413,7 +436,9 @@ mod tests {
     }
 
     fn int8_path_matches_oracle(path: Path) {
-        for &(rows, cols, group) in &[(3, 16, 16), (7, 64, 32), (5, 7168, 7168), (9, 1024, 64)] {
+        for &(rows, cols, group) in
+            &[(3, 16, 16), (7, 64, 32), (5, 7168, 7168), (9, 1024, 64), (17, 48, 24), (11, 40, 8)]
+        {
             let q: Vec<i8> = (0..rows * cols)
                 .map(|i| match i % 11 {
                     0 => 127,
@@ -438,8 +463,8 @@ mod tests {
                 );
             }
         }
-        // A group that is not a multiple of 16 is not given to the kernel (which would skip the
-        // group's last 12 elements and return 0): it falls back and is computed exactly.
+        // A group that is not a multiple of 16 (AVX-512, NEON) or 8 (AVX2) is not given to the
+        // kernel (which would skip the group's last elements): it falls back and is exact.
         let (q, s, x) = (vec![1i8; 24], vec![1.0f32; 2], vec![1.0f32; 24]);
         let mut o = [0.0];
         int8_matvec_on(path, &q, &s, 12, 1, 24, &x, &mut o);

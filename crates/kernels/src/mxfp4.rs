@@ -13,7 +13,7 @@ use crate::format::{BLOCK, check_matmat_shapes, check_matvec_shapes};
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx2, avx512, avx512_tile};
+use crate::isa::{avx2_tile, avx512_tile, staging};
 use crate::par::par_rows;
 #[cfg(target_arch = "x86_64")]
 use crate::par::par_rows_wide;
@@ -32,12 +32,9 @@ pub fn mxfp4_matvec_on(path: Path, packed: &[u8], scales: &[u8], rows: usize, co
     check_matvec_shapes(packed, scales, rows, cols, x, out);
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU supports AVX2 and FMA (an available path), and the shapes were checked.
-        Path::Avx2 => unsafe { avx2::mxfp4_matvec(packed, scales, rows, cols, x, out) },
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => avx512::with_deinterleaved(x, |xd| {
-            // SAFETY: the CPU supports AVX-512F/BW (an available path), and the shapes were checked.
-            unsafe { avx512_tile::mxfp4_rows(packed, scales, rows, cols, xd, 1, out) }
+        p @ (Path::Avx512 | Path::Avx2) => staging::with_deinterleaved(x, |xd| {
+            // SAFETY: `p` is an available x86 tile path, and the shapes were checked.
+            unsafe { x86_rows(p, packed, scales, rows, cols, xd, 1, out) }
         }),
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON present (an available path), and the shapes were checked.
@@ -66,20 +63,12 @@ pub fn mxfp4_matvec_par_on(
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         // Deinterleave once on this thread; every row chunk reads the same copy.
-        Path::Avx512 => avx512::with_deinterleaved(x, |xd| {
+        p @ (Path::Avx512 | Path::Avx2) => staging::with_deinterleaved(x, |xd| {
             par_rows(rows, cols, out, |r0, o| {
                 let n = o.len();
-                // SAFETY: AVX-512F/BW are present (an available path) and the shapes were checked.
+                // SAFETY: `p` is an available x86 tile path, and the shapes were checked.
                 unsafe {
-                    avx512_tile::mxfp4_rows(
-                        &packed[r0 * half..(r0 + n) * half],
-                        &scales[r0 * nb..(r0 + n) * nb],
-                        n,
-                        cols,
-                        xd,
-                        1,
-                        o,
-                    )
+                    x86_rows(p, &packed[r0 * half..(r0 + n) * half], &scales[r0 * nb..(r0 + n) * nb], n, cols, xd, 1, o)
                 }
             })
         }),
@@ -113,24 +102,27 @@ pub fn mxfp4_matmat_on(
     check_matmat_shapes(packed, scales, rows, cols, xs, n, out);
     match path.or_scalar() {
         #[cfg(target_arch = "x86_64")]
-        Path::Avx512 if n > 1 => avx512::with_batch_staging(xs, cols, rows, n, out, |xd, staged| {
-            let (half, nb) = (cols / 2, cols / BLOCK);
-            par_rows_wide(rows, cols * n, n, staged, |r0, o| {
-                let m = o.len() / n;
-                // SAFETY: AVX-512F/BW present (an available path); shapes checked above.
-                unsafe {
-                    avx512_tile::mxfp4_rows(
-                        &packed[r0 * half..(r0 + m) * half],
-                        &scales[r0 * nb..(r0 + m) * nb],
-                        m,
-                        cols,
-                        xd,
-                        n,
-                        o,
-                    )
-                }
-            });
-        }),
+        p @ (Path::Avx512 | Path::Avx2) if n > 1 => {
+            staging::with_batch_staging(xs, cols, rows, n, out, |xd, staged| {
+                let (half, nb) = (cols / 2, cols / BLOCK);
+                par_rows_wide(rows, cols * n, n, staged, |r0, o| {
+                    let m = o.len() / n;
+                    // SAFETY: `p` is an available x86 tile path; shapes checked above.
+                    unsafe {
+                        x86_rows(
+                            p,
+                            &packed[r0 * half..(r0 + m) * half],
+                            &scales[r0 * nb..(r0 + m) * nb],
+                            m,
+                            cols,
+                            xd,
+                            n,
+                            o,
+                        )
+                    }
+                });
+            })
+        }
         #[cfg(target_arch = "aarch64")]
         Path::Neon if n > 1 => crate::par::with_staged_rows(rows, n, out, |staged| {
             let (half, nb) = (cols / 2, cols / BLOCK);
@@ -155,6 +147,33 @@ pub fn mxfp4_matmat_on(
                 let (x, o) = (&xs[t * cols..(t + 1) * cols], &mut out[t * rows..(t + 1) * rows]);
                 mxfp4_matvec_par_on(p, packed, scales, rows, cols, x, o);
             }
+        }
+    }
+}
+
+/// The MXFP4 tile kernel of an x86 path over deinterleaved inputs: `out [rows, n]`.
+///
+/// # Safety
+/// `path` is [`Path::Avx512`] or [`Path::Avx2`] and available on this CPU; shapes as
+/// [`avx512_tile::mxfp4_rows`] (which both kernels assert).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn x86_rows(
+    path: Path,
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    xd: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(matches!(path, Path::Avx512 | Path::Avx2) && path.available());
+    // SAFETY: the caller's guarantee: the path's features are present.
+    unsafe {
+        match path {
+            Path::Avx512 => avx512_tile::mxfp4_rows(packed, scales, rows, cols, xd, n, out),
+            _ => avx2_tile::mxfp4_rows(packed, scales, rows, cols, xd, n, out),
         }
     }
 }
@@ -283,10 +302,8 @@ mod tests {
             }
         }
         match Path::best() {
-            Path::Avx512 | Path::Neon => println!("batched {:?} kernel tested", Path::best()),
-            _ => println!(
-                "SKIPPED batched kernels: this CPU has neither AVX-512 nor NEON (the per-input loop was tested)"
-            ),
+            Path::Avx512 | Path::Avx2 | Path::Neon => println!("batched {:?} kernel tested", Path::best()),
+            _ => println!("SKIPPED batched kernels: this CPU has no SIMD path (the per-input loop was tested)"),
         }
     }
 

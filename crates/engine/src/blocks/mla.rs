@@ -156,6 +156,25 @@ impl MlaState {
         self.len += 1;
     }
 
+    /// Append `tokens` positions of deterministic pseudo-random values in [-1, 1) (the scale of a
+    /// normed latent and of rotated rope channels), for timing attention at a context without
+    /// computing the prompt that would have made it (`bench --context-fill`).
+    pub fn push_synthetic(&mut self, tokens: usize, seed: u64) {
+        let mut x = seed | 1;
+        let mut row = vec![0f32; self.width()]; // [kv_lora + rope]
+        for _ in 0..tokens {
+            for v in row.iter_mut() {
+                // xorshift64*: cheap, deterministic, and good enough to make scores differ.
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+                *v = (r >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            }
+            self.push(&row);
+        }
+    }
+
     /// The cached rows, for the attention kernel.
     pub fn rows(&self) -> LatentRows<'_> {
         match &self.cache {

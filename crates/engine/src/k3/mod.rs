@@ -302,6 +302,25 @@ impl K3Model {
         })
     }
 
+    /// Make a fresh `st` continue as if `tokens` positions came before it: every MLA layer's
+    /// latent cache holds `tokens` synthetic positions ([`MlaState::push_synthetic`]) and the
+    /// position moves on, so the next token's attention and RoPE run at that context. KDA's
+    /// recurrent state has one size whatever the context and stays as it is. For timing decode at
+    /// a long context without the prompt that would have made it (`bench --context-fill`): what
+    /// follows is no continuation of any text, and routing is whatever these states produce.
+    pub fn fill_context_synthetic(&self, st: &mut K3State, tokens: usize) -> Result<()> {
+        anyhow::ensure!(st.position == 0, "a context fill goes into a fresh state");
+        let max = self.config.max_position_embeddings;
+        anyhow::ensure!(tokens < max, "a context fill of {tokens} tokens reaches the model's {max} positions");
+        for (l, ly) in st.layers.iter_mut().enumerate() {
+            if let LayerState::Mla(m) = ly {
+                m.push_synthetic(tokens, 0x9E37_79B9_7F4A_7C15 ^ l as u64);
+            }
+        }
+        st.position = tokens;
+        Ok(())
+    }
+
     pub fn new_state(&self) -> K3State {
         let c = &self.config;
         let routing = || Routing {

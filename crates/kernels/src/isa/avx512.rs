@@ -14,59 +14,10 @@
 //! that the CPU supports the features named in its `# Safety` section.
 
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
 use super::avx512_math::exp_ps;
 use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX};
 use crate::scalar;
-
-/// Split `x` per 32-element block into its 16 even then 16 odd elements. Shapes: x, out `[cols]`.
-pub fn deinterleave(x: &[f32], out: &mut [f32]) {
-    for (xb, ob) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
-        for j in 0..BLOCK / 2 {
-            ob[j] = xb[2 * j];
-            ob[BLOCK / 2 + j] = xb[2 * j + 1];
-        }
-    }
-}
-
-/// Run `f` on `x` deinterleaved per block into a per-thread scratch buffer (reused: no
-/// allocation once warm).
-pub fn with_deinterleaved<R>(x: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
-    thread_local! {
-        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    }
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        s.resize(x.len(), 0.0);
-        deinterleave(x, &mut s);
-        f(&s)
-    })
-}
-
-/// Run `f(xd, staged)` with the inputs `xs [n, cols]` each deinterleaved per block into `xd`
-/// and a staging buffer `staged [rows, n]`, then write `staged` transposed into `out [n, rows]`.
-/// Both buffers are per-thread and reused: no allocation once warm.
-pub fn with_batch_staging(
-    xs: &[f32],
-    cols: usize,
-    rows: usize,
-    n: usize,
-    out: &mut [f32],
-    f: impl FnOnce(&[f32], &mut [f32]),
-) {
-    thread_local! {
-        static XD: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    }
-    XD.with(|b| {
-        let xd = &mut *b.borrow_mut();
-        xd.resize(xs.len(), 0.0);
-        for (x, d) in xs.chunks_exact(cols).zip(xd.chunks_exact_mut(cols)) {
-            deinterleave(x, d);
-        }
-        crate::par::with_staged_rows(rows, n, out, |staged| f(&xd[..], staged));
-    });
-}
 
 /// int8 weights with one scale per `group` (a multiple of 16) of each row.
 ///

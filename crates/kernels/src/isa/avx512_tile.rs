@@ -28,7 +28,8 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::avx512_math;
-use crate::format::{BLOCK, E2M1_LUT, Mxfp4, e8m0_to_f32};
+use super::staging::{SAFE_SCALE, interleave_back, scale_of, tile_dispatch, tile_rows};
+use crate::format::{BLOCK, E2M1_LUT, Mxfp4};
 use crate::scalar;
 
 /// Inputs per MXFP4 tile when there are several; a chunk's inputs are split into balanced groups
@@ -49,11 +50,8 @@ const MX_ROW_BLOCK: usize = 48;
 const I8_ROWS: usize = 4;
 const I8_INPUTS: usize = 3;
 
-/// A scale above this could overflow an f32 lane where the oracle's order does not.
-const SAFE_SCALE: u8 = 200;
-
 /// `out[r * n + t] = W[r] . x[t]` for `rows` MXFP4 rows and `n` inputs, each input passed
-/// through [`super::avx512::deinterleave`]. With `n == 1` this is the mat-vec (`out` `[rows]`).
+/// through [`super::staging::deinterleave`]. With `n == 1` this is the mat-vec (`out` `[rows]`).
 ///
 /// # Safety
 /// AVX-512F/BW must be available. `cols` is a multiple of 32; packed `[rows, cols/2]`, scales
@@ -92,11 +90,6 @@ pub unsafe fn mxfp4_rows(
     }
 }
 
-/// The largest of `step`, 4, 3, 2, 1 (as tiles exist) not above `left` or `step`.
-fn tile_rows(left: usize, step: usize) -> usize {
-    [step, 4, 3, 2, 1].into_iter().find(|&k| k <= left && k <= step).unwrap_or(1)
-}
-
 /// One MXFP4 product's operands; `out` is `[rows, n]`.
 struct Mx<'a> {
     packed: &'a [u8],
@@ -107,16 +100,6 @@ struct Mx<'a> {
     /// No scale of the product's rows is above [`SAFE_SCALE`].
     all_safe: bool,
     out: *mut f32,
-}
-
-/// `match (rows, inputs)` onto the `tile_rn::<R, N>` instantiations a tile kind has.
-macro_rules! tile_dispatch {
-    ($kind:literal, $self:ident, $r:expr, $m:expr, $r0:expr, $t0:expr; $( ($R:literal, $N:literal) ),* ) => {
-        match ($r, $m) {
-            $( ($R, $N) => $self.tile_rn::<$R, $N>($r0, $t0), )*
-            _ => unreachable!("no {} tile of {} rows x {} inputs", $kind, $r, $m),
-        }
-    };
 }
 
 impl Mx<'_> {
@@ -200,29 +183,6 @@ impl Mx<'_> {
             }
         }
     }
-}
-
-/// [`e8m0_to_f32`] without a branch, for scales at most [`SAFE_SCALE`] (never the NaN code):
-/// 2^(e-127), with e = 0 the subnormal 2^-127.
-#[inline(always)]
-fn scale_of(e: u8) -> f32 {
-    debug_assert!(
-        e <= SAFE_SCALE && e8m0_to_f32(e) == f32::from_bits(if e == 0 { 0x0040_0000 } else { (e as u32) << 23 })
-    );
-    let bits = (e as u32) << 23;
-    f32::from_bits(bits | (((bits == 0) as u32) << 22))
-}
-
-/// Undo the per-block deinterleave (only for the rare overflow-safe fallback row).
-fn interleave_back(xd: &[f32]) -> Vec<f32> {
-    let mut x = vec![0f32; xd.len()];
-    for (xb, db) in x.chunks_exact_mut(BLOCK).zip(xd.chunks_exact(BLOCK)) {
-        for j in 0..BLOCK / 2 {
-            xb[2 * j] = db[j];
-            xb[2 * j + 1] = db[BLOCK / 2 + j];
-        }
-    }
-    x
 }
 
 /// `out[t * stride + r] = (W xs[t])[r]` for int8 rows with one scale per `group` of each row,
@@ -377,7 +337,7 @@ impl I8<'_> {
 /// # Safety
 /// AVX-512F/BW must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a multiple
 /// of 32 and at least `r0 + act.len() / n` rows; `xd` is `[n, latent]`, each input passed through
-/// [`super::avx512::deinterleave`]; `act` is `[rows, n]`.
+/// [`super::staging::deinterleave`]; `act` is `[rows, n]`.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gate_up_situ(

@@ -31,6 +31,8 @@ use fma_loop_body;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_tile;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_attn;
@@ -40,3 +42,5 @@ pub mod avx512_math;
 pub mod avx512_tile;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
+#[cfg(target_arch = "x86_64")]
+pub mod staging;
