@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """How far Deltafin's int8 spine moves a trained model: top-1 agreement and KL against the bf16 spine over held-out
-text, for each storage choice, and the approximate mode (int8 activations for the routed experts).
+text, for each storage choice, and the approximate mode (int8 activations for the routed experts); with
+--latent-cache, how far the MLA latent cache's bf16 rounding moves it (against an f32 spine with an f32 cache).
 
     python3 tools/demo/fidelity.py --bin target/release/deltafin --hf models/k3-demo/hf \\
         --tokens models/k3-demo/heldout.bin --n 4096 --out bench-results/demo-fidelity.json
@@ -50,6 +51,16 @@ KEEP_CLASSES = [
     ("KDA gates", ["f_a_proj", "f_b_proj", "b_proj", "self_attn.g_proj"]),
     ("MLA projections", ["q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"]),
 ]
+# What the MLA latent cache's bf16 rounding does (`--latent-cache`): with an f32 spine the second row is the cache's
+# effect alone; the bf16 and int8 spines are shown with either cache beside it.
+LATENT_CACHE = [
+    ("f32 spine, f32 latent cache (reference)", ["--spine", "f32"], ["--latent-cache", "f32"]),
+    ("f32 spine, bf16 latent cache", ["--spine", "f32"], ["--latent-cache", "bf16"]),
+    ("bf16 spine, f32 latent cache", ["--spine", "bf16"], ["--latent-cache", "f32"]),
+    ("bf16 spine, bf16 latent cache (its default)", ["--spine", "bf16"], ["--latent-cache", "bf16"]),
+    ("int8 per row, f32 latent cache", ["--spine", "int8"], ["--latent-cache", "f32"]),
+    ("int8 per row, bf16 latent cache (its default)", ["--spine", "int8"], ["--latent-cache", "bf16"]),
+]
 ABLATION = [("bf16 (reference)", ["--spine", "bf16"], [])] + [
     (f"int8 per row, {name} bf16", ["--spine", "int8", *[a for p in pats for a in ("--keep", f"{p}=bf16")]], [])
     for name, pats in KEEP_CLASSES
@@ -75,6 +86,8 @@ def main():
                          "each configuration is also compared with the training framework")
     ap.add_argument("--ablation", action="store_true",
                     help="keep one class of spine matrices in bf16 at a time instead of the storage schemes")
+    ap.add_argument("--latent-cache", action="store_true",
+                    help="the MLA latent cache in bf16 against f32, under each spine, instead of the storage schemes")
     ap.add_argument("--config", action="append", default=[], metavar="FLAGS",
                     help="convert flags as one string (repeatable): the reference and these instead of the built-in set")
     args = ap.parse_args()
@@ -85,7 +98,7 @@ def main():
     rows, ref = [], None
     torch_ref = np.load(args.torch_ref).astype(np.float64) if args.torch_ref else None  # [positions, V]
     with tempfile.TemporaryDirectory() as tmp:
-        configs = ABLATION if args.ablation else CONFIGS
+        configs = ABLATION if args.ablation else LATENT_CACHE if args.latent_cache else CONFIGS
         if args.config:  # the reference, then the configurations asked for
             configs = configs[:1] + [(f, f.split(), []) for f in args.config]
         for name, conv, run in configs:

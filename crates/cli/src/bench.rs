@@ -438,8 +438,11 @@ impl Acc {
         let distinct =
             pr["distinct_experts"].as_f64().unwrap_or(0.0) * g["plan"]["record_bytes"].as_f64().unwrap_or(0.0);
         let flops = g["timing"]["prompt_flops"].as_f64().unwrap_or(f64::NAN);
-        // Each streamed spine layer must be read at least once, whatever the chunking.
-        let io_floor = (distinct + spine_bytes) / (raw_gbps * 1e9);
+        // Each streamed spine layer must be read at least once, whatever the chunking, and each
+        // expert the prompt chose that was not in the cache yet: all of them from a cold start,
+        // at most those read with a warm one (--warm).
+        let expert_read = pr["expert_bytes_read"].as_f64().unwrap_or(f64::INFINITY);
+        let io_floor = (distinct.min(expert_read) + spine_bytes) / (raw_gbps * 1e9);
         let compute_floor = flops / (peak_gflops * 1e9);
         self.ttft_floor.push(io_floor.max(compute_floor));
         self.prefill_distinct.push(distinct);

@@ -110,6 +110,10 @@ fn main() -> ExitCode {
         )
         .init();
     let cli = Cli::parse();
+    if let Err(e) = deltafin_kernels::cpu::requested_path() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

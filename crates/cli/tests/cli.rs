@@ -605,3 +605,19 @@ fn decode_at_a_filled_context_and_contexts_too_short_for_the_run() {
     let pa = |v: &serde_json::Value| v["timing"]["prompt_attention_flops"].as_f64().unwrap();
     assert!(pa(&b) > pa(&a));
 }
+
+/// `DELTAFIN_KERNEL_PATH` runs a narrower kernel path than the CPU's best (reports say which),
+/// and a value that names no path is refused at start.
+#[test]
+fn kernel_path_from_the_environment() {
+    let store = convert("k3-tiny", &[]);
+    let s = store.path().to_str().unwrap();
+    let args = ["generate", "--model", s, "--prompt-tokens", "1,2,3", "--max-tokens", "2", "--json"];
+    let o = bin().args(args).env("DELTAFIN_KERNEL_PATH", "scalar").output().expect("spawn deltafin");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object on stdout");
+    assert_eq!(v["kernel_path"], "scalar");
+    let o = bin().args(args).env("DELTAFIN_KERNEL_PATH", "sse9").output().expect("spawn deltafin");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("names no kernel path") && !err.contains("panicked"), "{err}");
+}

@@ -89,9 +89,30 @@ impl Path {
         }
     }
 
-    /// The best path this CPU has.
+    /// The best path this CPU has, or the one `DELTAFIN_KERNEL_PATH` asks for where this CPU has
+    /// it (to measure or compare a narrower path on a wider CPU: `DELTAFIN_KERNEL_PATH=avx2`).
+    /// A request that names no path, or one this CPU lacks, is ignored here; the command line
+    /// refuses it at start ([`requested_path`]).
     pub fn best() -> Path {
+        static BEST: OnceLock<Path> = OnceLock::new();
+        *BEST.get_or_init(|| match requested_path() {
+            Ok(Some(p)) if p.available() => p,
+            _ => Path::detected(),
+        })
+    }
+
+    /// The best path this CPU has, whatever was requested.
+    pub fn detected() -> Path {
         [Path::Avx512, Path::Avx2, Path::Neon].into_iter().find(|p| p.available()).unwrap_or(Path::Scalar)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Avx512 => "avx512",
+            Path::Avx2 => "avx2+fma",
+            Path::Neon => "neon",
+            Path::Scalar => "scalar",
+        }
     }
 
     /// `self` where this CPU has it, else [`Path::Scalar`]: what every `op_on` matches on.
@@ -115,12 +136,24 @@ pub fn has_neon() -> bool {
 
 /// The kernel path in use, for reports.
 pub fn kernel_path() -> &'static str {
-    match Path::best() {
-        Path::Avx512 => "avx512",
-        Path::Avx2 => "avx2+fma",
-        Path::Neon => "neon",
-        Path::Scalar => "scalar",
+    Path::best().name()
+}
+
+/// The path `DELTAFIN_KERNEL_PATH` names (`avx512`, `avx2`, `neon` or `scalar`), `None` where it
+/// is unset, and an error where it names no path or one this CPU lacks.
+pub fn requested_path() -> Result<Option<Path>, String> {
+    let Ok(v) = std::env::var("DELTAFIN_KERNEL_PATH") else { return Ok(None) };
+    let p = match v.as_str() {
+        "avx512" => Path::Avx512,
+        "avx2" | "avx2+fma" => Path::Avx2,
+        "neon" => Path::Neon,
+        "scalar" => Path::Scalar,
+        o => return Err(format!("DELTAFIN_KERNEL_PATH={o} names no kernel path (avx512, avx2, neon or scalar)")),
+    };
+    if !p.available() {
+        return Err(format!("DELTAFIN_KERNEL_PATH={v}: this CPU lacks it (its best is {})", Path::detected().name()));
     }
+    Ok(Some(p))
 }
 
 #[cfg(test)]

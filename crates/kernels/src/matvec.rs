@@ -80,8 +80,9 @@ pub fn int8_matvec_on(
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 if group != 0 && group.is_multiple_of(16) => {
             check_int8(q, scales, group, rows, cols, x, out);
-            // SAFETY: AVX-512F/BW present (an available path); shapes and group checked.
-            unsafe { avx512::int8_matvec(q, scales, group, rows, cols, x, out) }
+            // SAFETY: AVX-512F/BW present (an available path); shapes and group checked. The
+            // tiles of eight rows give the one-row kernel's bits (its oracle in the tests).
+            unsafe { avx512_tile::int8_rows(q, scales, group, rows, cols, x, 1, out, rows) }
         }
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 | Path::Avx2 if group != 0 && group.is_multiple_of(8) => {
@@ -325,6 +326,32 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// AVX-512's one-input int8 product runs as tiles of eight rows (and 4, 3, 2, 1 for the rest);
+    /// per output it gives exactly the one-row kernel's bits, which stays as its oracle.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn int8_avx512_row_tiles_match_the_one_row_kernel() {
+        if !Path::Avx512.available() {
+            println!("SKIPPED: path Avx512 not available on this CPU");
+            return;
+        }
+        for rows in [1, 2, 5, 8, 9, 12, 17, 19, 31] {
+            for &(cols, group) in &[(16, 16), (96, 48), (160, 160), (7168 / 8, 112)] {
+                let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 7919 % 255) as i32 - 127) as i8).collect();
+                let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 0.001).collect();
+                let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                let (mut want, mut got) = (vec![0f32; rows], vec![f32::NAN; rows]);
+                // SAFETY: AVX-512 present (checked above); shapes as the kernel wants, group % 16 == 0.
+                unsafe { crate::isa::avx512::int8_matvec(&q, &s, group, rows, cols, &x, &mut want) };
+                int8_matvec_on(Path::Avx512, &q, &s, group, rows, cols, &x, &mut got);
+                assert!(
+                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows}x{cols}/{group}: {want:?} vs {got:?}"
+                );
             }
         }
     }

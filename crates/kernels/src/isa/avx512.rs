@@ -19,10 +19,13 @@ use super::avx512_math::exp_ps;
 use crate::format::{BLOCK, E2M1_X2_I8, QuantizedX};
 use crate::scalar;
 
-/// int8 weights with one scale per `group` (a multiple of 16) of each row.
+/// int8 weights with one scale per `group` (a multiple of 16) of each row, one row at a time:
+/// the arithmetic per output that [`super::avx512_tile::int8_rows`] keeps, which runs it in tiles
+/// of rows; kept as that kernel's bit-for-bit oracle.
 ///
 /// # Safety
 /// AVX-512F/BW must be available; shapes validated by the caller; `group % 16 == 0`.
+#[cfg(test)]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn int8_matvec(
     q: &[i8],

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 23's benchmarks: time to first token and decode at a context, on k3-real4 (layers 0-2
+# KDA, layer 3 MLA) beside k3-real3 (KDA only), fresh processes, the two stores interleaved.
+#   deltafin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out $STORES/k3-real4
+#   deltafin synth --preset kimi-k3 --layers 3 --experts 64 --spine real --out $STORES/k3-real3
+# Usage: BIN=target/release/deltafin STORES=/work/bench OUT=bench-results/mla-contexts \
+#        bash bench-results/mla-contexts/run.sh ttft 1000 2000 4000 | decode 1000 4000 16000 32000
+set -euo pipefail
+BIN=${BIN:-target/release/deltafin}
+STORES=${STORES:-/work/bench}
+OUT=${OUT:-bench-results/mla-contexts}
+RUNS=${RUNS:-2}
+mode=$1
+shift
+common=(--memory-budget 12G --runs 1 --no-prefetch --probe-reads 64 --json)
+for n in "$@"; do
+  for r in $(seq 1 "$RUNS"); do
+    for layers in 3 4; do
+      f="$OUT/$mode-$n-real$layers-run$r.json"
+      case $mode in
+        ttft) "$BIN" bench --model "$STORES/k3-real$layers" --prompt-length "$n" "${common[@]}" --max-tokens 4 > "$f" ;;
+        # Warm: the second generation of the process is measured, its experts in the cache (the
+        # whole store fits in the budget): decode where everything is in memory.
+        decode) "$BIN" bench --model "$STORES/k3-real$layers" --context-fill "$n" --warm "${common[@]}" --max-tokens 8 > "$f" ;;
+      esac
+      python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"{sys.argv[1]}: ttft {d['ttft_s']:.2f} s (floor {d['ttft_floor_s']:.2f}), decode {d['s_per_token']:.3f} s/token at context {d['decode_context']} "
+      f"(floor {d['floor_s_per_token']:.3f}: disk {d['floor_disk_s_per_token']:.3f} mem {d['floor_memory_s_per_token']:.3f} compute {d['floor_compute_s_per_token']:.3f}; "
+      f"{d['memory_gbps']:.1f} GB/s, {d['peak_gflops']:.0f} GFLOP/s)", flush=True)
+PY
+    done
+  done
+done
