@@ -7,7 +7,7 @@ here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__f
 rows = defaultdict(list)
 for f in sorted(glob.glob(os.path.join(here, "*.json"))):
     m = re.match(r"(ttft|decode)-(\d+)-real(\d)-run\d+\.json", os.path.basename(f))
-    if m:
+    if m and os.path.getsize(f) > 0:  # a run still in progress has written nothing yet
         rows[(m.group(1), int(m.group(2)), int(m.group(3)))].append(json.load(open(f)))
 
 def med(v):
