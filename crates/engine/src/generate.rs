@@ -150,27 +150,25 @@ pub fn run(
     let (mut chunk, borrow) = prompt_chunking(model.run(), prompt.len(), hooks.per_token());
     let (bytes0, spine0) = (experts.bytes_read(), model.spine_bytes_read());
     let mut borrowed = 0;
-    if borrow > 0 {
-        borrowed = experts.lend(borrow);
-        if borrowed < borrow {
-            // Part of the cache could not be lent: chunks as large as what was.
-            let base = model.run().prefill_chunk.max(1);
-            let per = model.run().prompt_borrowing.map_or(1, |b| b.token_bytes.max(1));
-            chunk = balanced_chunk(prompt.len(), base + (borrowed / per) as usize);
+    let fed = {
+        // Gives the memory back when the prompt is through, on every way out of it (an error,
+        // a cancellation, a panic that a server catches): the next request has the whole cache.
+        let lent = LentCache { experts: &mut *experts, st: &mut *st, active: borrow > 0 };
+        if borrow > 0 {
+            borrowed = lent.experts.lend(borrow);
+            if borrowed < borrow {
+                // Part of the cache could not be lent: chunks as large as what was.
+                let base = model.run().prefill_chunk.max(1);
+                let per = model.run().prompt_borrowing.map_or(1, |b| b.token_bytes.max(1));
+                chunk = balanced_chunk(prompt.len(), base + (borrowed / per) as usize);
+            }
+            tracing::debug!(
+                "prompt of {} tokens in chunks of {chunk}, on {borrowed} bytes borrowed from the expert cache",
+                prompt.len()
+            );
         }
-        tracing::debug!(
-            "prompt of {} tokens in chunks of {chunk}, on {borrowed} bytes borrowed from the expert cache",
-            prompt.len()
-        );
-    }
-    let fed = feed_prompt(model, experts, st, logits, prompt, chunk, hooks, driver);
-    if borrow > 0 {
-        // Give the memory back before the first new token, on every way out: the chunk's
-        // buffers leave the process, then the cache may fill again.
-        st.release_chunk_buffers();
-        crate::os::memory::return_free_heap();
-        experts.take_back();
-    }
+        feed_prompt(model, &mut *lent.experts, &mut *lent.st, logits, prompt, chunk, hooks, driver)
+    };
     let Some(seen) = fed? else { return Ok(Ended::Cancelled) };
     driver.prompt_done(st, logits);
     driver.prompt_stats(&PromptStats {
@@ -187,6 +185,25 @@ pub fn run(
         driver.after_step(experts.bytes_read());
     }
     Ok(Ended::Done)
+}
+
+/// The expert cache's memory lent to a long prompt's chunk, given back when this is dropped:
+/// the chunk's buffers leave the process, then the cache may fill again. A guard, so that an
+/// error or a panic inside the prompt cannot leave the cache lent for good.
+struct LentCache<'a, 'b> {
+    experts: &'a mut dyn ExpertSource,
+    st: &'b mut K3State,
+    active: bool,
+}
+
+impl Drop for LentCache<'_, '_> {
+    fn drop(&mut self) {
+        if self.active {
+            self.st.release_chunk_buffers();
+            crate::os::memory::return_free_heap();
+            self.experts.take_back();
+        }
+    }
 }
 
 /// Prompt chunks for a prompt of `len` tokens, and the memory to borrow for them: chunks of the

@@ -15,10 +15,9 @@ use std::time::Duration;
 
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
-use deltafin_engine::fault::{FaultKind, ReadFault};
+use deltafin_engine::fault::{FaultKind, FaultStats, ReadFault};
 use deltafin_engine::generate::generate_greedy;
-use deltafin_engine::k3::{K3Model, RunConfig};
-use deltafin_engine::stream::backend::io_uring_available;
+use deltafin_engine::k3::{K3Model, PromptBorrowing, RunConfig};
 use deltafin_engine::stream::cache::Policy;
 use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq};
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
@@ -85,10 +84,8 @@ fn libc_eio() -> i32 {
 
 fn backends() -> Vec<BackendKind> {
     let mut v = vec![BackendKind::Pread];
-    if io_uring_available() {
+    if uring_or_skip("io_uring back-end") {
         v.push(BackendKind::IoUring);
-    } else {
-        println!("SKIPPED io_uring: this kernel refuses io_uring rings");
     }
     v
 }
@@ -480,6 +477,109 @@ fn lending_the_cache_gives_slots_back_and_take_back_restores_them() {
     assert_eq!(read(&mut src, &[0, 1, 2, 3]), want);
     assert!((0..4).all(|e| src.is_cached(layer, e)), "the cache fills again");
     assert_eq!(src.lend(0), 0);
+}
+
+/// A verifier thread lost with checks outstanding fails that one request with an error, never a
+/// hang (the watchdog ends a hung test); the reset after it starts a new thread, and the next
+/// request is served with the tokens of a fault-free run.
+#[test]
+fn a_lost_verifier_fails_one_request_and_is_started_again() {
+    let _w = Watchdog::start("lost verifier");
+    let f = fixture(false);
+    for backend in backends() {
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        let mut src = source(&f, backend, 4, false, &rules);
+        src.kill_verifier_for_tests();
+        let err = run(&f, &mut src).expect_err("a request whose checks were lost succeeded");
+        assert!(format!("{err:#}").contains("verifier thread is gone"), "{backend:?}: {err:#}");
+        src.reset();
+        assert_eq!(src.faults().verifier_restarts, 1, "{backend:?}");
+        recovers(&f, &mut src, "after the verifier thread was lost");
+        assert_eq!(src.faults().verifier_restarts, 1, "{backend:?}: restarted again without a loss");
+    }
+}
+
+/// Passes everything to `inner` and panics at the `at`-th `begin` (a bug inside a prompt), so
+/// a test can see what the panic leaves behind. Counts the bytes lent and the take-backs.
+struct PanicAt<'a> {
+    inner: &'a mut StreamingExperts,
+    begins: usize,
+    at: usize,
+    lent: u64,
+    taken_back: usize,
+}
+
+impl ExpertSource for PanicAt<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.begins += 1;
+        if self.begins == self.at {
+            panic!("injected panic at begin {}", self.at);
+        }
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.inner.drain(f)
+    }
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.inner.prefetch(layer, experts)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn faults(&self) -> FaultStats {
+        self.inner.faults()
+    }
+    fn read_ahead(&mut self, layer: usize) {
+        self.inner.read_ahead(layer)
+    }
+    fn lend(&mut self, bytes: u64) -> u64 {
+        let lent = self.inner.lend(bytes);
+        self.lent += lent;
+        lent
+    }
+    fn take_back(&mut self) {
+        self.taken_back += 1;
+        self.inner.take_back()
+    }
+}
+
+/// A panic in the middle of a long prompt that borrowed the cache's memory gives that memory
+/// back on the way out (a guard in `generate::run`): after the server's clean-up (`reset`) the
+/// cache holds as many records as before, and the next request's tokens are a fault-free run's.
+#[test]
+fn a_panic_inside_a_borrowing_prompt_gives_the_cache_back() {
+    let _w = Watchdog::start("panic while lent");
+    let f = fixture(false);
+    let layers = f.model.config.moe_layers();
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 4, false, &rules);
+    let slot = src.slot_bytes as u64;
+    // Chunks of 2 tokens unless the prompt borrows: then as large as the borrowed slots allow.
+    let run = RunConfig {
+        prefill_chunk: 2,
+        prompt_borrowing: Some(PromptBorrowing { max_chunk: 64, token_bytes: slot }),
+        ..Default::default()
+    };
+    let model = K3Model::load(&f.store, &run).unwrap();
+    assert!(f.prompt.len() > 2, "the fixture's longest prompt must be longer than one chunk");
+    let mut panicking = PanicAt { inner: &mut src, begins: 0, at: 2, lent: 0, taken_back: 0 };
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        generate_greedy(&model, &mut panicking, &f.prompt, 6, None).map(|_| ())
+    }));
+    assert!(outcome.is_err(), "the injected panic did not happen");
+    assert!(panicking.lent > 0, "the prompt borrowed nothing: the test would not test the guard");
+    assert_eq!(panicking.taken_back, 1, "the lent cache was not given back on the panic's way out");
+    src.reset();
+    src.check_idle().unwrap();
+    // Every MoE layer holds its 4 slots again: 4 experts read are 4 cached.
+    let layer = layers[0];
+    src.begin(layer, &[0, 1, 2, 3]).unwrap();
+    src.drain(&mut |_, _| Ok(())).unwrap();
+    assert!((0..4).all(|e| src.is_cached(layer, e)), "the cache did not get its slots back");
+    recovers(&f, &mut src, "after a panic while the cache was lent");
 }
 
 /// A large chunk's read-ahead fills the layer's free cache room and no more, leaves the demand's

@@ -127,8 +127,8 @@ fn streaming_decode_steps_allocate_nothing_once_warm() {
     use deltafin_engine::stream::cache::Policy;
     use deltafin_engine::stream::reader::BackendKind;
     use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
-    if !deltafin_engine::stream::backend::io_uring_available() {
-        println!("SKIPPED: this kernel refuses io_uring rings (the pread pool's channels allocate)");
+    // The pread pool's channels allocate: this test needs io_uring.
+    if !uring_or_skip("streaming decode without allocation") {
         return;
     }
     let dir = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);

@@ -278,6 +278,12 @@ impl Metrics {
             "Times the expert source was returned to a clean state after a failed request.",
             f.resets,
         );
+        counter(
+            &mut out,
+            "deltafin_expert_verifier_restarts_total",
+            "Checksum verifier threads started again after one was lost with checks outstanding.",
+            f.verifier_restarts,
+        );
         gauge(
             &mut out,
             "deltafin_degraded",
@@ -352,13 +358,21 @@ mod tests {
             decode_s: 2.0,
             stop_string: None,
         });
-        m.set_faults(FaultStats { read_errors: 4, checksum_failures: 3, retries: 5, failed_records: 2, resets: 2 });
+        m.set_faults(FaultStats {
+            read_errors: 4,
+            checksum_failures: 3,
+            retries: 5,
+            failed_records: 2,
+            resets: 2,
+            verifier_restarts: 1,
+        });
         let text = m.render(2, true);
         assert!(text.contains("deltafin_expert_read_errors_total 4\n"));
         assert!(text.contains("deltafin_expert_checksum_failures_total 3\n"));
         assert!(text.contains("deltafin_expert_read_retries_total 5\n"));
         assert!(text.contains("deltafin_expert_failed_records_total 2\n"));
         assert!(text.contains("deltafin_expert_source_resets_total 2\n"));
+        assert!(text.contains("deltafin_expert_verifier_restarts_total 1\n"));
         assert!(text.contains("deltafin_degraded 0\n"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/completions\",status=\"429\"} 1"));

@@ -25,7 +25,7 @@ use super::backend::make_backend;
 use super::cache::{LayerCache, Policy};
 use super::geometry;
 use super::reader::{BackendKind, ReadBackend, ReadReq, open_files};
-use super::verify::{RecordCheck, Verifier};
+use super::verify::{Next, RecordCheck, Verifier};
 use crate::experts::ExpertSource;
 use crate::fault::{FaultKind, FaultStats, FetchFault, ReadFault};
 
@@ -103,6 +103,8 @@ pub struct StreamingExperts {
     verifier: Option<Verifier>,
     /// Checks handed to the verifier whose results have not come back.
     verifying: usize,
+    /// The verifier thread was found gone with checks outstanding; the next reset starts another.
+    verifier_lost: bool,
     /// How a record is checked (on the verifier thread, or here when it is unavailable).
     check: RecordCheck,
     pub backend_kind: BackendKind,
@@ -203,6 +205,7 @@ impl StreamingExperts {
             backend,
             verifier,
             verifying: 0,
+            verifier_lost: false,
             check,
             o_direct,
             record_bytes: ex.record_bytes as usize,
@@ -424,6 +427,11 @@ impl StreamingExperts {
         self.done_buf = done;
         waited?;
         self.collect_checked(ready, None);
+        if self.verifier_lost {
+            bail!(
+                "expert source: the checksum verifier thread is gone; the records it held are read again by the next request"
+            );
+        }
         match self.failure.take() {
             Some(fault) => Err(fault.into()),
             None => Ok(()),
@@ -479,10 +487,23 @@ impl StreamingExperts {
     fn collect_checked(&mut self, ready: &mut Vec<(usize, usize)>, wait: Option<Duration>) {
         let mut wait = wait;
         while self.verifying > 0 {
-            let Some(c) = self.verifier.as_ref().and_then(|v| v.next(wait.take())) else { break };
-            self.verifying -= 1;
-            self.verify_time += c.took;
-            self.checked(c.id, c.result, ready);
+            let Some(v) = self.verifier.as_ref() else { break };
+            match v.next(wait.take()) {
+                Next::Ready(c) => {
+                    self.verifying -= 1;
+                    self.verify_time += c.took;
+                    self.checked(c.id, c.result, ready);
+                }
+                Next::Empty => break,
+                Next::Gone => {
+                    // Its checks will never come back: this request fails (`reap`), and the
+                    // reset after it starts a new thread. Their buffers are no longer touched.
+                    tracing::error!("the expert verifier thread is gone with {} checks outstanding", self.verifying);
+                    self.verifying = 0;
+                    self.verifier_lost = true;
+                    break;
+                }
+            }
         }
     }
 
@@ -641,6 +662,25 @@ impl StreamingExperts {
         }
         self.failure = None;
         self.faults.resets += 1;
+        if self.verifier_lost {
+            // The lost thread's checks were outstanding: their flights were dropped above with
+            // the rest. A new thread for the next request (records are checked in place if the
+            // OS refuses one).
+            self.verifier = Verifier::start(self.check.clone(), self.bufs.len())
+                .map_err(|e| tracing::warn!("expert verifier thread not restarted ({e}); checking records in place"))
+                .ok();
+            self.verifier_lost = false;
+            self.faults.verifier_restarts += 1;
+        }
+    }
+
+    /// For tests: the verifier thread dies on the next record it takes, leaving that check
+    /// outstanding (a thread lost to a panic or the OS).
+    #[doc(hidden)]
+    pub fn kill_verifier_for_tests(&self) {
+        if let Some(v) = &self.verifier {
+            v.kill_for_tests();
+        }
     }
 
     /// Submit queued prefetches while prefetch buffers are available.

@@ -214,8 +214,7 @@ mod tests {
 
     #[test]
     fn io_uring_keeps_to_its_depth_and_serves_demand_reads_first() {
-        if !available() {
-            println!("SKIPPED: this kernel refuses io_uring rings");
+        if !crate::stream::backend::io_uring_for_tests("io_uring depth and order").unwrap() {
             return;
         }
         let (_f, files) = blocks_file(9);

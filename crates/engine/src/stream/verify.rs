@@ -5,7 +5,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -90,10 +91,21 @@ pub struct Checked {
     pub took: Duration,
 }
 
+/// What [`Verifier::next`] found.
+pub enum Next {
+    Ready(Checked),
+    /// No result yet (none ready, or none within the wait).
+    Empty,
+    /// The thread is gone: no result will come, and it touches no buffer any more.
+    Gone,
+}
+
 pub struct Verifier {
     jobs: Option<SyncSender<Job>>,
     results: Receiver<Checked>,
     thread: Option<JoinHandle<()>>,
+    /// Set by [`Verifier::kill_for_tests`]: the thread dies on its next job, holding it.
+    doomed: Arc<AtomicBool>,
 }
 
 impl Verifier {
@@ -102,8 +114,14 @@ impl Verifier {
     pub fn start(check: RecordCheck, buffers: usize) -> std::io::Result<Self> {
         let (jtx, jrx) = sync_channel::<Job>(buffers.max(1));
         let (rtx, rrx) = sync_channel(buffers.max(1));
+        let doomed = Arc::new(AtomicBool::new(false));
+        let dies = doomed.clone();
         let thread = std::thread::Builder::new().name("expert-verify".into()).spawn(move || {
             while let Ok(j) = jrx.recv() {
+                if dies.load(Ordering::Relaxed) {
+                    // A thread lost with a check outstanding (as a panic in it would leave it).
+                    return;
+                }
                 let t0 = Instant::now();
                 // SAFETY: see `Job`: the buffer is this thread's until the result is sent.
                 let buf = unsafe { std::slice::from_raw_parts_mut(j.ptr, j.len) };
@@ -113,7 +131,14 @@ impl Verifier {
                 }
             }
         })?;
-        Ok(Verifier { jobs: Some(jtx), results: rrx, thread: Some(thread) })
+        Ok(Verifier { jobs: Some(jtx), results: rrx, thread: Some(thread), doomed })
+    }
+
+    /// For tests: the thread ends on the next job it takes, without answering it, as a thread
+    /// that died (a panic, the OS) would leave its checks outstanding.
+    #[doc(hidden)]
+    pub fn kill_for_tests(&self) {
+        self.doomed.store(true, Ordering::Relaxed);
     }
 
     /// Hand flight `id`'s buffer over; false when the thread is gone or its queue is full
@@ -129,12 +154,20 @@ impl Verifier {
         self.results.recv().ok()
     }
 
-    /// A result if one is ready; with `wait`, up to that long for one.
-    pub fn next(&self, wait: Option<Duration>) -> Option<Checked> {
-        match wait {
-            None => self.results.try_recv().ok(),
-            Some(d) => self.results.recv_timeout(d).ok(),
-        }
+    /// A result if one is ready; with `wait`, up to that long for one. Tells a thread that is
+    /// gone from one that is still checking (a waiter on a dead thread would wait forever).
+    pub fn next(&self, wait: Option<Duration>) -> Next {
+        let gone = match wait {
+            None => match self.results.try_recv() {
+                Ok(c) => return Next::Ready(c),
+                Err(e) => e == TryRecvError::Disconnected,
+            },
+            Some(d) => match self.results.recv_timeout(d) {
+                Ok(c) => return Next::Ready(c),
+                Err(e) => e == RecvTimeoutError::Disconnected,
+            },
+        };
+        if gone { Next::Gone } else { Next::Empty }
     }
 }
 

@@ -67,15 +67,20 @@ pub fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// Whether this test runs its io_uring part: where the kernel refuses a ring it prints SKIPPED
+/// and returns false, unless `DELTAFIN_REQUIRE_IO_URING=1` (set by `scripts/test.sh` where a
+/// ring was granted), when the test fails.
+pub fn uring_or_skip(what: &str) -> bool {
+    deltafin_engine::stream::backend::io_uring_for_tests(what).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// The read back-ends this machine offers: pread always; io_uring when the kernel grants a ring
-/// (reported as skipped otherwise, never as passed).
+/// (reported as skipped otherwise, and a failure where it is required).
 pub fn backends() -> Vec<deltafin_engine::stream::reader::BackendKind> {
-    use deltafin_engine::stream::backend::io_uring_available;
     use deltafin_engine::stream::reader::BackendKind;
-    if io_uring_available() {
+    if uring_or_skip("io_uring back-end") {
         vec![BackendKind::IoUring, BackendKind::Pread]
     } else {
-        println!("SKIPPED io_uring: this kernel refuses io_uring rings");
         vec![BackendKind::Pread]
     }
 }
