@@ -15,7 +15,7 @@ use crate::scalar;
 
 /// Trials each probe runs; the best is the roof. A roof is what the machine can do, and a
 /// single trial is at the mercy of the moment: bench runs on record show the two-thread FMA
-/// probe at 117-182 GFLOP/s in some runs and 220-233 in the rest, and the memory probe at
+/// probe at 117-182 GFLOP/s in some runs and 209-233 in the rest, and the memory probe at
 /// 22.5-45 GB/s (a floor from such a trial was beaten by the engine).
 const TRIALS: usize = 4;
 
