@@ -322,6 +322,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         bar.finish();
     }
     let g = g.ok_or_else(|| anyhow::anyhow!("nothing generated"))?;
+    // The last snapshot's write finishes (its thread ran beside the generation) before the
+    // figures are reported.
+    if let Some(ps) = states.as_mut()
+        && let Err(e) = ps.flush()
+    {
+        eprintln!("warning: keeping a prompt state on disk failed: {e}");
+    }
     if let Some(t) = trace {
         t.finish()?;
     }

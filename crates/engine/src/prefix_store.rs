@@ -9,7 +9,12 @@
 //!   snapshot before use, so a hash collision costs a read, never a wrong state.
 //! - Writes are crash-safe: a temporary file in the same directory, synced, renamed over the final
 //!   name, the directory synced. kill -9 in the middle leaves at most a temporary file, which the
-//!   next open deletes. A torn or corrupt snapshot fails its checksum when read: it is deleted
+//!   next open deletes.
+//! - Writes are off the engine's path: [`PrefixStore::save`] encodes the state into the store's
+//!   one buffer and hands it to a writer thread, which writes, syncs and renames while the model
+//!   goes on (on Kimi K3 a snapshot is ~434 MB and 1-2 s of writing, once per prompt chunk and
+//!   before the first token). The next use of the buffer (a save or a lookup) waits only for a
+//!   write still in progress, and dropping the store waits for it. A torn or corrupt snapshot fails its checksum when read: it is deleted
 //!   and the lookup goes on to the next shorter prefix.
 //! - Eviction is least-recently-used within the byte budget; recency is the file's modification
 //!   time (set on every use), so it survives restarts.
@@ -72,9 +77,30 @@ pub struct StoreCounters {
     pub evictions: u64,
     /// Snapshots found torn or corrupt (or unreadable) and deleted.
     pub dropped: u64,
-    /// Nanoseconds spent reading and restoring, and encoding and writing (synced) snapshots.
+    /// Nanoseconds spent reading and restoring snapshots.
     pub read_ns: u64,
+    /// Nanoseconds the caller spent encoding snapshots into the buffer (on its own thread).
+    pub encode_ns: u64,
+    /// Nanoseconds the writer threads spent writing and syncing snapshots (beside the caller).
     pub write_ns: u64,
+    /// Nanoseconds the caller waited for an earlier snapshot's write to finish: with
+    /// `encode_ns`, all the time snapshots took from the caller.
+    pub wait_ns: u64,
+    /// Snapshot writes that failed (each also logged, and returned by the next call).
+    pub write_errors: u64,
+}
+
+/// A snapshot being written by its own thread; joining it gives the buffer back.
+struct Pending {
+    bytes: u64,
+    writer: std::thread::JoinHandle<Written>,
+}
+
+/// What a writer thread hands back: the buffer, and the entry once the snapshot is in place.
+struct Written {
+    buf: Vec<u8>,
+    result: io::Result<Entry>,
+    ns: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -95,7 +121,17 @@ pub struct PrefixStore {
     /// memory plan reserves as a state copy when a state directory is in use) plus the logits
     /// and the token list.
     buf: Vec<u8>,
+    /// The write in progress, which holds `buf` until it is joined.
+    pending: Option<Pending>,
     pub counters: StoreCounters,
+}
+
+impl Drop for PrefixStore {
+    fn drop(&mut self) {
+        if let Err(e) = self.flush() {
+            tracing::warn!("keeping a prompt state on disk failed: {e}");
+        }
+    }
 }
 
 /// The identity stored states are kept under: the store's manifest (its weights, spine dtype
@@ -151,6 +187,7 @@ impl PrefixStore {
             identity,
             entries,
             buf: Vec::new(),
+            pending: None,
             counters: Default::default(),
         };
         s.evict_to(budget);
@@ -168,9 +205,40 @@ impl PrefixStore {
         )
     }
 
-    /// Snapshots held, and their bytes.
+    /// Snapshots held, and their bytes (a snapshot being written counts).
     pub fn held(&self) -> (usize, u64) {
-        (self.entries.len(), self.entries.iter().map(|e| e.bytes).sum())
+        let pending = self.pending.as_ref().map_or(0, |p| p.bytes);
+        (
+            self.entries.len() + self.pending.is_some() as usize,
+            self.entries.iter().map(|e| e.bytes).sum::<u64>() + pending,
+        )
+    }
+
+    /// Wait for the snapshot being written, if any: its file is then in place (or the error of
+    /// its write is returned, its temporary file removed).
+    pub fn flush(&mut self) -> io::Result<()> {
+        let Some(p) = self.pending.take() else { return Ok(()) };
+        let t0 = std::time::Instant::now();
+        let joined = p.writer.join();
+        self.counters.wait_ns += t0.elapsed().as_nanos() as u64;
+        let written = joined.map_err(|_| {
+            self.counters.write_errors += 1;
+            io::Error::other("the prompt state writer panicked")
+        })?;
+        self.buf = written.buf;
+        self.counters.write_ns += written.ns;
+        match written.result {
+            Ok(entry) => {
+                self.counters.bytes_written += entry.bytes;
+                self.counters.snapshots_written += 1;
+                self.entries.push(entry);
+                Ok(())
+            }
+            Err(e) => {
+                self.counters.write_errors += 1;
+                Err(e)
+            }
+        }
     }
 
     /// Restore the longest stored prefix of `prompt` (at most `max_tokens` long) into `st` and
@@ -184,6 +252,10 @@ impl PrefixStore {
         st: &mut K3State,
         logits: &mut [f32],
     ) -> Option<usize> {
+        // The buffer (and the entry of the snapshot being written) first.
+        if let Err(e) = self.flush() {
+            tracing::warn!("keeping a prompt state on disk failed: {e}");
+        }
         // The prompt's bytes once; each entry's key is the hash of a prefix of them.
         let prompt_bytes = token_bytes(prompt);
         let mut candidates: Vec<usize> = (0..self.entries.len())
@@ -259,10 +331,19 @@ impl PrefixStore {
     /// Keep the state after `tokens` (with the logits after the last of them). A prefix already
     /// held is only marked used. Crash-safe (see the module); evicts the least recently used
     /// snapshots to stay within the budget; a snapshot larger than the whole budget is not kept.
+    /// The state is encoded here and written by a thread of its own ([`Self::flush`] waits for
+    /// it); an earlier write's failure is returned here, after this state is handed over.
     pub fn save(&mut self, tokens: &[u32], st: &K3State, logits: &[f32]) -> io::Result<()> {
         if tokens.is_empty() {
             return Ok(());
         }
+        // The buffer back from the previous write (and its entry, so a prefix it held is seen).
+        let earlier = self.flush();
+        self.save_now(tokens, st, logits)?;
+        earlier
+    }
+
+    fn save_now(&mut self, tokens: &[u32], st: &K3State, logits: &[f32]) -> io::Result<()> {
         if tokens.len() != st.position {
             return Err(io::Error::other(format!(
                 "a state after {} tokens cannot stand for {} tokens",
@@ -293,29 +374,37 @@ impl PrefixStore {
         let serial = TMP_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = self.dir.join(format!("{name}.{}-{nanos}-{serial}.{TMP_EXT}", std::process::id()));
         let path = self.dir.join(format!("{name}.{EXT}"));
-        let written = (|| {
-            let mut f = File::options().write(true).create_new(true).open(&tmp)?;
-            // A file system without locks still gets the snapshot (starts then go by age).
-            if let Err(e) = f.lock() {
-                tracing::debug!("locking {}: {e}", tmp.display());
-            }
-            f.write_all(&self.buf)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        })();
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-        // The snapshot is in place (and counted) whether or not the directory's entry is
-        // durable yet: a system that refuses to sync a directory still has the file.
-        if let Err(e) = sync_dir(&self.dir) {
-            tracing::debug!("syncing {}: {e}", self.dir.display());
-        }
-        self.counters.write_ns += t0.elapsed().as_nanos() as u64;
-        self.counters.bytes_written += bytes;
-        self.counters.snapshots_written += 1;
-        self.entries.push(Entry { tokens: tokens.len(), key, bytes, used: SystemTime::now(), path });
+        let (buf, dir, n) = (std::mem::take(&mut self.buf), self.dir.clone(), tokens.len());
+        self.counters.encode_ns += t0.elapsed().as_nanos() as u64;
+        let writer = std::thread::Builder::new().name("deltafin-state-writer".into()).spawn(move || {
+            let t0 = std::time::Instant::now();
+            let written = (|| {
+                let mut f = File::options().write(true).create_new(true).open(&tmp)?;
+                // A file system without locks still gets the snapshot (starts then go by age).
+                if let Err(e) = f.lock() {
+                    tracing::debug!("locking {}: {e}", tmp.display());
+                }
+                f.write_all(&buf)?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, &path)
+            })();
+            let result = match written {
+                Ok(()) => {
+                    // The snapshot is in place (and counted) whether or not the directory's entry
+                    // is durable yet: a system that refuses to sync a directory still has the file.
+                    if let Err(e) = sync_dir(&dir) {
+                        tracing::debug!("syncing {}: {e}", dir.display());
+                    }
+                    Ok(Entry { tokens: n, key, bytes, used: SystemTime::now(), path })
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    Err(e)
+                }
+            };
+            Written { buf, result, ns: t0.elapsed().as_nanos() as u64 }
+        })?;
+        self.pending = Some(Pending { bytes, writer });
         Ok(())
     }
 

@@ -73,6 +73,8 @@ fn prompts_resume_bit_for_bit_across_restarts_and_interleaved_conversations() {
     let mut ps = PrefixStore::open(dir.path(), 1 << 30, 42).unwrap();
     let (st, logits) = run(&model, &f.store, &a[..30]);
     ps.save(&a[..30], &st, &logits).unwrap();
+    // The process ends (dropping the store waits for the write its thread is doing).
+    drop(ps);
     let mut ps = PrefixStore::open(dir.path(), 1 << 30, 42).unwrap();
     let (got, logits) = resume(&mut ps, &model, &f.store, &a);
     assert_eq!(got, 30);
@@ -94,6 +96,8 @@ fn torn_corrupt_and_interrupted_snapshots_are_never_used() {
         let (st, logits) = run(&model, &f.store, &a[..n]);
         ps.save(&a[..n], &st, &logits).unwrap();
     }
+    // The last write runs on its own thread: its file is in place once flushed.
+    ps.flush().unwrap();
     let file = |n: usize| {
         std::fs::read_dir(dir.path())
             .unwrap()
@@ -173,4 +177,29 @@ fn eviction_is_least_recently_used_within_the_budget() {
     let mut ps = PrefixStore::open(dir.path(), size + size / 2, 1).unwrap();
     assert_eq!(ps.held().0, 1);
     assert_eq!(resume(&mut ps, &model, &f.store, &convs[2]).0, 16);
+}
+
+#[test]
+fn a_failed_background_write_is_reported_and_keeps_nothing() {
+    let f = fixture();
+    let model = K3Model::load(&f.store, &RunConfig::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let states = dir.path().join("states");
+    let a = conversation(1, 24);
+    let mut ps = PrefixStore::open(&states, 1 << 30, 9).unwrap();
+    // The directory vanishes under the store: the writer thread cannot create its file.
+    std::fs::remove_dir_all(&states).unwrap();
+    let (st, logits) = run(&model, &f.store, &a[..16]);
+    ps.save(&a[..16], &st, &logits).unwrap();
+    let err = ps.flush().expect_err("the write could not have succeeded");
+    assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+    assert_eq!((ps.counters.write_errors, ps.counters.snapshots_written, ps.held().0), (1, 0, 0));
+    // The buffer came back: the next save writes once the directory is there again.
+    std::fs::create_dir_all(&states).unwrap();
+    ps.save(&a[..16], &st, &logits).unwrap();
+    ps.flush().unwrap();
+    assert_eq!((ps.counters.snapshots_written, ps.held().0), (1, 1));
+    let (got, logits) = resume(&mut ps, &model, &f.store, &a);
+    assert_eq!(got, 16);
+    assert!(same(&logits, &run(&model, &f.store, &a).1));
 }
