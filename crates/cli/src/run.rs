@@ -308,6 +308,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let mut g = None;
     for seq in 0..a.repeat.max(1) {
+        // The report covers the generation it reports (the last): a warm run's counters do not
+        // mix in the generation that warmed the cache.
+        if seq > 0 {
+            s.experts.clear_stats();
+        }
         let mut bar = PromptBar::new(prompt_ids.len(), a.json);
         let mut progress = |p| bar.update(p);
         let hooks = GenerateHooks {

@@ -88,8 +88,15 @@ pub struct StreamReport {
     pub cache_policy: Policy,
     pub prefetch: bool,
     pub accesses: u64,
+    /// Served without a demand read: cache hits, landed and adopted prefetches or read-ahead.
     pub hits: u64,
+    /// The cache's own hits (`LayerStats::cache_hits`) over accesses.
     pub hit_rate: f64,
+    pub cache_hits: u64,
+    /// Demand accesses served by a prefetch or read-ahead (landed, or adopted in flight).
+    pub prefetch_used: u64,
+    /// Of those, the ones adopted while still in flight.
+    pub adopted: u64,
     pub demand_reads: u64,
     pub prefetch_reads: u64,
     /// Of the prefetch reads, those large prompt chunks read ahead into free cache room.
@@ -209,7 +216,10 @@ impl Session {
             prefetch: self.model.run().prefetch,
             accesses: t.accesses,
             hits: t.hits,
-            hit_rate: if t.accesses == 0 { 0.0 } else { t.hits as f64 / t.accesses as f64 },
+            hit_rate: if t.accesses == 0 { 0.0 } else { t.cache_hits as f64 / t.accesses as f64 },
+            cache_hits: t.cache_hits,
+            prefetch_used: t.prefetch_used,
+            adopted: t.adopted,
             demand_reads: t.demand_reads,
             prefetch_reads: t.prefetch_reads,
             read_ahead: t.read_ahead,

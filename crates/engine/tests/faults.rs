@@ -613,5 +613,7 @@ fn read_ahead_fills_free_cache_room_and_serves_the_demand() {
     assert_eq!(read(&mut src), read(&mut direct));
     let t = src.total_stats();
     assert_eq!((t.hits, t.prefetch_used, t.demand_reads), (3, 3, 2));
+    // The three were read ahead, not found in the cache: none of them is a cache hit.
+    assert_eq!(t.cache_hits, 0);
     src.check_idle().unwrap();
 }

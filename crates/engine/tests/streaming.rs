@@ -101,6 +101,13 @@ fn streaming_is_bit_identical_across_budgets_backends_and_layouts() {
                         }
                         let t = src.total_stats();
                         assert_eq!(t.accesses, t.hits + t.demand_reads, "{what}: every access is a hit or a read");
+                        // A hit is the cache's own or speculation's, never both; adopted reads
+                        // are speculation's.
+                        assert_eq!(t.hits, t.cache_hits + t.prefetch_used, "{what}: hits split");
+                        assert!(t.adopted <= t.prefetch_used, "{what}");
+                        if prefetch == 0 {
+                            assert_eq!((t.prefetch_used, t.adopted), (0, 0), "{what}: no speculation");
+                        }
                         if slots == all && prefetch == 0 {
                             // Everything fits: each expert is read at most once.
                             let layers = store.manifest.experts.layers.len() as u64;

@@ -34,6 +34,8 @@ pub struct Metrics {
     expert_bytes: AtomicU64,
     cache_accesses: AtomicU64,
     cache_hits: AtomicU64,
+    /// Lookups served by a prefetch or a prompt chunk's read-ahead (landed or in flight).
+    prefetch_served: AtomicU64,
     faults: Mutex<FaultStats>,
     /// A streaming store's fetches, and its experts on disk (present, all).
     streaming: Mutex<Option<StreamingTotals>>,
@@ -118,7 +120,8 @@ impl Metrics {
         let t = session.experts.total_stats();
         self.expert_bytes.store(session.experts.bytes_read(), Ordering::Relaxed);
         self.cache_accesses.store(t.accesses, Ordering::Relaxed);
-        self.cache_hits.store(t.hits, Ordering::Relaxed);
+        self.cache_hits.store(t.cache_hits, Ordering::Relaxed);
+        self.prefetch_served.store(t.prefetch_used, Ordering::Relaxed);
         self.set_faults(ExpertSource::faults(&session.experts));
         *lock(&self.streaming) = session.experts.fetch_stats().map(|f| (f, session.experts.presence_count()));
     }
@@ -224,7 +227,18 @@ impl Metrics {
         );
         let (acc, hits) = (ld(&self.cache_accesses), ld(&self.cache_hits));
         counter(&mut out, "deltafin_expert_cache_accesses_total", "Routed-expert lookups.", acc);
-        counter(&mut out, "deltafin_expert_cache_hits_total", "Routed-expert lookups served from RAM.", hits);
+        counter(
+            &mut out,
+            "deltafin_expert_cache_hits_total",
+            "Routed-expert lookups found in the cache (not put there by a prefetch or read-ahead).",
+            hits,
+        );
+        counter(
+            &mut out,
+            "deltafin_expert_prefetch_served_total",
+            "Routed-expert lookups served by a prefetch or a prompt chunk's read-ahead.",
+            ld(&self.prefetch_served),
+        );
         gauge(
             &mut out,
             "deltafin_expert_cache_hit_rate",

@@ -52,6 +52,12 @@ pub struct LayerStats {
     pub accesses: u64,
     /// Demand accesses served from memory without a demand read (cache or a prefetch).
     pub hits: u64,
+    /// Of `hits`, those found in the cache where no prefetch or read-ahead had put them unused:
+    /// the cache's own hits, what `hit_rate` reports.
+    pub cache_hits: u64,
+    /// Of `hits`, those that adopted a prefetch or read-ahead still in flight (the demand waited
+    /// for a read that speculation had started).
+    pub adopted: u64,
     /// Demand reads issued.
     pub demand_reads: u64,
     pub prefetch_reads: u64,
@@ -737,11 +743,22 @@ impl StreamingExperts {
         self.opts.policy
     }
 
+    /// Start the counters afresh (a warm run measures its second generation alone); the
+    /// cache and everything in flight are untouched.
+    pub fn clear_stats(&mut self) {
+        self.stats.clear();
+        self.io_wait = Duration::ZERO;
+        self.verify_time = Duration::ZERO;
+        self.bytes_verified = 0;
+    }
+
     pub fn total_stats(&self) -> LayerStats {
         let mut t = LayerStats::default();
         for s in self.stats.values() {
             t.accesses += s.accesses;
             t.hits += s.hits;
+            t.cache_hits += s.cache_hits;
+            t.adopted += s.adopted;
             t.demand_reads += s.demand_reads;
             t.prefetch_reads += s.prefetch_reads;
             t.prefetch_used += s.prefetch_used;
@@ -940,6 +957,8 @@ impl StreamingExperts {
                 st.hits += 1;
                 if std::mem::take(&mut self.prefetched_unused[b]) {
                     st.prefetch_used += 1;
+                } else {
+                    st.cache_hits += 1;
                 }
             } else if let Some(&id) = self.by_key.get(&(layer, e)) {
                 // A prefetch is already reading it: adopt that read.
@@ -947,6 +966,7 @@ impl StreamingExperts {
                     f.demanded = true;
                 }
                 st.hits += 1;
+                st.adopted += 1;
                 st.prefetch_used += 1;
             } else {
                 misses.push(e);
