@@ -38,8 +38,9 @@ pub struct FaultStats {
     pub failed_records: u64,
     /// Times the source was returned to a clean state after a failed request.
     pub resets: u64,
-    /// Verifier threads started again after one was lost with checks outstanding.
-    pub verifier_restarts: u64,
+    /// Expert I/O threads (which read and verify records) started again after one was lost
+    /// with reads outstanding.
+    pub io_restarts: u64,
 }
 
 /// Routed experts of a streaming store that could not be made present: fetching them from the

@@ -170,7 +170,7 @@ impl Session {
                 io_buffers,
                 prefetch_buffers,
             },
-            move |b| Watched::wrap(b, watch),
+            move |b| Watched::wrap(b, watch.clone()),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
         Ok(Session { model, experts, plan, default_top_k })

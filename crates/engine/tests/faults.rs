@@ -19,7 +19,7 @@ use deltafin_engine::fault::{FaultKind, FaultStats, ReadFault};
 use deltafin_engine::generate::generate_greedy;
 use deltafin_engine::k3::{K3Model, PromptBorrowing, RunConfig};
 use deltafin_engine::stream::cache::Policy;
-use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq};
+use deltafin_engine::stream::reader::{BackendKind, ReadBackend, ReadReq, Waker};
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
 
@@ -76,6 +76,9 @@ impl ReadBackend for Faulty {
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
     }
+    fn waker(&mut self) -> io::Result<Waker> {
+        self.inner.waker()
+    }
 }
 
 fn libc_eio() -> i32 {
@@ -126,8 +129,10 @@ fn source(
         prefetch_buffers: if prefetch { k } else { 0 },
     };
     let rules = rules.clone();
-    StreamingExperts::with_backend(&f.store, opts, move |inner| Box::new(Faulty { inner, rules, doomed: Vec::new() }))
-        .unwrap()
+    StreamingExperts::with_backend(&f.store, opts, move |inner| {
+        Box::new(Faulty { inner, rules: rules.clone(), doomed: Vec::new() })
+    })
+    .unwrap()
 }
 
 /// Ends the test binary if a scenario hangs.
@@ -479,23 +484,31 @@ fn lending_the_cache_gives_slots_back_and_take_back_restores_them() {
     assert_eq!(src.lend(0), 0);
 }
 
-/// A verifier thread lost with checks outstanding fails that one request with an error, never a
-/// hang (the watchdog ends a hung test); the reset after it starts a new thread, and the next
-/// request is served with the tokens of a fault-free run.
+/// An I/O thread lost with reads outstanding (it reads and verifies every record) fails that one
+/// request with an error, never a hang (the watchdog ends a hung test); the reset after it starts
+/// a new thread on a new back-end (the test's fault decorator included), and the next request is
+/// served with the tokens of a fault-free run.
 #[test]
-fn a_lost_verifier_fails_one_request_and_is_started_again() {
-    let _w = Watchdog::start("lost verifier");
+fn a_lost_io_thread_fails_one_request_and_is_started_again() {
+    let _w = Watchdog::start("lost I/O thread");
     let f = fixture(false);
     for backend in backends() {
         let rules = Arc::new(Mutex::new(Rules::default()));
         let mut src = source(&f, backend, 4, false, &rules);
-        src.kill_verifier_for_tests();
-        let err = run(&f, &mut src).expect_err("a request whose checks were lost succeeded");
-        assert!(format!("{err:#}").contains("verifier thread is gone"), "{backend:?}: {err:#}");
+        src.kill_io_thread_for_tests();
+        let err = run(&f, &mut src).expect_err("a request whose reads were lost succeeded");
+        assert!(format!("{err:#}").contains("I/O thread stopped"), "{backend:?}: {err:#}");
         src.reset();
-        assert_eq!(src.faults().verifier_restarts, 1, "{backend:?}");
-        recovers(&f, &mut src, "after the verifier thread was lost");
-        assert_eq!(src.faults().verifier_restarts, 1, "{backend:?}: restarted again without a loss");
+        src.check_idle().unwrap();
+        assert_eq!(src.faults().io_restarts, 1, "{backend:?}");
+        // The restarted thread reads through the same decorator: a read it fails is retried.
+        {
+            let mut r = rules.lock().unwrap();
+            r.nth = Some(r.submitted);
+        }
+        recovers(&f, &mut src, "after the I/O thread was lost");
+        assert_eq!(rules.lock().unwrap().failed, 1, "{backend:?}: the new back-end lost its decorator");
+        assert_eq!(src.faults().io_restarts, 1, "{backend:?}: restarted again without a loss");
     }
 }
 

@@ -294,9 +294,9 @@ impl Metrics {
         );
         counter(
             &mut out,
-            "deltafin_expert_verifier_restarts_total",
-            "Checksum verifier threads started again after one was lost with checks outstanding.",
-            f.verifier_restarts,
+            "deltafin_expert_io_thread_restarts_total",
+            "Expert I/O threads (which read and verify records) started again after one was lost with reads outstanding.",
+            f.io_restarts,
         );
         gauge(
             &mut out,
@@ -378,7 +378,7 @@ mod tests {
             retries: 5,
             failed_records: 2,
             resets: 2,
-            verifier_restarts: 1,
+            io_restarts: 1,
         });
         let text = m.render(2, true);
         assert!(text.contains("deltafin_expert_read_errors_total 4\n"));
@@ -386,7 +386,7 @@ mod tests {
         assert!(text.contains("deltafin_expert_read_retries_total 5\n"));
         assert!(text.contains("deltafin_expert_failed_records_total 2\n"));
         assert!(text.contains("deltafin_expert_source_resets_total 2\n"));
-        assert!(text.contains("deltafin_expert_verifier_restarts_total 1\n"));
+        assert!(text.contains("deltafin_expert_io_thread_restarts_total 1\n"));
         assert!(text.contains("deltafin_degraded 0\n"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
         assert!(text.contains("deltafin_requests_total{endpoint=\"/v1/completions\",status=\"429\"} 1"));

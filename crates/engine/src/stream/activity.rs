@@ -112,6 +112,10 @@ impl ReadBackend for Watched {
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
     }
+
+    fn waker(&mut self) -> io::Result<super::reader::Waker> {
+        self.inner.waker()
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod aligned;
 pub mod backend;
 pub mod cache;
 pub mod geometry;
+pub mod io_thread;
 pub mod probe;
 pub mod reader;
 pub mod spine;

@@ -14,7 +14,7 @@ use std::io;
 use std::path::Path;
 
 use deltafin_store::os::FileAt;
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -54,13 +54,21 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
+/// Makes a [`ReadBackend::wait`] in progress return, or the next one if none is (a wake is kept
+/// until a wait takes it): how a thread blocked on its reads hears that it has new work.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
 pub trait ReadBackend: Send {
     fn kind(&self) -> BackendKind;
     /// Queue reads; returns at once.
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()>;
-    /// Block until at least one completion is available (if any read is in flight), and append
-    /// every available completion to `out` as `(tag, result)`.
+    /// Block until at least one completion is available (if any read is in flight) or a
+    /// [`Waker`] of this back-end has been called, and append every available completion to
+    /// `out` as `(tag, result)`. A woken wait may append none.
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()>;
+    /// A waker for [`Self::wait`] (set up on first call; a back-end that nobody wakes pays
+    /// nothing for it).
+    fn waker(&mut self) -> io::Result<Waker>;
     /// Append the completions available now, without blocking. A back-end that cannot tell
     /// appends none (its reads then come back through [`Self::wait`]).
     fn poll(&mut self, _out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
@@ -120,9 +128,17 @@ pub(crate) fn pread_req(file: &File, req: &ReadReq) -> io::Result<()> {
 // pread thread pool
 // ---------------------------------------------------------------------------------------------
 
+/// What the pool's threads (and its waker) tell the waiting side.
+enum Done {
+    Read(u64, io::Result<()>),
+    Wake,
+}
+
 pub struct PreadPool {
     queue: Arc<JobQueue>,
-    done: Receiver<(u64, io::Result<()>)>,
+    done: Receiver<Done>,
+    /// Kept only to make wakers; the threads hold their own.
+    wake: Option<Sender<Done>>,
     threads: Vec<JoinHandle<()>>,
     in_flight: usize,
 }
@@ -171,14 +187,14 @@ impl PreadPool {
                             Some(f) => pread_req(f, &req),
                             None => Err(io::Error::other("bad file index")),
                         };
-                        if dtx.send((req.tag, res)).is_err() {
+                        if dtx.send(Done::Read(req.tag, res)).is_err() {
                             return;
                         }
                     }
                 })
             })
             .collect();
-        PreadPool { queue, done: drx, threads, in_flight: 0 }
+        PreadPool { queue, done: drx, wake: Some(dtx), threads, in_flight: 0 }
     }
 }
 
@@ -201,7 +217,10 @@ impl ReadBackend for PreadPool {
             self.in_flight += 1;
         }
         drop(jobs);
-        self.queue.ready.notify_all();
+        // One thread per read: waking all of them for one read only makes them race for it.
+        for _ in 0..reqs.len().min(self.threads.len()) {
+            self.queue.ready.notify_one();
+        }
         Ok(())
     }
 
@@ -209,9 +228,13 @@ impl ReadBackend for PreadPool {
         if self.in_flight == 0 {
             return Ok(());
         }
-        let first = self.done.recv().map_err(|_| io::Error::other("I/O threads stopped"))?;
-        out.push(first);
-        self.in_flight -= 1;
+        match self.done.recv().map_err(|_| io::Error::other("I/O threads stopped"))? {
+            Done::Read(tag, res) => {
+                out.push((tag, res));
+                self.in_flight -= 1;
+            }
+            Done::Wake => {}
+        }
         self.poll(out)
     }
 
@@ -219,10 +242,20 @@ impl ReadBackend for PreadPool {
         while self.in_flight > 0
             && let Ok(c) = self.done.try_recv()
         {
-            out.push(c);
-            self.in_flight -= 1;
+            if let Done::Read(tag, res) = c {
+                out.push((tag, res));
+                self.in_flight -= 1;
+            }
         }
         Ok(())
+    }
+
+    fn waker(&mut self) -> io::Result<Waker> {
+        let tx = self.wake.clone().ok_or_else(|| io::Error::other("pool stopped"))?;
+        Ok(Arc::new(move || {
+            // The waiting side gone: nobody to wake.
+            let _ = tx.send(Done::Wake);
+        }))
     }
 
     fn in_flight(&self) -> usize {
@@ -241,11 +274,13 @@ impl Drop for PreadPool {
             jobs.closed = true;
         }
         self.queue.ready.notify_all();
+        self.wake = None;
         while self.in_flight > 0 {
-            if self.done.recv().is_err() {
-                break;
+            match self.done.recv() {
+                Ok(Done::Read(..)) => self.in_flight -= 1,
+                Ok(Done::Wake) => {}
+                Err(_) => break,
             }
-            self.in_flight -= 1;
         }
         for t in self.threads.drain(..) {
             let _ = t.join();

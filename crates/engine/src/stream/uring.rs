@@ -5,10 +5,13 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use super::reader::{BackendKind, ReadBackend, ReadReq, pread_req};
+use super::reader::{BackendKind, ReadBackend, ReadReq, Waker, pread_req};
+
+/// The user data of the wake poll's completions (read tags count up from 0 and never reach it).
+const WAKE_TAG: u64 = u64::MAX;
 
 pub struct Uring {
     ring: io_uring::IoUring,
@@ -23,11 +26,15 @@ pub struct Uring {
     depth: usize,
     /// Completions reaped in one pass (reused).
     cqes: Vec<(u64, i32)>,
+    /// The eventfd a [`Waker`] writes to, once one was asked for: a poll on it sits in the ring
+    /// (one entry beyond `depth`), so a blocked wait returns as soon as it is written.
+    wake_fd: Option<Arc<OwnedFd>>,
 }
 
 impl Uring {
     pub fn new(files: Arc<Vec<File>>, depth: u32) -> io::Result<Self> {
-        let ring = io_uring::IoUring::new(depth.max(2))?;
+        // One entry beyond the reads' depth for the wake poll.
+        let ring = io_uring::IoUring::new(depth.max(1) + 1)?;
         Ok(Uring {
             ring,
             files,
@@ -37,7 +44,36 @@ impl Uring {
             submitted: 0,
             depth: depth.max(1) as usize,
             cqes: Vec::new(),
+            wake_fd: None,
         })
+    }
+
+    /// Put a poll for the wake eventfd in the ring (once at setup, again after each wake).
+    fn arm_wake(&mut self) -> io::Result<()> {
+        let Some(fd) = &self.wake_fd else { return Ok(()) };
+        let entry = io_uring::opcode::PollAdd::new(io_uring::types::Fd(fd.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(WAKE_TAG);
+        // SAFETY: a poll names no buffer; the fd is owned by self and outlives the ring's use of
+        // it (the ring is dropped first, with the struct).
+        unsafe { self.ring.submission().push(&entry) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        self.ring.submit()?;
+        Ok(())
+    }
+
+    /// The wake poll completed: empty the eventfd and put the poll back.
+    fn rearm_wake(&mut self) {
+        if let Some(fd) = &self.wake_fd {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into a local u64 from an eventfd we own (non-blocking: an
+            // already emptied counter returns EAGAIN, which is fine).
+            let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        }
+        if let Err(e) = self.arm_wake() {
+            tracing::warn!("io_uring: the wake poll could not be put back ({e}); waits wake only on completions");
+            self.wake_fd = None;
+        }
     }
 
     /// Move waiting requests into the ring while fewer than `depth` are in the kernel's hands,
@@ -107,6 +143,28 @@ impl ReadBackend for Uring {
     fn in_flight(&self) -> usize {
         self.pending.len()
     }
+
+    fn waker(&mut self) -> io::Result<Waker> {
+        if self.wake_fd.is_none() {
+            // SAFETY: eventfd(2) with valid flags; the returned descriptor is checked and owned.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+            self.wake_fd = Some(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }));
+            if let Err(e) = self.arm_wake() {
+                self.wake_fd = None;
+                return Err(e);
+            }
+        }
+        let fd = self.wake_fd.clone().ok_or_else(|| io::Error::other("no wake eventfd"))?;
+        Ok(Arc::new(move || {
+            let one = 1u64;
+            // SAFETY: writes 8 bytes from a local u64 to an eventfd this closure keeps open.
+            let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }))
+    }
 }
 
 impl Uring {
@@ -121,8 +179,20 @@ impl Uring {
         let mut got = std::mem::take(&mut self.cqes);
         loop {
             got.clear();
+            let mut woken = false;
             for cqe in self.ring.completion() {
-                got.push((cqe.user_data(), cqe.result()));
+                if cqe.user_data() == WAKE_TAG {
+                    woken = true;
+                } else {
+                    got.push((cqe.user_data(), cqe.result()));
+                }
+            }
+            if woken {
+                self.rearm_wake();
+            }
+            if got.is_empty() && woken {
+                self.cqes = got;
+                return Ok(());
             }
             if got.is_empty() && !block {
                 self.cqes = got;
