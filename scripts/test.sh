@@ -13,6 +13,8 @@ cargo clippy --locked --all-targets -q --features deltafin/test-instruments -- -
 . scripts/check-platforms.sh
 # nginx, for the installs from a plain HTTP mirror (crates/cli/tests/install_mirror.rs).
 . scripts/ensure-nginx.sh
+# fio, for the disk limit of `bench` (a replay of each run's own reads).
+. scripts/ensure-fio.sh
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # One probe: where this kernel grants an io_uring ring, the tests below must exercise io_uring,

@@ -65,8 +65,8 @@ pub struct BenchArgs {
 
 #[derive(clap::Args)]
 pub struct ProbeArgs {
-    #[arg(long)]
-    pub model: std::path::PathBuf,
+    #[arg(long, required_unless_present = "replay")]
+    pub model: Option<std::path::PathBuf>,
     #[arg(long, default_value = "auto")]
     pub io_backend: String,
     #[arg(long, default_value_t = 16)]
@@ -78,14 +78,25 @@ pub struct ProbeArgs {
     /// Issue reads in groups of --queue-depth and wait for each whole group.
     #[arg(long)]
     pub batched: bool,
+    /// Replay this read log (a fio iolog written by `generate --read-log`) instead of random
+    /// records: the same reads in order, --queue-depth in flight.
+    #[arg(long, value_name = "FILE")]
+    pub replay: Option<std::path::PathBuf>,
 }
 
 pub fn probe(a: ProbeArgs) -> Result<()> {
-    let store = Store::open(&a.model, None)?;
     let backend = match a.io_backend.as_str() {
         "auto" => None,
         o => Some(o.parse().map_err(|e: String| anyhow::anyhow!(e))?),
     };
+    if let Some(log) = &a.replay {
+        let reads = deltafin_engine::stream::replay::read_iolog(log)?;
+        let r = deltafin_engine::stream::replay::replay(&reads, backend, a.queue_depth)?;
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    let Some(model) = &a.model else { bail!("probe-disk needs --model (or --replay)") };
+    let store = Store::open(model, None)?;
     let r = raw_read_bandwidth(&store, backend, a.queue_depth, a.reads, a.seed, a.batched)?;
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
@@ -243,6 +254,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     };
     let mut accs: Vec<Acc> = configs.iter().map(|_| Acc::default()).collect();
+    // Each run's reads, for the replay that gives its disk floor.
+    let logs = tempfile::tempdir().context("a directory for the runs' read logs")?;
+    let fio = crate::drive_limit::fio_available();
+    if !fio {
+        eprintln!("note: fio is not installed: the disk floor is deltafin's own replay of each run's reads");
+    }
     for i in 0..a.runs {
         // Interleave configurations (A B A B ...) and pair every run with fresh probes, so drift
         // affects all alike.
@@ -256,22 +273,39 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 format!("--{}", a.vary.as_deref().and_then(|v| v.split_once('=')).map(|(f, _)| f).unwrap_or(""));
             let mut ga = without_flag(&gen_args, extra.first().map(String::as_str).or(Some(varied.as_str())));
             ga.extend(extra.iter().cloned());
+            let log = logs.path().join(format!("run-{i}-{c}.iolog"));
+            ga.extend(["--read-log".into(), log.display().to_string()]);
             // The compute and memory roofs, for the floors: measured before and after the run,
             // the higher of each kept (a short probe can catch a slow moment of the host, and a
             // roof below what the machine does gives a floor the run beats).
             let before = roofs_now();
             let g = run_self(&ga)?;
             let roofs = before.max(roofs_now());
+            // The drive's rate for exactly this run's reads, at its queue depth, right after it.
+            let replay = crate::drive_limit::replay(&log, &m.io_backend, m.queue_depth)?;
+            let _ = std::fs::remove_file(&log);
+            let records = crate::drive_limit::random_records(
+                store.experts.paths(),
+                store.manifest.experts.record_bytes,
+                m.queue_depth,
+                a.probe_reads,
+            );
             let acc = &mut accs[c];
-            acc.add(&p, &pb, &g, roofs);
+            acc.add(&p, &pb, &g, &replay, roofs);
             let peak_gflops = roofs.peak_gflops;
             let last = |v: &[f64]| v.last().copied().unwrap_or(f64::NAN);
             eprintln!(
-                "run {}/{} [{label}]: raw {:.2} GB/s (batched {:.2}), memory {:.1} GB/s, {:.1} GFLOP/s; {:.3} s/token at a context of {} (floor {:.3}: disk {:.3}, memory {:.3}, compute {:.3}), {} per token, achieved {:.2} GB/s ({:.0}% of raw), hit rate {:.1}%, peak RSS {}",
+                "run {}/{} [{label}]: replay of its reads ({}) {:.2} GB/s, raw {:.2} GB/s (batched {:.2}){}, memory {:.1} GB/s, {:.1} GFLOP/s; {:.3} s/token at a context of {} (floor {:.3}: disk {:.3}, memory {:.3}, compute {:.3}), {} per token, achieved {:.2} GB/s ({:.0}% of the replay), disk idle {:.1}% of a step, hit rate {:.1}%, peak RSS {}",
                 i + 1,
                 a.runs,
+                replay["tool"].as_str().unwrap_or("?"),
+                last(&acc.replay),
                 last(&acc.raw),
                 last(&acc.raw_batched),
+                records
+                    .as_ref()
+                    .map(|r| format!(", fio random records {:.2} GB/s", r["gbps"].as_f64().unwrap_or(f64::NAN)))
+                    .unwrap_or_default(),
                 roofs.mem_gbps,
                 roofs.peak_gflops,
                 last(&acc.spt),
@@ -282,7 +316,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 last(&acc.floor_compute),
                 human(acc.bpt.last().copied().unwrap_or(0.0) as u64),
                 acc.ach.last().copied().unwrap_or(f64::NAN),
-                100.0 * acc.frac.last().copied().unwrap_or(f64::NAN),
+                100.0 * last(&acc.ach) / last(&acc.replay),
+                100.0 * last(&acc.idle),
                 100.0 * acc.hit.last().copied().unwrap_or(0.0),
                 human(acc.rss.last().copied().unwrap_or(0.0) as u64)
             );
@@ -299,7 +334,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     peak_gflops,
                 );
             }
-            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "peak_gflops": peak_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
+            acc.records.push(records.as_ref().and_then(|r| r["gbps"].as_f64()).unwrap_or(f64::NAN));
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
         }
     }
     let summaries: Vec<Value> =
@@ -397,12 +433,23 @@ struct Acc {
     peak_gflops: Vec<f64>,
     /// Per run: the disk's idle share of the steady decode steps (measured by the run).
     idle: Vec<f64>,
+    /// Per run: the drive's rate for the run's own reads, replayed right after it (the disk
+    /// limit every floor here uses), and fio's rate for random whole records (NaN without fio).
+    replay: Vec<f64>,
+    replay_tool: Vec<String>,
+    records: Vec<f64>,
 }
 
 impl Acc {
-    fn add(&mut self, p: &Value, pb: &Value, g: &Value, roofs: Roofs) {
+    fn add(&mut self, p: &Value, pb: &Value, g: &Value, replay: &Value, roofs: Roofs) {
         let peak_gflops = roofs.peak_gflops;
         let raw_gbps = p["gbps"].as_f64().unwrap_or(f64::NAN);
+        // The disk limit: the replay of the run's own reads (the random-record probe only if a
+        // replay gave no rate).
+        let replay_gbps = replay["gbps"].as_f64().unwrap_or(f64::NAN);
+        let limit_gbps = if replay_gbps.is_finite() && replay_gbps > 0.0 { replay_gbps } else { raw_gbps };
+        self.replay.push(replay_gbps);
+        self.replay_tool.push(replay["tool"].as_str().unwrap_or("none").to_string());
         let list = |v: &Value| -> Vec<f64> {
             v.as_array().map(|v| v.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
         };
@@ -429,7 +476,7 @@ impl Acc {
         self.frac.push(achieved / raw_gbps);
         let dw = &g["timing"]["decode_work"];
         let num = |k: &str| dw[k].as_f64().unwrap_or(f64::NAN);
-        let disk = bytes_per_token / (raw_gbps * 1e9);
+        let disk = bytes_per_token / (limit_gbps * 1e9);
         let memory = num("bytes_touched") / (roofs.mem_gbps * 1e9);
         let compute = num("flops") / (peak_gflops * 1e9);
         self.floor.push(disk.max(memory).max(compute));
@@ -452,7 +499,7 @@ impl Acc {
         // expert the prompt chose that was not in the cache yet: all of them from a cold start,
         // at most those read with a warm one (--warm).
         let expert_read = pr["expert_bytes_read"].as_f64().unwrap_or(f64::INFINITY);
-        let io_floor = (distinct.min(expert_read) + spine_bytes) / (raw_gbps * 1e9);
+        let io_floor = (distinct.min(expert_read) + spine_bytes) / (limit_gbps * 1e9);
         let compute_floor = flops / (peak_gflops * 1e9);
         self.ttft_floor.push(io_floor.max(compute_floor));
         self.prefill_distinct.push(distinct);
@@ -481,6 +528,15 @@ impl Acc {
             "prefill_flops": med(&self.prefill_flops),
             "prefill_attention_flops": med(&self.prefill_attention_flops),
             "peak_gflops": med(&self.peak_gflops),
+        });
+        // The disk limit: the run's own reads replayed right after it, and fio's random records.
+        let disk = json!({
+            "replay_gbps": med(&self.replay),
+            "replay_tool": self.replay_tool.first(),
+            "bandwidth_fraction_of_replay": med(&self.ach) / med(&self.replay),
+            "fio_random_records_gbps": med(&self.records),
+            "bandwidth_fraction_of_fio_records": med(&self.ach) / med(&self.records),
+            "disk_limit": "the drive's rate for this run's own reads, replayed right after it at its queue depth (replay_tool)",
         });
         // The decode floor's three sides and the work they are made of.
         let decode = json!({
@@ -520,6 +576,7 @@ impl Acc {
                 "peak_rss_bytes": stat(&self.rss), "ttft_s": stat(&self.ttft), "ttft_floor_s": stat(&self.ttft_floor),
                 "peak_gflops": stat(&self.peak_gflops), "disk_idle_fraction": stat(&self.idle),
                 "memory_gbps": stat(&self.mem_gbps), "floor_s_per_token": stat(&self.floor),
+                "replay_gbps": stat(&self.replay), "fio_random_records_gbps": stat(&self.records),
             },
             "cache": if a.warm { "warm (second generation in the same process)" } else { "cold (fresh process, O_DIRECT, empty expert cache)" },
             "prompt_tokens": prompt,
@@ -545,7 +602,7 @@ impl Acc {
             "per_run": self.runs,
         });
         if let Some(o) = out.as_object_mut() {
-            for part in [prefill, decode] {
+            for part in [prefill, decode, disk] {
                 if let Value::Object(p) = part {
                     o.extend(p);
                 }
@@ -595,14 +652,18 @@ fn print_summary(out: &Value) {
         f("attention_flops") / 1e9,
     );
     println!(
-        "expert reads {} per token (+ spine {}), hit rate {:.1}%; achieved {:.2} GB/s vs raw {:.2} GB/s = {:.0}% (raw in layer-sized batches {:.2} GB/s); floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
+        "expert reads {} per token (+ spine {}), hit rate {:.1}%; achieved {:.2} GB/s vs {:.2} GB/s for the same reads replayed by {} = {:.0}% (random-record probe {:.2} GB/s, in layer-sized batches {:.2}, fio random records {:.2}); disk idle {:.1}% of a step; floor {:.3} s/token, decode/floor {:.2}; I/O wait {:.0}% of the run; peak RSS {} of budget {}",
         human(f("expert_bytes_per_token") as u64),
         human(f("spine_bytes_per_token") as u64),
         100.0 * f("hit_rate"),
         f("achieved_gbps"),
+        f("replay_gbps"),
+        out["replay_tool"].as_str().unwrap_or("?"),
+        100.0 * f("bandwidth_fraction_of_replay"),
         f("raw_gbps"),
-        100.0 * f("bandwidth_fraction"),
         f("raw_batched_gbps"),
+        f("fio_random_records_gbps"),
+        100.0 * f("disk_idle_fraction"),
         f("floor_s_per_token"),
         f("decode_vs_floor"),
         100.0 * f("io_wait_fraction"),

@@ -118,6 +118,7 @@ impl ModelArgs {
                 o => Some(o.parse().map_err(|e: String| anyhow::anyhow!(e))?),
             },
             fetcher: None,
+            log_reads: false,
         })
     }
 
@@ -206,6 +207,11 @@ pub struct GenerateArgs {
     /// Generate this many times in this process and report the last (warm-cache measurement).
     #[arg(long, default_value_t = 1, hide = true)]
     pub repeat: usize,
+    /// Write every read of the run (experts and streamed spine: file, offset, length, in order)
+    /// to this file as a fio iolog, for `bench` to replay (the drive's rate for exactly these
+    /// reads).
+    #[arg(long, hide = true, value_name = "FILE")]
+    pub read_log: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -238,6 +244,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let opts = RunOptions {
         predict: a.trace.is_some(),
         state_copies: 1 + usize::from(a.state_dir.is_some()),
+        log_reads: a.read_log.is_some(),
         ..a.model.run_options()?
     };
     let (store, mut s) = a.model.open_with(&opts)?;
@@ -336,6 +343,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     }
     if let Some(t) = trace {
         t.finish()?;
+    }
+    if let Some(path) = &a.read_log {
+        deltafin_engine::stream::replay::write_iolog(&s.take_read_log(), path)?;
     }
     let text = tok.as_ref().map(|t| t.decode(&g.tokens));
     let steps = &g.timing.decode_step_s;

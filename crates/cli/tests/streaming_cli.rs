@@ -202,6 +202,38 @@ fn bench_reports_the_paired_limit() {
     assert!(v["s_per_token"].as_f64().unwrap() > 0.0);
 }
 
+/// The disk floor is the drive's rate for the run's own reads: the replay reads exactly the bytes
+/// the run read (experts and streamed spine), fio does it where `scripts/test.sh` installed it
+/// (`DELTAFIN_REQUIRE_FIO=1`), and the floor's disk side is the run's bytes per token at that
+/// rate.
+#[test]
+fn the_disk_floor_is_a_replay_of_the_runs_own_reads() {
+    let d = tiny_store();
+    let s = d.path().to_str().unwrap();
+    let (out, _) = ok(&["bench", "--model", s, "--runs", "1", "--max-tokens", "4", "--probe-reads", "16", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let run = &v["per_run"][0];
+    let read = run["run"]["stream"]["expert_bytes_read"].as_f64().unwrap()
+        + run["run"]["spine"]["bytes_read"].as_f64().unwrap_or(0.0);
+    assert!(read > 0.0, "{v}");
+    let replay = &run["replay"];
+    assert_eq!(replay["logged_bytes"].as_f64(), Some(read), "the read log holds other bytes than the run read: {v}");
+    assert_eq!(replay["reads"], replay["logged_reads"], "the replay skipped reads of the log: {v}");
+    let replayed = replay["bytes"].as_f64().unwrap();
+    assert!(replayed > 0.0 && replayed <= read, "replayed {replayed} of {read} bytes");
+    let fio = std::env::var("DELTAFIN_REQUIRE_FIO").is_ok_and(|x| x == "1");
+    let tool = v["replay_tool"].as_str().unwrap();
+    assert!(if fio { tool == "fio" } else { tool == "fio" || tool == "deltafin" }, "replay by {tool}");
+    let gbps = v["replay_gbps"].as_f64().unwrap();
+    assert!(gbps > 0.0, "{v}");
+    let per_token = v["expert_bytes_per_token"].as_f64().unwrap() + v["spine_bytes_per_token"].as_f64().unwrap();
+    let disk = v["floor_disk_s_per_token"].as_f64().unwrap();
+    assert!((disk - per_token / (gbps * 1e9)).abs() <= 1e-9 * disk.max(1e-9), "disk floor {disk} is not the replay's");
+    if fio {
+        assert!(v["fio_random_records_gbps"].as_f64().unwrap() > 0.0, "{v}");
+    }
+}
+
 /// A warm run reports its measured generation alone: the same greedy generation again, with
 /// every expert it touches cached by the first, is all cache hits and reads nothing (the
 /// counters once mixed in the first generation's reads: a hit rate of ~0.8 with 0 bytes read).

@@ -48,6 +48,9 @@ pub struct RunOptions {
     /// Fills a streaming store's absent experts on first use; `None` = offline (an absent
     /// expert is an error that says how to fetch it).
     pub fetcher: Option<Arc<dyn ExpertFetcher>>,
+    /// Keep every read of the run (experts and streamed spine) for a replay of exactly those
+    /// reads ([`Session::take_read_log`]).
+    pub log_reads: bool,
 }
 
 impl Default for RunOptions {
@@ -68,6 +71,7 @@ impl Default for RunOptions {
             prefill_chunk: None,
             latent_cache: None,
             fetcher: None,
+            log_reads: false,
         }
     }
 }
@@ -78,6 +82,8 @@ pub struct Session {
     pub plan: Plan,
     /// The model's own top-k, to label runs that override it.
     pub default_top_k: usize,
+    /// What both read back-ends report to (idle time; the read log when asked for).
+    activity: Arc<DiskActivity>,
 }
 
 /// How a run read its experts, for reports.
@@ -105,7 +111,8 @@ pub struct StreamReport {
     pub prefetch_recall: Option<f64>,
     pub expert_bytes_read: u64,
     pub io_wait_s: f64,
-    /// Seconds spent verifying expert records on arrival (assembly and xxh3, engine thread).
+    /// Seconds spent verifying expert records as they land (assembly and xxh3, on the I/O
+    /// thread, beside the engine's compute).
     pub verify_s: f64,
     pub bytes_verified: u64,
     pub per_layer: Vec<(usize, LayerStats)>,
@@ -121,7 +128,7 @@ impl Session {
         let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
         // Both read back-ends (experts, streamed spine) report to one activity: the disk's
         // idle time.
-        let activity = Arc::new(DiskActivity::default());
+        let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let max = store.manifest.config.max_position_embeddings;
         anyhow::ensure!(
@@ -159,6 +166,7 @@ impl Session {
             },
         )?;
         let watch = activity.clone();
+        let expert_paths = store.experts.paths().to_vec();
         let mut experts = StreamingExperts::with_backend(
             store,
             StreamOptions {
@@ -170,10 +178,16 @@ impl Session {
                 io_buffers,
                 prefetch_buffers,
             },
-            move |b| Watched::wrap(b, watch.clone()),
+            move |b| Watched::wrap(b, watch.clone(), &expert_paths),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
-        Ok(Session { model, experts, plan, default_top_k })
+        Ok(Session { model, experts, plan, default_top_k, activity })
+    }
+
+    /// Every read of the run so far, in submission order, taken (empty unless
+    /// [`RunOptions::log_reads`]).
+    pub fn take_read_log(&self) -> Vec<crate::stream::activity::LoggedRead> {
+        self.activity.take_log()
     }
 
     /// Whether this run uses a different number of experts than the model was trained with.

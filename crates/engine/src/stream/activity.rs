@@ -1,9 +1,16 @@
 //! Whether the drive has work: every read back-end of a run (the expert source's and the spine
 //! loader's) reports its reads to one [`DiskActivity`], which measures the time during which no
 //! read of ours was in flight. That idle time, per decode step, is what a pipeline that "never
-//! lets the disk idle" must drive to zero (BENCHMARKS.md).
+//! lets the disk idle" must drive to zero (BENCHMARKS.md). A read counts from its submission to
+//! the moment its completion is reaped, which the expert source's I/O thread does as soon as the
+//! kernel reports it (`stream::io_thread`).
+//!
+//! On request ([`DiskActivity::logging`]) it also keeps every read (file, offset, length) in
+//! submission order: the run's own reads, which `stream::replay` or fio replay to measure what
+//! the drive gives for exactly them.
 
 use std::io;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,21 +24,52 @@ struct State {
     idle: Duration,
 }
 
+/// One read as it went to the drive (an aligned window).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedRead {
+    pub path: Arc<Path>,
+    pub offset: u64,
+    pub len: u64,
+}
+
 /// Reads in flight across back-ends, and the accumulated time with none.
 #[derive(Debug)]
 pub struct DiskActivity {
     state: Mutex<State>,
+    /// Every read submitted, when logging.
+    log: Option<Mutex<Vec<LoggedRead>>>,
 }
 
 impl Default for DiskActivity {
     fn default() -> Self {
         DiskActivity {
             state: Mutex::new(State { in_flight: 0, idle_since: Some(Instant::now()), idle: Duration::ZERO }),
+            log: None,
         }
     }
 }
 
 impl DiskActivity {
+    /// An activity that also keeps every read it is told of (see the module comment).
+    pub fn logging() -> Self {
+        DiskActivity { log: Some(Mutex::new(Vec::new())), ..Default::default() }
+    }
+
+    /// The reads logged so far, taken (empty when not logging).
+    pub fn take_log(&self) -> Vec<LoggedRead> {
+        self.log.as_ref().map(|l| std::mem::take(&mut *l.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default()
+    }
+
+    fn note(&self, paths: &[Arc<Path>], reqs: &[ReadReq]) {
+        let Some(log) = &self.log else { return };
+        let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
+        for r in reqs {
+            if let Some(path) = paths.get(r.file) {
+                log.push(LoggedRead { path: path.clone(), offset: r.offset, len: r.len as u64 });
+            }
+        }
+    }
+
     fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut s)
@@ -75,11 +113,15 @@ impl DiskActivity {
 pub struct Watched {
     inner: Box<dyn ReadBackend>,
     activity: Arc<DiskActivity>,
+    /// The back-end's files, by the index its requests name.
+    paths: Vec<Arc<Path>>,
 }
 
 impl Watched {
-    pub fn wrap(inner: Box<dyn ReadBackend>, activity: Arc<DiskActivity>) -> Box<dyn ReadBackend> {
-        Box::new(Watched { inner, activity })
+    /// `paths`: the files `inner` reads, in the order its requests index them.
+    pub fn wrap(inner: Box<dyn ReadBackend>, activity: Arc<DiskActivity>, paths: &[PathBuf]) -> Box<dyn ReadBackend> {
+        let paths = paths.iter().map(|p| Arc::from(p.as_path())).collect();
+        Box::new(Watched { inner, activity, paths })
     }
 }
 
@@ -91,6 +133,7 @@ impl ReadBackend for Watched {
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
         // All or nothing: only reads that were taken count.
         self.inner.submit(reqs)?;
+        self.activity.note(&self.paths, reqs);
         self.activity.started(reqs.len());
         Ok(())
     }

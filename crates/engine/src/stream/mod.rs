@@ -9,6 +9,7 @@ pub mod geometry;
 pub mod io_thread;
 pub mod probe;
 pub mod reader;
+pub mod replay;
 pub mod spine;
 pub mod streaming;
 #[cfg(target_os = "linux")]

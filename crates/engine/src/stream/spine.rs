@@ -355,7 +355,7 @@ impl<T: Send + 'static> SpineStreamer<T> {
             open_files(std::slice::from_ref(&path), true).map_err(|e| anyhow!("opening {}: {e}", path.display()))?;
         let mut backend = make_backend(Arc::new(files), backend, PIECES_IN_FLIGHT)?;
         if let Some(a) = activity {
-            backend = Watched::wrap(backend, a);
+            backend = Watched::wrap(backend, a, std::slice::from_ref(&path));
         }
         let counters = Arc::new(SpineCounters::default());
         let (tx, inbox) = channel::<Msg>();
