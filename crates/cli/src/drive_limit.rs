@@ -32,10 +32,21 @@ pub fn replay(log: &Path, io_backend: &str, queue_depth: usize) -> Result<Value>
     if !text.lines().any(|l| l.contains(" read ")) {
         return Ok(json!({ "tool": "none", "reads": 0, "bytes": 0 }));
     }
+    // What the log holds, to check the replay against.
+    let (mut reads, mut bytes) = (0u64, 0u64);
+    for l in text.lines() {
+        if let [_, "read", _, len] = l.split_whitespace().collect::<Vec<_>>()[..] {
+            reads += 1;
+            bytes += len.parse::<u64>().unwrap_or(0);
+        }
+    }
     let mut best: Option<Value> = None;
     let mut trials = Vec::new();
     for _ in 0..REPLAYS {
-        let v = replay_once(log, io_backend, queue_depth)?;
+        let mut v = replay_once(log, io_backend, queue_depth)?;
+        if v["tool"] == "fio" {
+            v = fio_replay_rate(v, reads, bytes)?;
+        }
         let gbps = v["gbps"].as_f64().unwrap_or(0.0);
         trials.push(gbps);
         if best.as_ref().is_none_or(|b| b["gbps"].as_f64().unwrap_or(0.0) < gbps) {
@@ -44,18 +55,26 @@ pub fn replay(log: &Path, io_backend: &str, queue_depth: usize) -> Result<Value>
     }
     let mut best = best.context("no replay ran")?;
     best["trials_gbps"] = json!(trials);
-    // What the log holds, to check the replay against (fio counts the bytes that arrived: a
-    // window past the end of its file arrives short).
-    let (mut reads, mut bytes) = (0u64, 0u64);
-    for l in text.lines() {
-        if let [_, "read", _, len] = l.split_whitespace().collect::<Vec<_>>()[..] {
-            reads += 1;
-            bytes += len.parse::<u64>().unwrap_or(0);
-        }
-    }
     best["logged_reads"] = json!(reads);
     best["logged_bytes"] = json!(bytes);
     Ok(best)
+}
+
+/// A fio replay's rate over the log's own bytes. fio 3.33 leaves the reads still in flight when
+/// a replayed log runs out (queue depth - 1 of them) out of its `io_bytes` and latency samples,
+/// though they are in `total_ios` and inside `runtime` (its `iops` is `total_ios / runtime`):
+/// at depth 32 on 365 records, 8.5% of the bytes. A replay that completed every logged read
+/// moved every logged byte in `runtime`; one that did not is an error, not a rate.
+fn fio_replay_rate(mut v: Value, logged_reads: u64, logged_bytes: u64) -> Result<Value> {
+    let done = v["reads"].as_u64().unwrap_or(0);
+    if done != logged_reads {
+        bail!("fio replayed {done} of the log's {logged_reads} reads");
+    }
+    let seconds = v["seconds"].as_f64().unwrap_or(0.0);
+    v["fio_io_bytes"] = v["bytes"].clone();
+    v["bytes"] = json!(logged_bytes);
+    v["gbps"] = json!(logged_bytes as f64 / seconds / 1e9);
+    Ok(v)
 }
 
 fn replay_once(log: &Path, io_backend: &str, queue_depth: usize) -> Result<Value> {
@@ -154,8 +173,11 @@ fn parse_fio(stdout: &str) -> Result<Value> {
     let read = &v["jobs"][0]["read"];
     let bytes = read["io_bytes"].as_f64().context("fio's JSON has no read io_bytes")?;
     let ms = read["runtime"].as_f64().context("fio's JSON has no read runtime")?;
-    if bytes <= 0.0 || ms <= 0.0 {
-        bail!("fio read nothing ({bytes} bytes in {ms} ms)");
+    let ios = read["total_ios"].as_u64().context("fio's JSON has no read total_ios")?;
+    // A replay shorter than its queue depth can report 0 bytes though it read (see
+    // `fio_replay_rate`): what says it read nothing is its count of reads.
+    if ios == 0 || ms <= 0.0 {
+        bail!("fio read nothing ({ios} reads in {ms} ms)");
     }
     let seconds = ms / 1e3;
     Ok(json!({
@@ -164,7 +186,7 @@ fn parse_fio(stdout: &str) -> Result<Value> {
         "gbps": bytes / seconds / 1e9,
         "bytes": bytes,
         "seconds": seconds,
-        "reads": read["total_ios"],
+        "reads": ios,
     }))
 }
 
@@ -181,6 +203,23 @@ mod tests {
         assert!((v["gbps"].as_f64().unwrap() - 2.0).abs() < 1e-9);
         assert_eq!(v["reads"], 114);
         assert!(parse_fio(r#"{"jobs": [{"read": {"io_bytes": 0, "runtime": 0}}]}"#).is_err());
+        assert!(parse_fio(r#"{"jobs": [{"read": {"io_bytes": 0, "runtime": 5, "total_ios": 0}}]}"#).is_err());
         assert!(parse_fio("fio: no JSON").is_err());
+    }
+
+    /// fio's replay leaves its last in-flight reads out of `io_bytes`; the rate is the log's
+    /// bytes over fio's runtime, and a replay that skipped reads is refused.
+    #[test]
+    fn a_fio_replay_counts_every_logged_byte() {
+        let out = r#"{"fio version": "fio-3.33", "jobs": [{"read": {"io_bytes": 1500000000, "runtime": 1000, "total_ios": 4}}]}"#;
+        let v = fio_replay_rate(parse_fio(out).unwrap(), 4, 2_000_000_000).unwrap();
+        assert!((v["gbps"].as_f64().unwrap() - 2.0).abs() < 1e-9);
+        assert_eq!(v["bytes"], 2_000_000_000u64);
+        assert_eq!(v["fio_io_bytes"], 1_500_000_000.0);
+        assert!(fio_replay_rate(parse_fio(out).unwrap(), 5, 2_000_000_000).is_err());
+        // A log no longer than the queue depth: every read was still in flight at its end.
+        let short = r#"{"jobs": [{"read": {"io_bytes": 0, "runtime": 2, "total_ios": 3}}]}"#;
+        let v = fio_replay_rate(parse_fio(short).unwrap(), 3, 6_000_000).unwrap();
+        assert!((v["gbps"].as_f64().unwrap() - 3.0).abs() < 1e-9);
     }
 }

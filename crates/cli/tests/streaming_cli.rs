@@ -221,6 +221,10 @@ fn the_disk_floor_is_a_replay_of_the_runs_own_reads() {
     assert_eq!(replay["reads"], replay["logged_reads"], "the replay skipped reads of the log: {v}");
     let replayed = replay["bytes"].as_f64().unwrap();
     assert!(replayed > 0.0 && replayed <= read, "replayed {replayed} of {read} bytes");
+    if replay["tool"] == "fio" {
+        // fio completed every logged read (checked above), so it moved every logged byte.
+        assert_eq!(replayed, read, "{v}");
+    }
     let fio = std::env::var("DELTAFIN_REQUIRE_FIO").is_ok_and(|x| x == "1");
     let tool = v["replay_tool"].as_str().unwrap();
     assert!(if fio { tool == "fio" } else { tool == "fio" || tool == "deltafin" }, "replay by {tool}");
