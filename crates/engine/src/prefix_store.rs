@@ -344,6 +344,9 @@ impl PrefixStore {
     }
 
     fn save_now(&mut self, tokens: &[u32], st: &K3State, logits: &[f32]) -> io::Result<()> {
+        if st.is_part_way() {
+            return Err(io::Error::other("a state left part-way through a chunk is not saved"));
+        }
         if tokens.len() != st.position {
             return Err(io::Error::other(format!(
                 "a state after {} tokens cannot stand for {} tokens",

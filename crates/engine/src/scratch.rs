@@ -14,18 +14,42 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// A zeroed buffer of `n` floats: the smallest pooled buffer that already holds `n` (so a
-    /// call site keeps getting a buffer of its size whatever the order of returns), else the
-    /// largest, grown.
+    /// A buffer of `n` floats for a caller that writes every element before it reads it: what
+    /// it holds is unspecified (whatever the buffer last held), so taking it costs no memset
+    /// except where the pool grows. A prompt chunk's buffers are hundreds of MB per layer, and
+    /// clearing them was pure memory traffic. Debug builds (the tests) fill it with NaN instead,
+    /// so a read before a write poisons the logits that the reference tests compare.
     pub fn take(&mut self, n: usize) -> Vec<f32> {
+        let mut v = self.pick(n);
+        v.truncate(n);
+        if cfg!(debug_assertions) {
+            v.fill(f32::NAN);
+            v.resize(n, f32::NAN);
+        } else {
+            v.resize(n, 0.0);
+        }
+        v
+    }
+
+    /// A zeroed buffer of `n` floats, for a caller that accumulates into it or leaves part of it
+    /// unwritten.
+    pub fn take_zeroed(&mut self, n: usize) -> Vec<f32> {
+        let mut v = self.pick(n);
+        v.clear();
+        v.resize(n, 0.0);
+        v
+    }
+
+    /// The smallest pooled buffer that already holds `n` floats (so a call site keeps getting
+    /// a buffer of its size whatever the order of returns), else the largest, with room for
+    /// exactly `n`: growing by `resize` alone may double the capacity, and a prompt chunk's
+    /// buffers are hundreds of MB that the memory plan counts at their size.
+    fn pick(&mut self, n: usize) -> Vec<f32> {
         let fit = self.f32s.iter().enumerate().filter(|(_, v)| v.capacity() >= n).min_by_key(|(_, v)| v.capacity());
         let pick = fit.or_else(|| self.f32s.iter().enumerate().max_by_key(|(_, v)| v.capacity())).map(|(i, _)| i);
         let mut v = pick.map(|i| self.f32s.swap_remove(i)).unwrap_or_default();
-        v.clear();
-        // Exactly `n`: `resize` alone may double the capacity, and a prompt chunk's buffers are
-        // hundreds of MB that the memory plan counts at their size.
-        v.reserve_exact(n);
-        v.resize(n, 0.0);
+        v.truncate(n);
+        v.reserve_exact(n - v.len());
         v
     }
 
@@ -56,5 +80,32 @@ impl Scratch {
 
     pub fn give_ids(&mut self, v: Vec<usize>) {
         self.ids.push(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A taken buffer is not cleared (the tests see NaN where it would hold stale values), a
+    /// zeroed one is, and both reuse the pooled buffer without growing it.
+    #[test]
+    fn take_leaves_contents_and_take_zeroed_clears_them() {
+        let mut sc = Scratch::default();
+        let mut v = sc.take(8);
+        assert_eq!(v.len(), 8);
+        assert!(v.iter().all(|x| x.is_nan()), "debug builds poison a taken buffer");
+        v.fill(3.0);
+        let p = v.as_ptr();
+        sc.give(v);
+        let v = sc.take(5);
+        assert_eq!((v.len(), v.as_ptr()), (5, p), "the pooled buffer is reused");
+        assert!(v.iter().all(|x| x.is_nan()));
+        sc.give(v);
+        let z = sc.take_zeroed(8);
+        assert_eq!((z.len(), z.as_ptr()), (8, p));
+        assert!(z.iter().all(|&x| x == 0.0));
+        sc.give(z);
+        assert_eq!(sc.pooled_bytes(), 8 * 4, "exactly the size asked for");
     }
 }

@@ -35,6 +35,9 @@ struct Rules {
     submitted: usize,
     /// Completions failed so far.
     failed: usize,
+    /// Fail the back-end itself (its next N waits return an error) where it is used for a
+    /// streamed spine.
+    fail_waits: usize,
 }
 
 /// The real back-end, with some completions replaced by EIO (the read itself still happens).
@@ -64,6 +67,13 @@ impl ReadBackend for Faulty {
     fn wait(&mut self, out: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
         let from = out.len();
         self.inner.wait(out)?;
+        {
+            let mut r = self.rules.lock().unwrap();
+            if r.fail_waits > 0 {
+                r.fail_waits -= 1;
+                return Err(io::Error::other("injected back-end failure"));
+            }
+        }
         for (tag, res) in &mut out[from..] {
             if let Some(i) = self.doomed.iter().position(|t| t == tag) {
                 self.doomed.swap_remove(i);
@@ -629,4 +639,98 @@ fn read_ahead_fills_free_cache_room_and_serves_the_demand() {
     // The three were read ahead, not found in the cache: none of them is a cache hit.
     assert_eq!(t.cache_hits, 0);
     src.check_idle().unwrap();
+}
+
+/// A streamed spine's back-end that fails (its wait errs) fails the step reading that layer,
+/// and the loader builds a new back-end, through the same decorator, for the next: before,
+/// the loader thread ended and every later step failed with "spine loader stopped".
+#[test]
+fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
+    use deltafin_engine::stream::spine::SpineStreamer;
+    use deltafin_store::SpineImage;
+    let f = fixture(false);
+    let layers: Vec<usize> = (0..f.model.config.num_hidden_layers).collect();
+    for backend in backends() {
+        let _w = Watchdog::start("a failed spine back-end");
+        let rules = Arc::new(Mutex::new(Rules::default()));
+        let r = rules.clone();
+        let mut s = SpineStreamer::start_wrapped(
+            &f.store,
+            layers.clone(),
+            Some(backend),
+            None,
+            Box::new(|img: &SpineImage<'_>, _l: usize| Ok(img.len)),
+            Box::new(move |inner| Box::new(Faulty { inner, rules: r.clone(), doomed: Vec::new() })),
+        )
+        .unwrap();
+        let lens: Vec<usize> = layers.iter().map(|&l| s.get(l).unwrap()).collect();
+        for restarts in 1..=2u64 {
+            rules.lock().unwrap().fail_waits = 1;
+            // A step (one pass over the layers) fails where the loader's next wait failed ...
+            let mut failed = None;
+            for _ in 0..3 {
+                for &l in &layers {
+                    match s.get(l) {
+                        Ok(n) => assert_eq!(n, lens[l], "{backend:?}: layer {l}"),
+                        Err(e) => failed = Some(format!("{e:#}")),
+                    }
+                }
+                if failed.is_some() {
+                    break;
+                }
+            }
+            let e = failed.unwrap_or_else(|| panic!("{backend:?}: no step failed"));
+            assert!(e.contains("injected back-end failure"), "{backend:?}: {e}");
+            // ... and the next steps are served by a new back-end, which has the decorator: the
+            // second round's failure is injected through it.
+            for _ in 0..2 {
+                for &l in &layers {
+                    let n = s.get(l).unwrap_or_else(|e| panic!("{backend:?}: after the failure, layer {l}: {e:#}"));
+                    assert_eq!(n, lens[l]);
+                }
+            }
+            assert_eq!(s.counters.restarts.load(Ordering::Relaxed), restarts, "{backend:?}");
+        }
+    }
+}
+
+/// A chunk that fails part-way (a demand read that keeps failing, through the real back-end)
+/// leaves its state marked: a later step on it and saving it as a prompt state are refused,
+/// where before they went on from layers advanced by different numbers of tokens. A stop
+/// between layers leaves the same mark; a fresh state is served as if nothing happened.
+#[test]
+fn a_failed_chunk_leaves_its_state_unusable() {
+    use deltafin_engine::prefix_store::PrefixStore;
+    let _w = Watchdog::start("a failed chunk");
+    let f = fixture(false);
+    assert!(f.prompt.len() >= 4, "the fixture's longest prompt must hold two chunks of 2");
+    let rules = Arc::new(Mutex::new(Rules::default()));
+    let mut src = source(&f, BackendKind::Pread, 4, false, &rules);
+    let m = &f.model;
+    let mut logits = vec![0f32; m.config.vocab_size];
+    let dir = tempfile::tempdir().unwrap();
+    let mut states = PrefixStore::open(dir.path(), 1 << 30, 7).unwrap();
+
+    let mut st = m.new_state();
+    m.forward_chunk(&mut st, &mut src, &f.prompt[..2], &mut logits).unwrap();
+    assert!(!st.is_part_way());
+    rules.lock().unwrap().all_urgent = true;
+    let e = m.forward_chunk(&mut st, &mut src, &f.prompt[2..4], &mut logits).unwrap_err();
+    fault_of(&e);
+    rules.lock().unwrap().all_urgent = false;
+    assert!(st.is_part_way(), "a failed chunk left its state looking whole");
+    let e = m.forward_chunk(&mut st, &mut src, &f.prompt[2..4], &mut logits).unwrap_err();
+    assert!(format!("{e:#}").contains("part-way"), "{e:#}");
+    let e = states.save(&f.prompt[..2], &st, &logits).unwrap_err();
+    assert!(e.to_string().contains("part-way"), "{e}");
+
+    // A stop between layers marks the state the same way.
+    let mut st = m.new_state();
+    src.reset();
+    let whole = m.forward_chunk_with(&mut st, &mut src, &f.prompt[..2], &mut logits, &mut |_| false).unwrap();
+    assert!(!whole && st.is_part_way());
+    assert!(m.forward_chunk(&mut st, &mut src, &f.prompt[2..4], &mut logits).is_err());
+
+    src.reset();
+    recovers(&f, &mut src, "a failed chunk");
 }

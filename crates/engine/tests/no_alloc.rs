@@ -1,13 +1,14 @@
 //! The per-token loop allocates nothing once warm: every block takes its buffers from the
 //! sequence's scratch pool. Counted with a wrapping global allocator, with experts served from
 //! memory so only the model's own code is measured (the streaming source's bookkeeping is not
-//! part of this test).
+//! part of this test); the streaming source and the spine loader have tests of their own here.
 
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
 use deltafin_engine::experts::ExpertSource;
@@ -20,7 +21,12 @@ struct Counting;
 thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
     static ALLOCS: Cell<usize> = const { Cell::new(0) };
+    /// Set on a thread the test does not run itself (the spine loader): its allocations go to
+    /// `SHARED_ALLOCS`, which the test reads.
+    static SHARED: Cell<bool> = const { Cell::new(false) };
 }
+
+static SHARED_ALLOCS: AtomicUsize = AtomicUsize::new(0);
 
 fn counting(on: bool) {
     COUNTING.with(|c| c.set(on));
@@ -37,6 +43,9 @@ fn allocs() -> usize {
 fn note_alloc() {
     if COUNTING.with(|c| c.get()) {
         ALLOCS.with(|a| a.set(a.get() + 1));
+    }
+    if SHARED.with(|c| c.get()) {
+        SHARED_ALLOCS.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -161,4 +170,48 @@ fn streaming_decode_steps_allocate_nothing_once_warm() {
     let n = allocs();
     assert!(src.total_stats().demand_reads > reads_before, "the measured steps must read from disk");
     assert_eq!(n, 0, "{n} allocations in ten warm streaming decode steps");
+}
+
+/// The spine loader reads a streamed layer for every token without allocating: its requests,
+/// landed map and verifier are kept from layer to layer. What a layer still costs the loader
+/// thread is the lease that lends the image to the model (one `Arc` per layer) and the blocks of
+/// the two channels it sends on (one per 31 messages each); the decode here allocates nothing,
+/// so the model's own decode is not part of the count.
+#[test]
+fn the_spine_loader_reads_layers_without_allocating() {
+    use deltafin_engine::stream::reader::BackendKind;
+    use deltafin_engine::stream::spine::SpineStreamer;
+    use deltafin_store::SpineImage;
+    // The pread pool's channels allocate: this test needs io_uring.
+    if !uring_or_skip("spine loader without allocation") {
+        return;
+    }
+    let dir = convert_fixture("k3-small", SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let layers: Vec<usize> = (0..store.manifest.config.num_hidden_layers).collect();
+    let decode = Box::new(|img: &SpineImage<'_>, _l: usize| {
+        // The first decode marks the loader thread: from here on its allocations are counted.
+        SHARED.with(|c| c.set(true));
+        Ok(img.len)
+    });
+    let mut s = SpineStreamer::start(&store, layers.clone(), Some(BackendKind::IoUring), None, decode).unwrap();
+    let lens: Vec<usize> = layers.iter().map(|&l| s.get(l).unwrap()).collect();
+    for &l in &layers {
+        assert_eq!(s.get(l).unwrap(), lens[l]);
+    }
+    let before = SHARED_ALLOCS.load(Ordering::Relaxed);
+    let rounds = 10;
+    for _ in 0..rounds {
+        for &l in &layers {
+            assert_eq!(s.get(l).unwrap(), lens[l]);
+        }
+    }
+    let n = SHARED_ALLOCS.load(Ordering::Relaxed) - before;
+    // Layers the loader finished in the window: those asked for, and up to the two it reads ahead.
+    let decoded = rounds * layers.len() + deltafin_engine::stream::spine::SPINE_BUFFERS;
+    let bound = decoded + 2 * (decoded.div_ceil(31) + 1);
+    assert!(
+        n <= bound,
+        "{n} allocations on the loader thread for {decoded} layers (at most {bound}: leases and channel blocks)"
+    );
 }

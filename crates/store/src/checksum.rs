@@ -12,20 +12,38 @@ pub fn xxh3_64(bytes: &[u8]) -> u64 {
 }
 
 /// XXH3-64 over bytes that arrive in pieces; equal to [`xxh3_64`] of their concatenation.
-#[derive(Default)]
-pub struct Xxh3(twox_hash::XxHash3_64);
+/// Held in an `Option` only so that [`Xxh3::reset`] can take the hasher apart and keep its
+/// secret (the hasher allocates one when built).
+pub struct Xxh3(Option<twox_hash::XxHash3_64>);
+
+impl Default for Xxh3 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Xxh3 {
     pub fn new() -> Self {
-        Xxh3(twox_hash::XxHash3_64::with_seed(0))
+        Xxh3(Some(twox_hash::XxHash3_64::with_seed(0)))
+    }
+
+    /// Start over without allocating: the new hasher keeps the old one's secret (the seed-0
+    /// secret), so a verifier reused for every streamed layer allocates nothing per layer.
+    pub fn reset(&mut self) {
+        self.0 = Some(match self.0.take().map(|h| twox_hash::XxHash3_64::with_seed_and_secret(0, h.into_secret())) {
+            Some(Ok(h)) => h,
+            _ => twox_hash::XxHash3_64::with_seed(0),
+        });
     }
 
     pub fn update(&mut self, bytes: &[u8]) {
-        self.0.write(bytes);
+        if let Some(h) = &mut self.0 {
+            h.write(bytes);
+        }
     }
 
     pub fn digest(&self) -> u64 {
-        self.0.finish()
+        self.0.as_ref().map_or_else(|| xxh3_64(&[]), |h| h.finish())
     }
 }
 
@@ -48,6 +66,11 @@ mod tests {
                 let mut h = Xxh3::new();
                 b.chunks(piece).for_each(|c| h.update(c));
                 assert_eq!(h.digest(), want, "length {n} in pieces of {piece}");
+                // A reset hasher (one reused after other bytes) agrees too.
+                h.update(&data[..piece.min(4096)]);
+                h.reset();
+                b.chunks(piece).for_each(|c| h.update(c));
+                assert_eq!(h.digest(), want, "length {n} in pieces of {piece}, after a reset");
             }
         }
         assert_eq!(xxh3_64(b""), 0x2D06_8005_38D3_94C2, "XXH3-64 of nothing, from the specification's test vectors");

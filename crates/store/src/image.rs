@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::checksum::Xxh3;
 
 use crate::error::StoreError;
-use crate::manifest::{SpineDtype, SpineTensor};
+use crate::manifest::SpineDtype;
 use crate::spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable, check_tensor, checksum_error};
 
 /// `len` bytes at `start` of `image` as elements of `T`: a view when the host is little-endian
@@ -102,52 +102,76 @@ struct Segment {
 /// last piece lands only that piece is left to hash, and the next read need not wait for a
 /// whole layer's hashing. A tensor whose scales lie before its data (no writer of ours does
 /// that) is hashed whole at the end.
+#[derive(Default)]
 pub struct ImageVerifier {
     base: u64,
+    layer: usize,
     segments: Vec<Segment>,
     /// The segment being hashed, and how far into the image the hashing has come.
     next: usize,
     hashed_to: u64,
-    tensors: Vec<SpineTensor>,
+    /// Each tensor's stretches and digest, in the table's order of the layer's tensors.
+    checks: Vec<Check>,
     hashers: Vec<Xxh3>,
     /// Tensors to hash whole when everything has landed.
     at_end: Vec<usize>,
-    path: std::path::PathBuf,
     /// Bytes hashed, and the time spent hashing (the verification cost reported per token).
     pub bytes_hashed: u64,
     pub hash_time: std::time::Duration,
 }
 
+/// What the verifier needs of a tensor's table entry (copied, so a reset allocates nothing).
+#[derive(Clone, Copy)]
+struct Check {
+    offset: u64,
+    len: u64,
+    scales_offset: u64,
+    scales_len: u64,
+    xxh3: u64,
+}
+
 impl ImageVerifier {
     /// For `layer`'s tensors in an image starting at file offset `base`.
     pub fn new(table: &SpineTable, layer: usize, base: u64) -> Self {
-        let tensors: Vec<SpineTensor> = table.layer_tensors(layer).cloned().collect();
-        let mut segments = Vec::new();
-        let mut at_end = Vec::new();
-        for (i, t) in tensors.iter().enumerate() {
+        let mut v = Self::default();
+        v.reset(table, layer, base);
+        v
+    }
+
+    /// Start over for `layer`'s image at `base`, keeping every buffer: the spine loader reuses
+    /// one verifier for every layer it streams, and allocates nothing per token.
+    pub fn reset(&mut self, table: &SpineTable, layer: usize, base: u64) {
+        self.checks.clear();
+        self.checks.extend(table.layer_tensors(layer).map(|t| Check {
+            offset: t.offset,
+            len: t.len,
+            scales_offset: t.scales_offset,
+            scales_len: t.scales_len,
+            xxh3: t.xxh3,
+        }));
+        self.segments.clear();
+        self.at_end.clear();
+        for (i, t) in self.checks.iter().enumerate() {
             if t.scales_len > 0 && t.scales_offset < t.offset + t.len {
-                at_end.push(i);
+                self.at_end.push(i);
                 continue;
             }
-            segments.push(Segment { start: t.offset, end: t.offset + t.len, tensor: i });
+            self.segments.push(Segment { start: t.offset, end: t.offset + t.len, tensor: i });
             if t.scales_len > 0 {
-                segments.push(Segment { start: t.scales_offset, end: t.scales_offset + t.scales_len, tensor: i });
+                self.segments.push(Segment { start: t.scales_offset, end: t.scales_offset + t.scales_len, tensor: i });
             }
         }
-        segments.sort_by_key(|s| s.start);
-        let hashers = tensors.iter().map(|_| Xxh3::new()).collect();
-        ImageVerifier {
-            base,
-            segments,
-            next: 0,
-            hashed_to: base,
-            tensors,
-            hashers,
-            at_end,
-            path: table.path().to_path_buf(),
-            bytes_hashed: 0,
-            hash_time: std::time::Duration::ZERO,
+        self.segments.sort_unstable_by_key(|s| s.start);
+        // Hashers are only ever added (each holds an allocated secret): a layer with fewer
+        // tensors than an earlier one uses the first of them.
+        let n = self.checks.len();
+        self.hashers.iter_mut().take(n).for_each(Xxh3::reset);
+        if self.hashers.len() < n {
+            self.hashers.resize_with(n, Xxh3::new);
         }
+        (self.base, self.layer, self.next, self.hashed_to) = (base, layer, 0, base);
+        self.bytes_hashed = 0;
+        self.hash_time = std::time::Duration::ZERO;
     }
 
     /// The image's bytes up to file offset `landed` are in `image` (which starts at `base`):
@@ -174,13 +198,14 @@ impl ImageVerifier {
         self.hash_time += t0.elapsed();
     }
 
-    /// Everything has landed: check every tensor's digest.
-    pub fn finish(&mut self, image: &[u8]) -> Result<(), StoreError> {
+    /// Everything has landed: check every tensor's digest (`table` is the one the verifier was
+    /// reset for; it names a tensor that fails).
+    pub fn finish(&mut self, table: &SpineTable, image: &[u8]) -> Result<(), StoreError> {
         let end = self.segments.iter().map(|s| s.end).max().unwrap_or(self.base);
         self.advance(image, end);
         let t0 = std::time::Instant::now();
         for &i in &self.at_end {
-            let t = &self.tensors[i];
+            let t = self.checks[i];
             let slice = |off: u64, len: u64| {
                 off.checked_sub(self.base).and_then(|a| image.get(a as usize..(a + len) as usize)).unwrap_or(&[])
             };
@@ -190,11 +215,20 @@ impl ImageVerifier {
         }
         self.hash_time += t0.elapsed();
         if self.next < self.segments.len() {
-            return Err(StoreError::Store { path: self.path.clone(), msg: "spine layer image is incomplete".into() });
+            return Err(StoreError::Store {
+                path: table.path().to_path_buf(),
+                msg: "spine layer image is incomplete".into(),
+            });
         }
-        for (t, h) in self.tensors.iter().zip(&self.hashers) {
+        for (i, (t, h)) in self.checks.iter().zip(&self.hashers).enumerate() {
             if h.digest() != t.xxh3 {
-                return Err(checksum_error(t, &self.path));
+                return Err(match table.layer_tensors(self.layer).nth(i) {
+                    Some(t) => checksum_error(t, table.path()),
+                    None => StoreError::Store {
+                        path: table.path().to_path_buf(),
+                        msg: format!("a spine tensor of layer {} fails its checksum", self.layer),
+                    },
+                });
             }
         }
         Ok(())

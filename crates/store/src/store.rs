@@ -432,9 +432,10 @@ mod tests {
             bad[last] ^= 1;
             let e = from_image(&t, &bad, &path, false).unwrap_err().to_string();
             assert!(e.contains("checksum"), "{e}");
-            let mut verifier = ImageVerifier::new(&table(&path, &t), 0, 0);
+            let tb = table(&path, &t);
+            let mut verifier = ImageVerifier::new(&tb, 0, 0);
             verifier.advance(&bad, 1000);
-            let e = verifier.finish(&bad).unwrap_err().to_string();
+            let e = verifier.finish(&tb, &bad).unwrap_err().to_string();
             assert!(e.contains("checksum"), "{e}");
             // A shape that disagrees with the length, or overflows, is refused before any read.
             let mut t2 = t.clone();
@@ -467,22 +468,28 @@ mod tests {
         let mut image = vec![0u8; 64];
         image.extend_from_slice(&bytes);
         let table = table(&path, &t);
+        // One verifier reset for each image, as the spine loader uses it.
+        let mut v = ImageVerifier::new(&table, 0, 0);
         for piece in [1usize, 7, 4096, 1 << 20] {
-            let mut v = ImageVerifier::new(&table, 0, 0);
+            v.reset(&table, 0, 0);
             let mut landed = 0;
             while landed < image.len() {
                 landed = (landed + piece).min(image.len());
                 v.advance(&image, landed as u64);
             }
-            v.finish(&image).unwrap();
+            v.finish(&table, &image).unwrap();
             assert_eq!(v.bytes_hashed, bytes.len() as u64);
         }
         for flip in [64, 64 + bytes.len() / 2, image.len() - 1] {
             let mut bad = image.clone();
             bad[flip] ^= 0x10;
-            let mut v = ImageVerifier::new(&table, 0, 0);
+            v.reset(&table, 0, 0);
             v.advance(&bad, 100);
-            assert!(v.finish(&bad).is_err(), "flip at {flip}");
+            let e = v.finish(&table, &bad).unwrap_err().to_string();
+            assert!(e.contains(&t.name) && e.contains("checksum"), "flip at {flip}: {e}");
+            // The next image verifies clean after a failed one.
+            v.reset(&table, 0, 0);
+            v.finish(&table, &image).unwrap();
         }
     }
 }

@@ -47,7 +47,8 @@ impl K3Model {
 
     /// [`Self::forward_chunk`], calling `on_layer(l)` after each layer (prompt progress and
     /// cancellation): when it returns false before the last layer, the chunk stops there and
-    /// this returns `Ok(false)`; `st` is then part-way through the chunk and must be discarded.
+    /// this returns `Ok(false)`; `st` is then part-way through the chunk, as after an error, and
+    /// is refused from then on (`K3State::is_part_way`).
     pub fn forward_chunk_with(
         &self,
         st: &mut K3State,
@@ -63,6 +64,11 @@ impl K3Model {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             anyhow::bail!("token id {t} is outside the vocabulary (size {})", c.vocab_size);
         }
+        anyhow::ensure!(
+            !st.part_way,
+            "this sequence's state was left part-way through a chunk (a failed or stopped step): it cannot be continued"
+        );
+        st.part_way = true;
         let K3State { layers: states, routing, scratch: sc, blocks, chunk_routing, .. } = st;
         while blocks.len() < t_n {
             blocks.push(ResidualBlocks::new(c.rms_norm_eps));
@@ -148,6 +154,7 @@ impl K3Model {
             sc.give(buf);
         }
         st.position += t_n;
+        st.part_way = false;
         Ok(true)
     }
 

@@ -347,6 +347,7 @@ impl K3Model {
             scratch: Scratch::default(),
             blocks: Vec::new(),
             chunk_routing: vec![routing()],
+            part_way: false,
         }
     }
 

@@ -111,6 +111,8 @@ pub fn tokens(bytes: &[u8], identity: u64) -> Result<Vec<u32>, SnapshotError> {
 /// buffers give the shapes every array is checked against); returns the tokens it stands for.
 pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32]) -> Result<Vec<u32>, SnapshotError> {
     let mut r = checked(bytes, identity)?;
+    // Written part by part: a snapshot that fails half-way leaves `st` unusable.
+    st.part_way = true;
     let tokens = r.u32s()?;
     let position = usize::try_from(r.u64()?).map_err(|_| SnapshotError::Shape("position"))?;
     if position != tokens.len() {
@@ -167,6 +169,7 @@ pub fn decode(bytes: &[u8], identity: u64, st: &mut K3State, logits: &mut [f32])
         return Err(SnapshotError::Shape("trailing bytes"));
     }
     st.position = position;
+    st.part_way = false;
     Ok(tokens)
 }
 

@@ -26,9 +26,19 @@ pub struct K3State {
     pub blocks: Vec<ResidualBlocks>,
     /// Routing of each token of the current chunk `[T]`, reused from layer to layer.
     pub chunk_routing: Vec<Routing>,
+    /// Set while a chunk runs, cleared when it completes: a chunk that failed or was stopped
+    /// between layers leaves some layers advanced and others not, and such a state is refused
+    /// by the forward pass and by prompt-state saving (`is_part_way`).
+    pub(crate) part_way: bool,
 }
 
 impl K3State {
+    /// Whether a chunk was left part-way (an error, or a stop between layers): the state is
+    /// unusable, and only a new state or a restored snapshot continues.
+    pub fn is_part_way(&self) -> bool {
+        self.part_way
+    }
+
     /// Free what grew with the prompt's chunks (per-token scratch, each chunk token's residual
     /// blocks and routing), keeping the sequence: a prompt that borrowed memory gives it back.
     pub fn release_chunk_buffers(&mut self) {
@@ -56,5 +66,6 @@ impl K3State {
         }
         self.position = other.position;
         self.routing.clone_from(&other.routing);
+        self.part_way = other.part_way;
     }
 }

@@ -49,7 +49,16 @@ pub struct SpineCounters {
     pub verify_ns: AtomicU64,
     /// Reads retried after an error or a checksum failure.
     pub retries: AtomicU64,
+    /// Back-ends replaced after one failed (the layer being read failed its step).
+    pub restarts: AtomicU64,
 }
+
+/// A decorator applied to every read back-end the loader builds (disk activity, fault injection
+/// in tests): kept, so that a back-end built after a failure reads the same way.
+pub type WrapBackend = Box<dyn Fn(Box<dyn ReadBackend>) -> Box<dyn ReadBackend> + Send>;
+
+/// Builds the loader's read back-end (again, after a failure).
+type MakeBackend = Box<dyn Fn() -> std::io::Result<Box<dyn ReadBackend>> + Send>;
 
 /// Messages to the loader.
 enum Msg {
@@ -121,8 +130,14 @@ struct Loader<T> {
     /// Position in `ranges` of the next layer to read.
     next: usize,
     decode: DecodeLayer<T>,
+    make_backend: MakeBackend,
     counters: Arc<SpineCounters>,
     done: Vec<(u64, std::io::Result<()>)>,
+    /// Kept between layers so that reading one allocates nothing: the requests of a layer's
+    /// pieces, and the landed map and verifier of the layer read last.
+    reqs: Vec<ReadReq>,
+    spare_landed: Vec<bool>,
+    spare_verifier: ImageVerifier,
     inbox: Receiver<Msg>,
     back: Sender<Msg>,
     out: Sender<(usize, Result<T>)>,
@@ -158,27 +173,14 @@ impl<T> Loader<T> {
         self.next = (self.next + 1) % self.ranges.len();
         let len = (hi - lo) as usize;
         let pieces = len.div_ceil(PIECE);
-        let reqs: Vec<ReadReq> = (0..pieces)
-            .map(|i| {
-                let off = i * PIECE;
-                let n = PIECE.min(len - off);
-                ReadReq {
-                    file: 0,
-                    offset: lo + off as u64,
-                    len: n,
-                    need: n,
-                    // SAFETY: `off + n <= len <= buf.len()`; the buffer is owned by `Reading`
-                    // until every piece has been reported (`finish`).
-                    buf: unsafe { buf.as_mut_ptr().add(off) },
-                    tag: i as u64,
-                    urgent: true,
-                }
-            })
-            .collect();
-        let verifier = ImageVerifier::new(&self.table, layer, lo);
-        let mut r =
-            Reading { layer, buf, lo, len, landed: vec![false; pieces], prefix: 0, verifier, error: None, attempts: 1 };
-        if let Err(e) = self.backend.submit(&reqs) {
+        fill_requests(&mut self.reqs, &mut buf, lo, len);
+        let mut landed = std::mem::take(&mut self.spare_landed);
+        landed.clear();
+        landed.resize(pieces, false);
+        let mut verifier = std::mem::take(&mut self.spare_verifier);
+        verifier.reset(&self.table, layer, lo);
+        let mut r = Reading { layer, buf, lo, len, landed, prefix: 0, verifier, error: None, attempts: 1 };
+        if let Err(e) = self.backend.submit(&self.reqs) {
             // Not taken (back-ends take all or nothing): report it as this layer's failure.
             r.error = Some(e);
             r.landed.iter_mut().for_each(|l| *l = true);
@@ -189,24 +191,13 @@ impl<T> Loader<T> {
     /// Resubmit every piece of the layer being read (a retry).
     fn resubmit(&mut self) -> std::io::Result<()> {
         let Some(r) = self.reading.as_mut() else { return Ok(()) };
-        let pieces = r.landed.len();
-        let base = r.buf.as_mut_ptr();
-        let reqs: Vec<ReadReq> = (0..pieces)
-            .map(|i| {
-                let off = i * PIECE;
-                let n = PIECE.min(r.len - off);
-                // SAFETY: as in `start`: inside the buffer, which `Reading` owns until the
-                // pieces are reported.
-                let buf = unsafe { base.add(off) };
-                ReadReq { file: 0, offset: r.lo + off as u64, len: n, need: n, buf, tag: i as u64, urgent: true }
-            })
-            .collect();
+        fill_requests(&mut self.reqs, &mut r.buf, r.lo, r.len);
         r.landed.iter_mut().for_each(|l| *l = false);
         r.prefix = 0;
         r.error = None;
-        r.verifier = ImageVerifier::new(&self.table, r.layer, r.lo);
+        r.verifier.reset(&self.table, r.layer, r.lo);
         self.counters.retries.fetch_add(1, Ordering::Relaxed);
-        self.backend.submit(&reqs)
+        self.backend.submit(&self.reqs)
     }
 
     /// Wait for the pieces in flight; feed landed prefixes to the verifier. Returns when the
@@ -245,7 +236,7 @@ impl<T> Loader<T> {
         let Some(mut r) = self.reading.take() else { return Ok(()) };
         let verified = match r.error.take() {
             Some(e) => Err(anyhow!("reading spine layer {} from {}: {e}", r.layer, self.table.path().display())),
-            None => r.verifier.finish(&r.buf.as_slice()[..r.len]).map_err(anyhow::Error::from),
+            None => r.verifier.finish(&self.table, &r.buf.as_slice()[..r.len]).map_err(anyhow::Error::from),
         };
         self.counters.bytes_verified.fetch_add(r.verifier.bytes_hashed, Ordering::Relaxed);
         self.counters.verify_ns.fetch_add(r.verifier.hash_time.as_nanos() as u64, Ordering::Relaxed);
@@ -280,9 +271,39 @@ impl<T> Loader<T> {
                 Err(e)
             }
         };
+        (self.spare_landed, self.spare_verifier) = (r.landed, r.verifier);
         // The engine has hung up only when the streamer is being dropped.
         let _ = self.out.send((layer, result));
         Ok(())
+    }
+
+    /// The back-end failed (a wait that errs, a read that vanished): the layer being read fails
+    /// its step, and a new back-end serves the next. Replacing the old one drops it, which lets
+    /// its reads in flight land, so the buffer they wrote into is free again. False when no
+    /// back-end can be built: the loader stops, and every later step says so.
+    fn restart(&mut self, e: anyhow::Error) -> bool {
+        let layer = self.reading.as_ref().map(|r| r.layer).unwrap_or(0);
+        tracing::error!("spine loader: reading layer {layer} failed: {e:#}; starting a new back-end");
+        let _ = self.out.send((layer, Err(e)));
+        match (self.make_backend)() {
+            Ok(b) => {
+                self.backend = b;
+                if let Some(r) = self.reading.take() {
+                    self.free.push(r.buf);
+                    (self.spare_landed, self.spare_verifier) = (r.landed, r.verifier);
+                }
+                self.counters.restarts.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::error!("spine loader stopped: no new read back-end: {e}");
+                // The buffer of a lost read may still be written: leak it rather than reuse.
+                if let Some(r) = self.reading.take() {
+                    std::mem::forget(r.buf);
+                }
+                false
+            }
+        }
     }
 
     fn run(mut self) {
@@ -315,15 +336,9 @@ impl<T> Loader<T> {
             self.start();
             if self.reading.is_some() {
                 let pumped = self.pump().and_then(|()| self.finish());
-                if let Err(e) = pumped {
-                    // The back-end failed: nothing more can be read; say so to the engine.
-                    tracing::error!("spine loader stopped: {e:#}");
-                    let layer = self.reading.as_ref().map(|r| r.layer).unwrap_or(0);
-                    let _ = self.out.send((layer, Err(e)));
-                    // The buffer of a lost read may still be written: leak it rather than reuse.
-                    if let Some(r) = self.reading.take() {
-                        std::mem::forget(r.buf);
-                    }
+                if let Err(e) = pumped
+                    && !self.restart(e)
+                {
                     break;
                 }
             }
@@ -335,6 +350,21 @@ impl<T> Loader<T> {
     }
 }
 
+/// The requests for every piece of a layer image of `len` bytes at file offset `lo`, read into
+/// `buf` (into `reqs`, which keeps its room from layer to layer).
+fn fill_requests(reqs: &mut Vec<ReadReq>, buf: &mut AlignedBuf, lo: u64, len: usize) {
+    let base = buf.as_mut_ptr();
+    reqs.clear();
+    reqs.extend((0..len.div_ceil(PIECE)).map(|i| {
+        let off = i * PIECE;
+        let n = PIECE.min(len - off);
+        // SAFETY: `off + n <= len <= buf.len()`; the buffer is owned by the `Reading` until
+        // every piece has been reported (`finish`, or the back-end's drop in `restart`).
+        let buf = unsafe { base.add(off) };
+        ReadReq { file: 0, offset: lo + off as u64, len: n, need: n, buf, tag: i as u64, urgent: true }
+    }));
+}
+
 impl<T: Send + 'static> SpineStreamer<T> {
     /// Start the loader for `layers` of `store`'s spine; `backend` forces a reader back-end.
     pub fn start(
@@ -343,6 +373,19 @@ impl<T: Send + 'static> SpineStreamer<T> {
         backend: Option<BackendKind>,
         activity: Option<Arc<DiskActivity>>,
         decode: DecodeLayer<T>,
+    ) -> Result<Self> {
+        Self::start_wrapped(store, layers, backend, activity, decode, Box::new(|b| b))
+    }
+
+    /// [`Self::start`], with every read back-end the loader builds passed through `wrap` (fault
+    /// injection in tests).
+    pub fn start_wrapped(
+        store: &Store,
+        layers: Vec<usize>,
+        backend: Option<BackendKind>,
+        activity: Option<Arc<DiskActivity>>,
+        decode: DecodeLayer<T>,
+        wrap: WrapBackend,
     ) -> Result<Self> {
         let table = store.spine_table(&layers);
         let ranges: Vec<(usize, (u64, u64))> = layers
@@ -353,10 +396,15 @@ impl<T: Send + 'static> SpineStreamer<T> {
         let path = table.path().to_path_buf();
         let (files, _direct) =
             open_files(std::slice::from_ref(&path), true).map_err(|e| anyhow!("opening {}: {e}", path.display()))?;
-        let mut backend = make_backend(Arc::new(files), backend, PIECES_IN_FLIGHT)?;
-        if let Some(a) = activity {
-            backend = Watched::wrap(backend, a, std::slice::from_ref(&path));
-        }
+        let files = Arc::new(files);
+        let remake: MakeBackend = Box::new(move || {
+            let mut b = wrap(make_backend(files.clone(), backend, PIECES_IN_FLIGHT)?);
+            if let Some(a) = &activity {
+                b = Watched::wrap(b, a.clone(), std::slice::from_ref(&path));
+            }
+            Ok(b)
+        });
+        let backend = remake()?;
         let counters = Arc::new(SpineCounters::default());
         let (tx, inbox) = channel::<Msg>();
         let (out, resp) = channel();
@@ -368,8 +416,12 @@ impl<T: Send + 'static> SpineStreamer<T> {
             ranges,
             next: 0,
             decode,
+            make_backend: remake,
             counters: counters.clone(),
             done: Vec::new(),
+            reqs: Vec::new(),
+            spare_landed: Vec::new(),
+            spare_verifier: ImageVerifier::default(),
             inbox,
             back: tx.clone(),
             out,
