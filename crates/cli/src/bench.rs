@@ -135,9 +135,10 @@ fn storage(path: &std::path::Path) -> Value {
     json!({ "device": device, "size_bytes": size, "free_bytes": free })
 }
 
+/// The commit the binary was built from (`build.rs`; `+dirty` with uncommitted changes), not
+/// the checkout the bench was started in: an A/B run starts an older binary from a newer tree.
 fn git_commit() -> Option<String> {
-    let o = Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()?;
-    o.status.success().then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    option_env!("DELTAFIN_BUILD_COMMIT").map(str::to_string)
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {

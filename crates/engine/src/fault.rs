@@ -43,6 +43,24 @@ pub struct FaultStats {
     pub io_restarts: u64,
 }
 
+/// A streamed spine layer that could not be read intact, even after one retry, or whose
+/// loader's read back-end failed (a new one serves the next step). Like [`ReadFault`], its own
+/// message names the layer and never a path, so a server may pass it on; the underlying error
+/// (file, tensor) is its source, which the command line prints and a server only logs.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("reading spine layer {layer} failed ({})", match kind { FaultKind::Io => "I/O error", FaultKind::Checksum => "checksum mismatch" })]
+pub struct SpineFault {
+    pub layer: usize,
+    pub kind: FaultKind,
+    #[source]
+    pub detail: FaultDetail,
+}
+
+/// The underlying error of a fault, with its file: for logs and the command line.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct FaultDetail(pub String);
+
 /// Routed experts of a streaming store that could not be made present: fetching them from the
 /// origin failed, or the run is offline. The message names the layer, never a path or URL
 /// (those are in `detail`, for the log).

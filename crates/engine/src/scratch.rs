@@ -21,22 +21,12 @@ impl Scratch {
     /// so a read before a write poisons the logits that the reference tests compare.
     pub fn take(&mut self, n: usize) -> Vec<f32> {
         let mut v = self.pick(n);
-        v.truncate(n);
         if cfg!(debug_assertions) {
             v.fill(f32::NAN);
             v.resize(n, f32::NAN);
         } else {
             v.resize(n, 0.0);
         }
-        v
-    }
-
-    /// A zeroed buffer of `n` floats, for a caller that accumulates into it or leaves part of it
-    /// unwritten.
-    pub fn take_zeroed(&mut self, n: usize) -> Vec<f32> {
-        let mut v = self.pick(n);
-        v.clear();
-        v.resize(n, 0.0);
         v
     }
 
@@ -87,10 +77,10 @@ impl Scratch {
 mod tests {
     use super::*;
 
-    /// A taken buffer is not cleared (the tests see NaN where it would hold stale values), a
-    /// zeroed one is, and both reuse the pooled buffer without growing it.
+    /// A taken buffer is not cleared (the tests see NaN where it would hold stale values), and
+    /// it reuses the pooled buffer without growing it.
     #[test]
-    fn take_leaves_contents_and_take_zeroed_clears_them() {
+    fn take_reuses_buffers_and_leaves_their_contents() {
         let mut sc = Scratch::default();
         let mut v = sc.take(8);
         assert_eq!(v.len(), 8);
@@ -102,10 +92,13 @@ mod tests {
         assert_eq!((v.len(), v.as_ptr()), (5, p), "the pooled buffer is reused");
         assert!(v.iter().all(|x| x.is_nan()));
         sc.give(v);
-        let z = sc.take_zeroed(8);
-        assert_eq!((z.len(), z.as_ptr()), (8, p));
-        assert!(z.iter().all(|&x| x == 0.0));
-        sc.give(z);
+        let v = sc.take(8);
+        assert_eq!((v.len(), v.as_ptr()), (8, p));
+        sc.give(v);
         assert_eq!(sc.pooled_bytes(), 8 * 4, "exactly the size asked for");
+        let big = sc.take(20);
+        assert_eq!(big.len(), 20);
+        sc.give(big);
+        assert_eq!(sc.pooled_bytes(), 20 * 4, "grown to exactly the size asked for");
     }
 }

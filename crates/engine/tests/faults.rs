@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
-use deltafin_engine::fault::{FaultKind, FaultStats, ReadFault};
+use deltafin_engine::fault::{FaultKind, FaultStats, ReadFault, SpineFault};
 use deltafin_engine::generate::generate_greedy;
 use deltafin_engine::k3::{K3Model, PromptBorrowing, RunConfig};
 use deltafin_engine::stream::cache::Policy;
@@ -672,7 +672,12 @@ fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
                 for &l in &layers {
                     match s.get(l) {
                         Ok(n) => assert_eq!(n, lens[l], "{backend:?}: layer {l}"),
-                        Err(e) => failed = Some(format!("{e:#}")),
+                        Err(e) => {
+                            let f = e.chain().find_map(|c| c.downcast_ref::<SpineFault>());
+                            let f = f.unwrap_or_else(|| panic!("{backend:?}: not a spine fault: {e:#}"));
+                            assert!(f.detail.0.contains("injected back-end failure"), "{backend:?}: {f:?}");
+                            failed = Some(e.to_string());
+                        }
                     }
                 }
                 if failed.is_some() {
@@ -680,7 +685,7 @@ fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
                 }
             }
             let e = failed.unwrap_or_else(|| panic!("{backend:?}: no step failed"));
-            assert!(e.contains("injected back-end failure"), "{backend:?}: {e}");
+            assert!(e.contains("reading spine layer"), "{backend:?}: not a spine fault: {e}");
             // ... and the next steps are served by a new back-end, which has the decorator: the
             // second round's failure is injected through it.
             for _ in 0..2 {

@@ -3,7 +3,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use deltafin_engine::fault::ReadFault;
+use deltafin_engine::fault::{ReadFault, SpineFault};
 use serde_json::json;
 
 /// What a client is told of an engine error that is not a read fault. Engine errors name files
@@ -13,6 +13,17 @@ pub const ENGINE_FAILED: &str = "generation failed: the engine failed on this re
 /// The read fault that ended a generation, wherever in the error's chain it sits.
 pub fn read_fault(e: &anyhow::Error) -> Option<&ReadFault> {
     e.chain().find_map(|c| c.downcast_ref::<ReadFault>())
+}
+
+/// A streamed spine layer that could not be read (after a retry, or its back-end failed).
+pub fn spine_fault(e: &anyhow::Error) -> Option<&SpineFault> {
+    e.chain().find_map(|c| c.downcast_ref::<SpineFault>())
+}
+
+/// The client-facing message of a fault reading the model from storage (routed experts or a
+/// streamed spine layer): what the health rule counts.
+pub fn storage_fault(e: &anyhow::Error) -> Option<String> {
+    read_fault(e).map(ToString::to_string).or_else(|| spine_fault(e).map(ToString::to_string))
 }
 
 #[derive(Debug, Clone)]
@@ -143,6 +154,12 @@ impl ApiError {
             err.code = Some(if f.offline { "expert_not_fetched" } else { "expert_fetch_failed" });
             return err;
         }
+        if let Some(f) = spine_fault(e) {
+            tracing::error!(layer = f.layer, kind = ?f.kind, detail = %f.detail, "generation failed: {e:#}");
+            let mut err = Self::internal(format!("generation failed: {f}"));
+            err.code = Some("spine_read_failed");
+            return err;
+        }
         match read_fault(e) {
             Some(f) => {
                 tracing::error!(layer = f.layer, expert = f.expert, kind = ?f.kind, detail = %f.detail, "generation failed: {e:#}");
@@ -247,6 +264,21 @@ mod tests {
         assert_eq!(api.openai_body()["error"]["type"], "server_error");
         assert_eq!(api.anthropic_body()["error"]["type"], "api_error");
         assert!(read_fault(&e).is_some());
+    }
+
+    #[test]
+    fn spine_faults_name_the_layer_and_no_path() {
+        use deltafin_engine::fault::{FaultDetail, SpineFault};
+        let detail = FaultDetail(format!("{PATH}/spine.bin: Input/output error (os error 5)"));
+        let fault = SpineFault { layer: 7, kind: FaultKind::Io, detail };
+        let e = Err::<(), _>(anyhow::Error::new(fault)).context(format!("layer 7 (store {PATH})")).unwrap_err();
+        let api = ApiError::from_engine(&e);
+        assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(api.code, Some("spine_read_failed"));
+        assert!(api.message.contains("spine layer 7") && api.message.contains("I/O error"), "{}", api.message);
+        let texts = client_texts(&api);
+        assert!(!texts.contains(PATH) && !texts.contains("spine.bin") && !texts.contains("os error"), "{texts}");
+        assert_eq!(storage_fault(&e).as_deref(), Some("reading spine layer 7 failed (I/O error)"));
     }
 
     #[test]

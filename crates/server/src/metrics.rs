@@ -51,7 +51,8 @@ pub enum Outcome {
     Completed,
     /// Stopped by its client: says nothing about the storage either way.
     Cancelled,
-    /// Failed with an expert read fault (its client-facing message).
+    /// Failed reading the model from storage: routed experts or a streamed spine layer (its
+    /// client-facing message).
     ReadFault(String),
     /// Failed otherwise (another engine error, a panic).
     OtherFailure,
@@ -157,7 +158,7 @@ impl Metrics {
         (h.read_fault_streak >= DEGRADED_AFTER).then(|| Degraded {
             consecutive_read_faults: h.read_fault_streak,
             reason: format!(
-                "the last {} generations failed reading routed experts from storage (latest: {}); the next one that completes clears this",
+                "the last {} generations failed reading the model from storage (latest: {}); the next one that completes clears this",
                 h.read_fault_streak, h.last_fault
             ),
         })

@@ -25,7 +25,7 @@ use deltafin_text::textgen::{Finish, PrefixCache, Sink, Summary, TextGenerator, 
 use deltafin_text::tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
-use crate::error::{ApiError, read_fault};
+use crate::error::{ApiError, storage_fault};
 use crate::metrics::{Metrics, Outcome};
 
 /// What a running job reports.
@@ -246,8 +246,10 @@ fn run_job(
             (Update::Done(summary), outcome)
         }
         Ok(Err(e)) => {
-            let outcome = match read_fault(&e) {
-                Some(f) => Outcome::ReadFault(f.to_string()),
+            // Routed experts or a streamed spine layer that storage would not give: what the
+            // health rule counts.
+            let outcome = match storage_fault(&e) {
+                Some(f) => Outcome::ReadFault(f),
                 None => Outcome::OtherFailure,
             };
             (Update::Failed(ApiError::from_engine(&e)), outcome)

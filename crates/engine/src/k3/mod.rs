@@ -97,6 +97,8 @@ pub struct SpineReport {
     pub bytes_verified: u64,
     pub verify_s: f64,
     pub retries: u64,
+    /// Read back-ends replaced after one failed (each failed the step it was reading for).
+    pub restarts: u64,
 }
 
 pub enum Attention {
@@ -282,6 +284,7 @@ impl K3Model {
             bytes_verified: c.bytes_verified.load(Relaxed),
             verify_s: c.verify_ns.load(Relaxed) as f64 * 1e-9,
             retries: c.retries.load(Relaxed),
+            restarts: c.restarts.load(Relaxed),
         })
     }
 

@@ -19,6 +19,8 @@ use std::time::Duration;
 use anyhow::{Result, anyhow};
 use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
 
+use crate::fault::{FaultDetail, FaultKind, SpineFault};
+
 use super::activity::{DiskActivity, Watched};
 use super::aligned::AlignedBuf;
 use super::backend::make_backend;
@@ -235,8 +237,11 @@ impl<T> Loader<T> {
     fn finish(&mut self) -> Result<()> {
         let Some(mut r) = self.reading.take() else { return Ok(()) };
         let verified = match r.error.take() {
-            Some(e) => Err(anyhow!("reading spine layer {} from {}: {e}", r.layer, self.table.path().display())),
-            None => r.verifier.finish(&self.table, &r.buf.as_slice()[..r.len]).map_err(anyhow::Error::from),
+            Some(e) => Err(spine_fault(r.layer, FaultKind::Io, format!("{}: {e}", self.table.path().display()))),
+            None => r
+                .verifier
+                .finish(&self.table, &r.buf.as_slice()[..r.len])
+                .map_err(|e| spine_fault(r.layer, FaultKind::Checksum, e.to_string())),
         };
         self.counters.bytes_verified.fetch_add(r.verifier.bytes_hashed, Ordering::Relaxed);
         self.counters.verify_ns.fetch_add(r.verifier.hash_time.as_nanos() as u64, Ordering::Relaxed);
@@ -251,7 +256,12 @@ impl<T> Loader<T> {
                     if let Some(r) = self.reading.take() {
                         self.free.push(r.buf);
                     }
-                    let _ = self.out.send((layer, Err(anyhow!("re-reading spine layer {layer}: {e}"))));
+                    let e = spine_fault(
+                        layer,
+                        FaultKind::Io,
+                        format!("re-reading from {}: {e}", self.table.path().display()),
+                    );
+                    let _ = self.out.send((layer, Err(e)));
                     return Ok(());
                 }
             }
@@ -284,6 +294,10 @@ impl<T> Loader<T> {
     fn restart(&mut self, e: anyhow::Error) -> bool {
         let layer = self.reading.as_ref().map(|r| r.layer).unwrap_or(0);
         tracing::error!("spine loader: reading layer {layer} failed: {e:#}; starting a new back-end");
+        let e = match e.downcast::<SpineFault>() {
+            Ok(f) => anyhow::Error::new(f),
+            Err(e) => spine_fault(layer, FaultKind::Io, format!("{}: {e:#}", self.table.path().display())),
+        };
         let _ = self.out.send((layer, Err(e)));
         match (self.make_backend)() {
             Ok(b) => {
@@ -348,6 +362,10 @@ impl<T> Loader<T> {
             let _ = self.pump();
         }
     }
+}
+
+fn spine_fault(layer: usize, kind: FaultKind, detail: String) -> anyhow::Error {
+    anyhow::Error::new(SpineFault { layer, kind, detail: FaultDetail(detail) })
 }
 
 /// The requests for every piece of a layer image of `len` bytes at file offset `lo`, read into
