@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 24, item 1: the expert I/O thread (reads reaped and verified off the engine thread)
-# against the commit before it, on the 2-layer x 896-expert store with K3's real spine
+# A/B of two deltafin builds on the 2-layer x 896-expert store with K3's real spine
 # (`deltafin synth --layers 2 --experts 896 --spine real`), 6 GiB budget, prefetch off, spine
 # resident (2 layers) and streamed (0). Fresh process per run, binaries and configurations
-# interleaved: before/after x resident/streamed, RUNS rounds.
+# interleaved: before/after x resident/streamed, RUNS rounds. Used for issue 24's I/O thread
+# (item 1, OUT=bench-results/io-thread) and its huge-page I/O buffers
+# (OUT=bench-results/huge-pages; table: python3 bench-results/huge-pages/summarize.py DIR).
 #   BEFORE=... AFTER=... STORE=/work/bench/k3-2r OUT=bench-results/io-thread RUNS=5 bash run.sh
 set -euo pipefail
 : "${BEFORE:?}" "${AFTER:?}" "${STORE:?}" "${OUT:?}"

@@ -283,7 +283,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let g = run_self(&ga)?;
             let roofs = before.max(roofs_now());
             // The drive's rate for exactly this run's reads, at its queue depth, right after it.
-            let replay = crate::drive_limit::replay(&log, &m.io_backend, m.queue_depth)?;
+            // A run that streamed its spine had the spine loader's pieces in flight beside the
+            // expert reads: the replay gets that depth too.
+            let spine_streamed = g["spine"]["bytes_read"].as_u64().is_some_and(|b| b > 0);
+            let depth =
+                m.queue_depth + if spine_streamed { deltafin_engine::stream::spine::PIECES_IN_FLIGHT } else { 0 };
+            let replay = crate::drive_limit::replay(&log, &m.io_backend, depth)?;
             let _ = std::fs::remove_file(&log);
             let records = crate::drive_limit::random_records(
                 store.experts.paths(),

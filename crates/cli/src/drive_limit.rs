@@ -94,7 +94,7 @@ fn replay_once(log: &Path, io_backend: &str, queue_depth: usize) -> Result<Value
         if engine == "io_uring" {
             args.push(format!("--iodepth={depth}"));
         }
-        let mut v = fio(&args)?;
+        let mut v = fio_registered(&mut args, engine == "io_uring")?;
         v["queue_depth"] = json!(if engine == "io_uring" { queue_depth.max(1) } else { 1 });
         return Ok(v);
     }
@@ -144,7 +144,8 @@ pub fn random_records(
         format!("--number_ios={}", reads.max(1)),
         "--output-format=json".into(),
     ];
-    match fio(&args) {
+    let mut args = args;
+    match fio_registered(&mut args, true) {
         Ok(mut v) => {
             v["queue_depth"] = json!(queue_depth.max(1));
             v["record_bytes"] = json!(bs);
@@ -155,6 +156,30 @@ pub fn random_records(
             None
         }
     }
+}
+
+/// fio with its buffers registered with io_uring (`--fixedbufs`: pinned once, not per read)
+/// where `io_uring` says the engine is io_uring: the drive's rate without the pinning of 4 KiB
+/// pages that holds unregistered O_DIRECT reads of large records below it (BENCHMARKS.md
+/// section 14: 1.8-2.1 GB/s against 3.0-3.8 on the same reads). Where registering is refused
+/// (a locked-memory limit), fio runs without it and the result says so (`fixedbufs`).
+fn fio_registered(args: &mut Vec<String>, io_uring: bool) -> Result<Value> {
+    if io_uring {
+        args.push("--fixedbufs".into());
+        match fio(args) {
+            Ok(mut v) => {
+                v["fixedbufs"] = json!(true);
+                return Ok(v);
+            }
+            Err(e) => {
+                eprintln!("note: fio with registered buffers failed ({e:#}); reading without them");
+                args.pop();
+            }
+        }
+    }
+    let mut v = fio(args)?;
+    v["fixedbufs"] = json!(false);
+    Ok(v)
 }
 
 /// Run fio with `args` and read its one job's reads: bytes over its runtime.

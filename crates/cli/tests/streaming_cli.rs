@@ -224,6 +224,8 @@ fn the_disk_floor_is_a_replay_of_the_runs_own_reads() {
     if replay["tool"] == "fio" {
         // fio completed every logged read (checked above), so it moved every logged byte.
         assert_eq!(replayed, read, "{v}");
+        // Whether its buffers were registered (pinned once) is said, either way.
+        assert!(replay["fixedbufs"].is_boolean(), "{v}");
     }
     let fio = std::env::var("DELTAFIN_REQUIRE_FIO").is_ok_and(|x| x == "1");
     let tool = v["replay_tool"].as_str().unwrap();

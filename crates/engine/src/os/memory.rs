@@ -16,6 +16,76 @@ pub fn page_size() -> usize {
     }
 }
 
+/// Alignment of a mapped I/O buffer: one huge page on x86-64 and arm64 Linux.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// `len` bytes (a multiple of the page size) for an I/O buffer straight from the system:
+/// zero until touched, aligned to 2 MiB, and on Linux asked to be backed by transparent huge
+/// pages. An O_DIRECT read pins the pages of its buffer for every read; a 17.5 MB record on
+/// 4 KiB pages is 4,284 pins, and on the benchmark machine's drive that held fio replaying the
+/// engine's reads at 1.6-2.2 GB/s where the same reads on huge pages (or on pre-registered
+/// buffers, `--fixedbufs`) ran at 4.0-4.2 (BENCHMARKS.md section 14). `None` where the
+/// system has no such call or refuses: the caller allocates from the heap instead.
+pub fn map_buffer(len: usize) -> Option<std::ptr::NonNull<u8>> {
+    #[cfg(unix)]
+    {
+        let total = len.checked_add(HUGE_PAGE)?;
+        // SAFETY: a fresh private anonymous mapping; no address is imposed.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANON,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let base = p as usize;
+        let start = base.next_multiple_of(HUGE_PAGE);
+        let (head, tail) = (start - base, base + total - (start + len));
+        // SAFETY: both ranges lie inside the mapping just made and outside [start, start +
+        // len), which is all that is kept; `len` and `head` are page multiples, so is the tail.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice on the range we own; failure (THP disabled) only loses the huge pages.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+        std::ptr::NonNull::new(start as *mut u8)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = len;
+        None
+    }
+}
+
+/// Return a buffer from [`map_buffer`] to the system.
+///
+/// # Safety
+/// `ptr` and `len` must be exactly what `map_buffer` gave and returned, and nothing may use the
+/// range afterwards.
+pub unsafe fn unmap_buffer(ptr: *mut u8, len: usize) {
+    #[cfg(unix)]
+    // SAFETY: the caller's contract: the range is a mapping of ours that nothing uses any more.
+    unsafe {
+        libc::munmap(ptr.cast(), len);
+    }
+    #[cfg(not(unix))]
+    let _ = (ptr, len);
+}
+
 /// The whole pages inside `[ptr, ptr + len)`: (start, length), length 0 when there are none.
 fn whole_pages(ptr: *mut u8, len: usize, page: usize) -> (*mut u8, usize) {
     let start = (ptr as usize).next_multiple_of(page);

@@ -36,8 +36,9 @@ pub const SPINE_BUFFERS: usize = 2;
 /// Bytes per read of a layer image; the pieces of a layer are in flight together.
 const PIECE: usize = 4 << 20;
 
-/// Reads of one layer in the device's hands at once.
-const PIECES_IN_FLIGHT: usize = 8;
+/// Reads of one layer in the device's hands at once (beside the expert reads: a replay of a
+/// run that streamed its spine keeps as many more in flight).
+pub const PIECES_IN_FLIGHT: usize = 8;
 
 /// A failed or corrupt layer read is read once more before the step fails.
 const MAX_ATTEMPTS: u32 = 2;
