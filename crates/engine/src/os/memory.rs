@@ -17,6 +17,7 @@ pub fn page_size() -> usize {
 }
 
 /// Alignment of a mapped I/O buffer: one huge page on x86-64 and arm64 Linux.
+#[cfg(unix)]
 const HUGE_PAGE: usize = 2 << 20;
 
 /// `len` bytes (a multiple of the page size) for an I/O buffer straight from the system:
