@@ -131,7 +131,7 @@ pub fn random_records(
     }
     // O_DIRECT wants whole 4096-byte blocks.
     let bs = record_bytes.div_ceil(4096) * 4096;
-    let args = vec![
+    let mut args = vec![
         "--name=records".to_string(),
         format!("--filename={}", names.join(":")),
         "--rw=randread".into(),
@@ -144,7 +144,6 @@ pub fn random_records(
         format!("--number_ios={}", reads.max(1)),
         "--output-format=json".into(),
     ];
-    let mut args = args;
     match fio_registered(&mut args, true) {
         Ok(mut v) => {
             v["queue_depth"] = json!(queue_depth.max(1));
@@ -161,7 +160,7 @@ pub fn random_records(
 /// fio with its buffers registered with io_uring (`--fixedbufs`: pinned once, not per read)
 /// where `io_uring` says the engine is io_uring: the drive's rate without the pinning of 4 KiB
 /// pages that holds unregistered O_DIRECT reads of large records below it (BENCHMARKS.md
-/// section 14: 1.8-2.1 GB/s against 3.0-3.8 on the same reads). Where registering is refused
+/// section 14: 1.8-2.0 GB/s against 3.0-3.8 on the same reads). Where registering is refused
 /// (a locked-memory limit), fio runs without it and the result says so (`fixedbufs`).
 fn fio_registered(args: &mut Vec<String>, io_uring: bool) -> Result<Value> {
     if io_uring {

@@ -24,8 +24,8 @@ const HUGE_PAGE: usize = 2 << 20;
 /// zero until touched, aligned to 2 MiB, and on Linux asked to be backed by transparent huge
 /// pages. An O_DIRECT read pins the pages of its buffer for every read; a 17.5 MB record on
 /// 4 KiB pages is 4,284 pins, and on the benchmark machine's drive that held fio replaying the
-/// engine's reads at 1.6-2.2 GB/s where the same reads on huge pages (or on pre-registered
-/// buffers, `--fixedbufs`) ran at 4.0-4.2 (BENCHMARKS.md section 14). `None` where the
+/// engine's reads at 1.8-2.0 GB/s where the same reads on pre-registered buffers
+/// (`--fixedbufs`) ran at 3.0-3.8, and on huge pages at 4.2 (BENCHMARKS.md section 14). `None` where the
 /// system has no such call or refuses: the caller allocates from the heap instead.
 pub fn map_buffer(len: usize) -> Option<std::ptr::NonNull<u8>> {
     #[cfg(unix)]
