@@ -86,6 +86,9 @@ impl ReadBackend for Faulty {
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
     }
+    fn urge(&mut self, tags: std::ops::Range<u64>) {
+        self.inner.urge(tags)
+    }
     fn waker(&mut self) -> io::Result<Waker> {
         self.inner.waker()
     }

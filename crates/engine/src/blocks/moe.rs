@@ -212,9 +212,9 @@ impl LatentMoe {
     /// Each token is routed as if alone, and the union of the chunk's experts is requested at
     /// once as soon as the router has picked them, so each distinct expert is read once per
     /// chunk and applied to every token that chose it (as one small batch when several did).
-    /// The shared experts (and, with `run.next`, the next MoE layer's router on the last token:
-    /// its prediction is recorded, and hinted to the source for prefetch when `run.hint` is set)
-    /// run while the reads are in flight. Each expert is computed when its record arrives, into
+    /// With `run.next`, the next MoE layer's router then runs on the last token (its prediction
+    /// is recorded, and hinted to the source for prefetch at once when `run.hint` is set), and the
+    /// shared experts run while the reads are in flight. Each expert is computed when its record arrives, into
     /// its own slot, and the slots are summed in routing order, so per token the result depends
     /// neither on arrival order nor on the chunk.
     pub fn forward(
@@ -245,10 +245,8 @@ impl LatentMoe {
         }
         experts.begin(self.layer, &union)?;
 
-        let mut shared = sc.take(t_n * h); // [T, hidden]
-        if let Some(sh) = &self.shared {
-            sh.forward_batch(xs, t_n, &mut shared, sc);
-        }
+        // The look-ahead hint goes out as soon as this layer's own reads have: its reads then
+        // overlap the shared experts and every expert compute of this layer.
         if let (Some(n), Some(r)) = (run.next, routings.last_mut()) {
             if r.pinned && !r.pinned_next.is_empty() {
                 r.predicted_next.clone_from(&r.pinned_next);
@@ -258,6 +256,10 @@ impl LatentMoe {
             if run.hint {
                 experts.prefetch(n.layer, &r.predicted_next)?;
             }
+        }
+        let mut shared = sc.take(t_n * h); // [T, hidden]
+        if let Some(sh) = &self.shared {
+            sh.forward_batch(xs, t_n, &mut shared, sc);
         }
 
         let mut xl = sc.take(t_n * lat); // [T, LAT] each token's latent expert input

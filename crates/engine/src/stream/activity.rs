@@ -159,6 +159,10 @@ impl ReadBackend for Watched {
     fn waker(&mut self) -> io::Result<super::reader::Waker> {
         self.inner.waker()
     }
+
+    fn urge(&mut self, tags: std::ops::Range<u64>) {
+        self.inner.urge(tags)
+    }
 }
 
 #[cfg(test)]

@@ -38,6 +38,14 @@ pub struct RecordRead {
 // back (see the module comment); the engine does not touch it meanwhile.
 unsafe impl Send for RecordRead {}
 
+/// What the engine asks of the I/O thread.
+enum Request {
+    Read(RecordRead),
+    /// Record `id`, sent as a guess, is now waited for: its ranges not yet on the device go
+    /// ahead of the other guesses.
+    Urge(u64),
+}
+
 /// How a record's read ended.
 #[derive(Debug)]
 pub enum Outcome {
@@ -70,7 +78,7 @@ pub enum Next {
 }
 
 pub struct IoThread {
-    requests: Option<SyncSender<RecordRead>>,
+    requests: Option<SyncSender<Request>>,
     landed: Receiver<Landed>,
     waker: Waker,
     thread: Option<JoinHandle<()>>,
@@ -88,7 +96,9 @@ impl IoThread {
         let records = records.max(1);
         let waker = backend.waker()?;
         let kind = backend.kind();
-        let (rtx, rrx) = sync_channel::<RecordRead>(records);
+        // Each record in flight is sent once and urged at most once: the queue never fills, so
+        // a send never blocks while the thread sleeps in the back-end's wait.
+        let (rtx, rrx) = sync_channel::<Request>(2 * records);
         let (ltx, lrx) = sync_channel::<Landed>(records);
         let doomed = Arc::new(AtomicBool::new(false));
         let dies = doomed.clone();
@@ -106,9 +116,20 @@ impl IoThread {
     /// Hand a record read to the thread; the request back when the thread is gone.
     pub fn send(&self, r: RecordRead) -> Result<(), RecordRead> {
         let Some(tx) = &self.requests else { return Err(r) };
-        tx.send(r).map_err(|e| e.0)?;
+        tx.send(Request::Read(r)).map_err(|_| r)?;
         (self.waker)();
         Ok(())
+    }
+
+    /// Record `id`, sent as a guess (not urgent), is now demanded: what of it has not gone to
+    /// the device yet goes ahead of every other guess. Call at most once per record. A thread
+    /// that is gone is noticed by the next wait, not here.
+    pub fn urge(&self, id: u64) {
+        if let Some(tx) = &self.requests
+            && tx.send(Request::Urge(id)).is_ok()
+        {
+            (self.waker)();
+        }
     }
 
     /// The next finished record: waiting for one with `block`, else only if one is ready.
@@ -150,6 +171,8 @@ impl Drop for IoThread {
 /// A record in flight on the I/O thread.
 struct Flight {
     key: (usize, usize),
+    /// The tags of its ranges' reads.
+    tags: std::ops::Range<u64>,
     buf: *mut u8,
     len: usize,
     parts_left: usize,
@@ -187,18 +210,18 @@ impl Reads {
         }
     }
 
-    fn run(&mut self, requests: &Receiver<RecordRead>, landed: &SyncSender<Landed>, doomed: &AtomicBool) {
+    fn run(&mut self, requests: &Receiver<Request>, landed: &SyncSender<Landed>, doomed: &AtomicBool) {
         loop {
             // New work: waited for only when nothing is in flight.
             if self.backend.in_flight() == 0 {
                 match requests.recv() {
-                    Ok(r) => self.start(r, landed),
+                    Ok(r) => self.take(r, landed),
                     Err(_) => return,
                 }
             }
             loop {
                 match requests.try_recv() {
-                    Ok(r) => self.start(r, landed),
+                    Ok(r) => self.take(r, landed),
                     Err(TryRecvError::Empty) => break,
                     // The engine is stopping the thread: the back-end's drop lets the reads in
                     // flight land.
@@ -238,6 +261,18 @@ impl Reads {
                 }
                 self.absorb(&mut done);
                 self.done = done;
+            }
+        }
+    }
+
+    fn take(&mut self, r: Request, landed: &SyncSender<Landed>) {
+        match r {
+            Request::Read(r) => self.start(r, landed),
+            Request::Urge(id) => {
+                // A record already finished (or refused) has nothing left to urge.
+                if let Some(f) = self.flights.get(&id) {
+                    self.backend.urge(f.tags.clone());
+                }
             }
         }
     }
@@ -284,7 +319,8 @@ impl Reads {
         for q in &self.reqs {
             self.tags.insert(q.tag, (r.id, q.file));
         }
-        self.flights.insert(r.id, Flight { key: r.key, buf: r.buf, len: r.len, parts_left: parts, error: None });
+        let tags = self.reqs.first().map_or(0, |q| q.tag)..self.next_tag;
+        self.flights.insert(r.id, Flight { key: r.key, tags, buf: r.buf, len: r.len, parts_left: parts, error: None });
     }
 
     /// Count completions against their records; records complete go to `finished`.

@@ -8,7 +8,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use super::reader::{BackendKind, ReadBackend, ReadReq, Waker, pread_req};
+use super::reader::{BackendKind, ReadBackend, ReadReq, Waker, other_may_start, pread_req};
 
 /// The user data of the wake poll's completions (read tags count up from 0 and never reach it).
 const WAKE_TAG: u64 = u64::MAX;
@@ -21,8 +21,10 @@ pub struct Uring {
     /// Requests waiting for room: demand reads, and the others.
     urgent: VecDeque<ReadReq>,
     backlog: VecDeque<ReadReq>,
-    /// Reads in the kernel's hands (pushed, completion not reaped), at most `depth`.
+    /// Reads in the kernel's hands (pushed, completion not reaped), at most `depth`; of them,
+    /// those that are not demand reads (started only as `other_may_start` allows).
     submitted: usize,
+    submitted_other: usize,
     depth: usize,
     /// Completions reaped in one pass (reused).
     cqes: Vec<(u64, i32)>,
@@ -42,6 +44,7 @@ impl Uring {
             urgent: Default::default(),
             backlog: Default::default(),
             submitted: 0,
+            submitted_other: 0,
             depth: depth.max(1) as usize,
             cqes: Vec::new(),
             wake_fd: None,
@@ -77,11 +80,18 @@ impl Uring {
     }
 
     /// Move waiting requests into the ring while fewer than `depth` are in the kernel's hands,
-    /// demand reads first.
+    /// demand reads first, the others only as `other_may_start` allows (a demand read issued
+    /// later then waits behind a few guesses at most, not a ring full of prefetches).
     fn push_backlog(&mut self) {
         let mut pushed = false;
         while self.submitted < self.depth
-            && let Some(r) = self.urgent.front().or(self.backlog.front()).copied()
+            && let Some(r) = self
+                .urgent
+                .front()
+                .or(self.backlog.front().filter(|_| {
+                    other_may_start(self.submitted - self.submitted_other, self.submitted_other, self.depth)
+                }))
+                .copied()
         {
             // Checked in `submit` before the request was accepted.
             let Some(f) = self.files.get(r.file) else { break };
@@ -96,6 +106,7 @@ impl Uring {
             }
             if self.urgent.pop_front().is_none() {
                 self.backlog.pop_front();
+                self.submitted_other += 1;
             }
             self.submitted += 1;
             pushed = true;
@@ -142,6 +153,21 @@ impl ReadBackend for Uring {
 
     fn in_flight(&self) -> usize {
         self.pending.len()
+    }
+
+    fn urge(&mut self, tags: std::ops::Range<u64>) {
+        let (urgent, pending) = (&mut self.urgent, &mut self.pending);
+        self.backlog.retain(|r| {
+            let hit = tags.contains(&r.tag);
+            if hit {
+                // Counted as a demand read from now on, here and when it completes.
+                let r = ReadReq { urgent: true, ..*r };
+                pending.insert(r.tag, r);
+                urgent.push_back(r);
+            }
+            !hit
+        });
+        self.push_backlog();
     }
 
     fn waker(&mut self) -> io::Result<Waker> {
@@ -213,6 +239,9 @@ impl Uring {
                     continue;
                 };
                 self.submitted = self.submitted.saturating_sub(1);
+                if !req.urgent {
+                    self.submitted_other = self.submitted_other.saturating_sub(1);
+                }
                 let r = if res < 0 {
                     Err(io::Error::from_raw_os_error(-res))
                 } else if (res as usize) < req.need {
@@ -309,5 +338,48 @@ mod tests {
         let reqs = [block_req(&mut bufs, 0, true), bad];
         assert!(ring.submit(&reqs).is_err());
         assert_eq!((ring.in_flight(), ring.submitted), (0, 0), "a refused submit kept some reads");
+    }
+
+    /// Guesses go into the ring only within their share of the depth and only while no demand
+    /// read is there; a demand read submitted after them goes in at once, and so does a guess
+    /// once urged.
+    #[test]
+    fn guesses_leave_the_ring_to_the_demand() {
+        if !crate::stream::backend::io_uring_for_tests("io_uring demand share").unwrap() {
+            return;
+        }
+        let (_f, files) = blocks_file(10);
+        let mut bufs: Vec<AlignedBuf> = (0..10).map(|_| AlignedBuf::new(4096)).collect();
+        let mut ring = Uring::new(files, 16).unwrap();
+        let others: Vec<ReadReq> = (0..8).map(|i| block_req(&mut bufs, i, false)).collect();
+        ring.submit(&others).unwrap();
+        assert_eq!((ring.submitted, ring.submitted_other), (2, 2), "guesses took more than their share");
+        ring.submit(&[block_req(&mut bufs, 8, true)]).unwrap();
+        assert_eq!(ring.submitted, 3, "the demand read waited behind guesses");
+        ring.urge(5..6);
+        assert_eq!((ring.submitted, ring.submitted_other), (4, 2), "the urged guess did not go in at once");
+        let (mut seen, mut out) = (Vec::new(), Vec::new());
+        let mut demand_seen = 0;
+        while ring.in_flight() > 0 {
+            let before = ring.submitted_other;
+            out.clear();
+            ring.wait(&mut out).unwrap();
+            assert!(ring.submitted_other <= 2 && ring.submitted <= 16);
+            if ring.submitted > ring.submitted_other {
+                // A demand read is still in the ring, so it was there at every push of this wait.
+                assert!(ring.submitted_other <= before, "a guess went in while a demand read was there");
+            }
+            for (tag, res) in out.drain(..) {
+                res.as_ref().unwrap();
+                demand_seen += usize::from([5, 8].contains(&tag));
+                seen.push(tag);
+            }
+        }
+        assert_eq!(demand_seen, 2);
+        seen.sort();
+        assert_eq!(seen, (0..9).collect::<Vec<u64>>());
+        for (i, b) in bufs.iter().enumerate().take(9) {
+            assert!(b.as_slice()[..4096].iter().all(|&x| x == i as u8), "block {i} read wrong");
+        }
     }
 }

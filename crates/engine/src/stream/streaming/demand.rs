@@ -76,9 +76,15 @@ impl StreamingExperts {
                     st.cache_hits += 1;
                 }
             } else if let Some(&id) = self.by_key.get(&(layer, e)) {
-                // A prefetch is already reading it: adopt that read.
-                if let Some(f) = self.flights.get_mut(&id) {
+                // A prefetch is already reading it: adopt that read, and have what of it still
+                // waits for the device go ahead of the other guesses.
+                if let Some(f) = self.flights.get_mut(&id)
+                    && !f.demanded
+                {
                     f.demanded = true;
+                    if let Some(io) = self.io.as_ref() {
+                        io.urge(id);
+                    }
                 }
                 let st = self.stats.entry(layer).or_default();
                 st.hits += 1;
