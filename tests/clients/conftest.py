@@ -55,6 +55,7 @@ CLIENT_TIMEOUT = 60.0  # seconds, for every client call
 STARTUP_TIMEOUT = 60.0  # seconds until the "listening on" line
 DEFAULT_CONTEXT = 4096  # serve's default --context
 LISTENING_RE = re.compile(r"deltafin serve: listening on (http://\S+)")
+READY_RE = re.compile(r"deltafin serve: ready on (http://\S+)")
 
 # =============================================================================================
 # SCRIPTED REPLIES  (adjust here if the K3 output markup changes)
@@ -286,7 +287,9 @@ class ServerLauncher:
         self.log_dir = log_dir
         self.servers: list[Server] = []
 
-    def start(self, *extra_args: str) -> Server:
+    def start(self, *extra_args: str, ready: bool = True) -> Server:
+        """Start a server and return once it is ready (the model loaded), or with `ready=False`
+        as soon as it listens (the port is bound before the model loads)."""
         args = [
             str(self.binary),
             "serve",
@@ -333,7 +336,7 @@ class ServerLauncher:
             if remaining <= 0:
                 server.stop()
                 pytest.fail(
-                    f"`{' '.join(args)}` printed no 'listening on' line within {STARTUP_TIMEOUT}s\n"
+                    f"`{' '.join(args)}` printed no '{'ready' if ready else 'listening'} on' line within {STARTUP_TIMEOUT}s\n"
                     f"stdout:\n" + "\n".join(stdout_lines) + f"\nstderr:\n{server.stderr_text()}",
                     pytrace=False,
                 )
@@ -344,12 +347,12 @@ class ServerLauncher:
             if line is None:
                 proc.wait(timeout=10)
                 pytest.fail(
-                    f"`{' '.join(args)}` exited with {proc.returncode} before listening\n"
+                    f"`{' '.join(args)}` exited with {proc.returncode} before it was ready\n"
                     f"stdout:\n" + "\n".join(stdout_lines) + f"\nstderr:\n{server.stderr_text()}"
                     + _instruments_hint(server.stderr_text()),
                     pytrace=False,
                 )
-            m = LISTENING_RE.search(line)
+            m = (READY_RE if ready else LISTENING_RE).search(line)
             if m:
                 server.url = m.group(1).rstrip("/")
                 return server

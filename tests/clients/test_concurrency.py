@@ -40,7 +40,8 @@ def user(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def busy_server(module_launcher, script_file) -> Server:
-    return module_launcher.start("--token-delay-ms", str(BUSY_DELAY_MS), "--script", str(script_file))
+    # --queue 0: the reference runtime's immediate 429 (the default queues 16).
+    return module_launcher.start("--queue", "0", "--token-delay-ms", str(BUSY_DELAY_MS), "--script", str(script_file))
 
 
 def start_marathon(client, max_tokens: int):

@@ -35,7 +35,7 @@ os.environ["NO_PROXY"] = ",".join(x for x in [os.environ.get("NO_PROXY", ""), "1
 os.environ["no_proxy"] = os.environ["NO_PROXY"]
 
 MODEL = "soak"
-LISTENING_RE = re.compile(r"deltafin serve: listening on http://([\d.]+):(\d+)")
+LISTENING_RE = re.compile(r"deltafin serve: ready on http://([\d.]+):(\d+)")
 WORDS = "the lighthouse keeper counted boats in the harbour while gulls argued over nets".split()
 
 

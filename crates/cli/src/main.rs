@@ -103,11 +103,14 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal as _;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only for a person's terminal, never into a log file or journal.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG")
-                .unwrap_or_else(|_| "warn,deltafin_hub=info".into()),
+                .unwrap_or_else(|_| "warn,deltafin_hub=info,deltafin::request=info".into()),
         )
         .init();
     let cli = Cli::parse();

@@ -19,8 +19,9 @@ use deltafin_text::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
-    /// Deltafin store directory (made by `deltafin convert` or `deltafin synth`). Required.
-    #[arg(long = "model")]
+    /// Deltafin store directory (made by `deltafin convert`, `deltafin install` or `deltafin
+    /// synth`). Required.
+    #[arg(short = 'm', long = "model", env = "DELTAFIN_MODEL")]
     pub store: Option<PathBuf>,
     /// Checkpoint directory holding the in-place experts, if it moved since conversion.
     #[arg(long)]
@@ -31,7 +32,7 @@ pub struct ModelArgs {
     pub memory_budget: Option<u64>,
     /// Context length the plan reserves attention cache for (up to the model's maximum; a
     /// context the budget cannot hold is refused at start, with the longest one it can).
-    #[arg(long, default_value_t = 4096, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1u64 << 24)))]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", default_value_t = 4096, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1u64 << 24)))]
     pub context: usize,
     /// How the MLA latent cache stores its values: auto (f32 with an f32 spine, else bf16),
     /// bf16 (half the memory and bandwidth, f32 accumulation) or f32.

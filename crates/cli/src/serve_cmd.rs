@@ -17,21 +17,26 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Address to listen on (loopback by default: nothing outside this machine can connect).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", env = "DELTAFIN_HOST")]
     pub host: String,
     /// Port (0 picks a free one; the chosen address is printed).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, env = "DELTAFIN_PORT")]
     pub port: u16,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every endpoint
     /// but /health.
-    #[arg(long)]
+    #[arg(long, env = "DELTAFIN_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Requests that may wait in line (FIFO) while one generates; more get HTTP 429.
-    #[arg(long, default_value_t = 0)]
+    /// Requests that may wait in line (FIFO) while one generates (agents send a follow-up, a
+    /// title and a summary at once); more get HTTP 429. 0: refuse any request while one runs.
+    #[arg(long, default_value_t = 16)]
     pub queue: usize,
     /// Model id clients use (default: the store directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Another name the model answers to and is listed under (repeatable), e.g. --alias
+    /// gpt-4o --alias kimi-k3.
+    #[arg(short = 'a', long = "alias", value_name = "NAME")]
+    pub aliases: Vec<String>,
     /// Largest request body accepted (e.g. 8M).
     #[arg(long, default_value = "8M", value_parser = parse_size)]
     pub max_body_bytes: u64,
@@ -71,6 +76,9 @@ pub struct InstrumentArgs {
     /// the engine with a read fault / another engine error (see the server's instruments).
     #[arg(long, hide = true)]
     pub inject_faults: bool,
+    /// Test instrument: sleep this many milliseconds before loading the model.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub load_delay_ms: u64,
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -97,8 +105,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "kimi-k3".into())
     });
     let numerics = if run_opts.approx { "approximate (int8 activations for routed experts)" } else { "exact" };
+    let mut aliases = Vec::new();
+    for a in &a.aliases {
+        if a.is_empty() || a.len() > 256 {
+            bail!("--alias must be a name of 1 to 256 bytes");
+        }
+        if *a != id && !aliases.contains(a) {
+            aliases.push(a.clone());
+        }
+    }
     let model = ModelInfo {
         id,
+        aliases,
         created: unix_now(),
         context: run_opts.context_tokens,
         vocab: cfg.vocab_size,
@@ -135,6 +153,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             step_delay: Duration::from_millis(a.instruments.token_delay_ms),
             script: a.instruments.script,
             inject_faults: a.instruments.inject_faults,
+            load_delay: Duration::from_millis(a.instruments.load_delay_ms),
         },
     };
     serve(opts, model, tokenizer, move || {

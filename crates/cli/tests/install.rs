@@ -836,8 +836,8 @@ fn serve_on_a_stream_store_fetches_and_reports_it() {
                 "serve exited: {}",
                 std::fs::read_to_string(&log_path).unwrap()
             );
-            if let Some(a) = line.split("listening on http://").nth(1) {
-                break a.trim().to_string();
+            if let Some(a) = line.split("ready on http://").nth(1) {
+                break a.split_whitespace().next().unwrap_or_default().to_string();
             }
         }
     };

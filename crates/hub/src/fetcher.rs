@@ -59,6 +59,50 @@ struct Ahead {
     stop: bool,
 }
 
+/// How often the log says what demand fetches did.
+const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Demand fetches gathered for the next summary line.
+struct FetchLog {
+    since: Instant,
+    fetches: u64,
+    experts: u64,
+    bytes: u64,
+    seconds: f64,
+}
+
+impl FetchLog {
+    fn new() -> Self {
+        FetchLog { since: Instant::now(), fetches: 0, experts: 0, bytes: 0, seconds: 0.0 }
+    }
+
+    fn add(&mut self, experts: u64, bytes: u64, seconds: f64) {
+        self.fetches += 1;
+        self.experts += experts;
+        self.bytes += bytes;
+        self.seconds += seconds;
+    }
+
+    /// The summary of what was gathered, once [`LOG_EVERY`] has passed since the last one.
+    fn take_line(&mut self, present: usize, all: usize) -> Option<String> {
+        let span = self.since.elapsed();
+        if span < LOG_EVERY {
+            return None;
+        }
+        let line = format!(
+            "fetched {} expert(s) in {} demand(s) over the last {:.0} s: {:.1} MB, {:.1} s waiting on the origin ({:.1} MB/s); {present} of {all} experts on disk",
+            self.experts,
+            self.fetches,
+            span.as_secs_f64(),
+            self.bytes as f64 / 1e6,
+            self.seconds,
+            if self.seconds > 0.0 { self.bytes as f64 / 1e6 / self.seconds } else { 0.0 },
+        );
+        *self = FetchLog::new();
+        Some(line)
+    }
+}
+
 struct Shared {
     http: Http,
     files: Vec<ShardFile>,
@@ -72,6 +116,8 @@ struct Shared {
     written: AtomicU64,
     failures: AtomicU64,
     micros: AtomicU64,
+    /// Demand fetches since the last summary line in the log.
+    log: Mutex<FetchLog>,
     /// One demand at a time: two engine threads never race on one layer.
     busy: Mutex<()>,
     /// Demands running now: the background waits for them (demand first on the link).
@@ -144,6 +190,7 @@ impl HubFetcher {
             written: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             micros: AtomicU64::new(0),
+            log: Mutex::new(FetchLog::new()),
             busy: Mutex::new(()),
             demanding: AtomicU64::new(0),
             fetch_ahead: std::sync::atomic::AtomicBool::new(false),
@@ -287,12 +334,19 @@ impl Shared {
             return Err(e);
         }
         let (present, all) = self.presence.count();
-        tracing::info!(
+        tracing::debug!(
             "fetched {} expert(s) of layer {layer}: {:.1} MB in {:.0} ms; {present} of {all} experts on disk",
             experts.len(),
             got as f64 / 1e6,
             dt.as_secs_f64() * 1e3
         );
+        // One line per LOG_EVERY for a person to read, not one per layer per token (92 a token
+        // on Kimi K3).
+        let mut log = lock(&self.log);
+        log.add(experts.len() as u64, got, dt.as_secs_f64());
+        if let Some(line) = log.take_line(present, all) {
+            tracing::info!("{line}");
+        }
         Ok(())
     }
 

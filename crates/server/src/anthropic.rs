@@ -12,14 +12,15 @@ use deltafin_text::textgen::{Finish, Summary, TextRequest};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::generation::{ChatSettings, Piece, Translator, Turn, chat_request, sse};
+use crate::generation::{ChatSettings, Piece, Translator, Turn, chat_request, deltafin_info, sse};
 use crate::openai::{content_parts, sampling};
 use crate::params::{Obj, field, object, opt_bool, opt_int, opt_str, stop_list};
-use crate::state::{Shared, new_id};
-use crate::worker::{Admitted, Update};
+use crate::state::{Grant, Shared, new_id};
+use crate::worker::{Admitted, RequestNote, Update};
 
 pub struct Prepared {
     req: TextRequest,
+    grant: Grant,
     stream: bool,
 }
 
@@ -195,16 +196,16 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
         opt_int(o, "max_tokens", 1, i64::from(u32::MAX))?.ok_or_else(|| ApiError::missing("max_tokens"))?;
     let conv = conversation(o)?;
     let settings = ChatSettings {
-        max_tokens: Some((max_tokens as usize, "max_tokens")),
         // Agents send large fixed max_tokens (32000 and more): served up to the context.
-        clamp: true,
+        max_tokens: Some(max_tokens as usize),
         // Anthropic's temperature range is [0, 1].
         sampling: sampling(o, 1.0)?,
         stop: stop_list(o, "stop_sequences")?,
         logprobs: None,
         ignore_eos: false,
     };
-    Ok(Prepared { req: chat_request(state, &conv, settings)?, stream: opt_bool(o, "stream")?.unwrap_or(false) })
+    let (req, grant) = chat_request(state, &conv, settings)?;
+    Ok(Prepared { req, grant, stream: opt_bool(o, "stream")?.unwrap_or(false) })
 }
 
 fn stop_reason(s: &Summary) -> (&'static str, Value) {
@@ -228,7 +229,7 @@ fn input_of(args: &str) -> Value {
 
 pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
     let prompt_tokens = p.req.prompt.len();
-    let job = state.submit(admitted, p.req)?;
+    let job = state.submit(admitted, p.req.clone(), RequestNote::new("POST /v1/messages", p.grant))?;
     let id = new_id("msg_");
     if p.stream {
         let interval = state.keep_alive;
@@ -256,7 +257,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
                   "cache_read_input_tokens": summary.cached_prompt_tokens,
                   "output_tokens": summary.completion_tokens},
         "timings": crate::openai::timings(&summary),
-        "deltafin": {"numerics": state.model.numerics},
+        "deltafin": deltafin_info(&state, &p.grant),
     }))
     .into_response())
 }

@@ -14,16 +14,13 @@ use deltafin_text::textgen::{Summary, TextRequest, TokenLogprob};
 
 use crate::error::ApiError;
 use crate::sse::keep_alive;
-use crate::state::{Shared, new_id};
+use crate::state::{Grant, Shared, new_id};
 use crate::worker::{JobHandle, Update};
 
 /// Generation settings of a chat request, in either wire format.
 pub struct ChatSettings {
-    /// Requested output length, and the field it came from.
-    pub max_tokens: Option<(usize, &'static str)>,
-    /// Clamp a too-long `max_tokens` to the context instead of refusing (Anthropic clients send
-    /// large fixed values).
-    pub clamp: bool,
+    /// Requested output length; more than fits is clamped to the rest of the context.
+    pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub logprobs: Option<usize>,
@@ -31,26 +28,31 @@ pub struct ChatSettings {
 }
 
 /// A chat conversation as a generation: rendered, tokenised, bounded by the context.
-pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Result<TextRequest, ApiError> {
+pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Result<(TextRequest, Grant), ApiError> {
     let prompt = crate::prompt::encode_chat(state, conv)?;
-    let max = match s.max_tokens {
-        Some((n, param)) => {
-            let n = if s.clamp { n.min(state.model.context.saturating_sub(prompt.len())).max(1) } else { n };
-            state.budget(prompt.len(), Some(n), param)?
-        }
-        None => state.budget(prompt.len(), None, "max_tokens")?,
-    };
-    Ok(TextRequest {
+    let grant = state.budget(prompt.len(), s.max_tokens)?;
+    let req = TextRequest {
         forced: state.forced(|| conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text())),
         prompt,
-        max_tokens: max,
+        max_tokens: grant.tokens,
         sampling: s.sampling,
         stop: s.stop,
         logprobs: s.logprobs,
         parse_chat: true,
         reasoning_open: crate::prompt::thinking(conv),
         ignore_eos: s.ignore_eos,
-    })
+    };
+    Ok((req, grant))
+}
+
+/// The `deltafin` object of a response: the numerics, and a clamped `max_tokens` when there
+/// was one.
+pub fn deltafin_info(state: &Shared, grant: &Grant) -> serde_json::Value {
+    let mut v = serde_json::json!({"numerics": state.model.numerics});
+    if let Some(asked) = grant.clamped_from {
+        v["max_tokens_clamped"] = serde_json::json!({"requested": asked, "granted": grant.tokens});
+    }
+    v
 }
 
 /// One piece of a turn's output; consecutive text of one kind is one piece.

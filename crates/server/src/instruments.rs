@@ -7,6 +7,8 @@
 //!   sampler (parsing, streaming, both wire formats) is the production path.
 //! - A step delay (`--token-delay-ms N`): the engine sleeps after every model step, holding it
 //!   busy long enough for the concurrency tests to observe queueing deterministically.
+//! - A load delay (`--load-delay-ms N`): the engine thread sleeps before opening the model, so
+//!   that the tests see the server listening and answering `loading` first.
 //! - Injected faults (`--inject-faults`): a prompt containing [`READ_FAULT_TRIGGER`] fails at its
 //!   first MoE layer with a `ReadFault`, one containing [`ENGINE_ERROR_TRIGGER`] with a plain
 //!   engine error; both carry a made-up server path ([`INJECTED_PATH`]) that must never reach
@@ -30,6 +32,8 @@ pub struct Options {
     pub script: Option<PathBuf>,
     /// Fail requests whose prompt holds a fault trigger.
     pub inject_faults: bool,
+    /// Sleep this long before loading the model (the loading phase, observable).
+    pub load_delay: Duration,
 }
 
 /// A scripted reply: when the last user text contains `when`, the model's sampled tokens are

@@ -55,7 +55,10 @@ const BLOCKING_THREADS: usize = 8;
 /// How long a shutdown waits for responses in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// Bind, print `deltafin serve: listening on http://ADDR`, and serve until interrupted.
+/// Bind, print `deltafin serve: listening on http://ADDR`, load the model (endpoints that need
+/// it answer 503 `loading` meanwhile, `/health` with how long it has been loading), print
+/// `deltafin serve: ready on http://ADDR`, and serve until interrupted. A model that fails to
+/// load ends the server with that error.
 pub fn serve(
     opts: ServeOptions,
     model: ModelInfo,
@@ -68,9 +71,25 @@ pub fn serve(
         Some(p) => instruments::load_script(p, &tokenizer)?,
         None => Vec::new(),
     };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        // Tokio's default of 512 blocking threads would let a burst of large requests each
+        // parse and tokenise its body at once. What runs there is bounded anyway (request
+        // preparation by admission, tokenizer jobs by their gate); this bounds the threads too,
+        // and the rest wait in tokio's queue.
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_name("deltafin-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    // The port first: a port in use is reported at once, not after minutes of loading.
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)))
+        .with_context(|| format!("listening on {}:{} (is another server using the port?)", opts.host, opts.port))?;
+    let local = listener.local_addr()?;
     let metrics = Arc::new(Metrics::default());
     let admission = Admission::new(opts.queue);
-    let engine = worker::spawn(
+    let (engine, loaded) = worker::spawn(
         open,
         tokenizer.clone(),
         admission.clone(),
@@ -82,6 +101,8 @@ pub fn serve(
             step_delay: opts.instruments.step_delay,
             #[cfg(feature = "test-instruments")]
             inject_faults: opts.instruments.inject_faults,
+            #[cfg(feature = "test-instruments")]
+            load_delay: opts.instruments.load_delay,
         },
     )?;
     let state = Arc::new(AppState {
@@ -97,27 +118,13 @@ pub fn serve(
         script,
         keep_alive: opts.keep_alive,
         tokenizer_gate: Default::default(),
+        readiness: Default::default(),
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        // Tokio's default of 512 blocking threads would let a burst of large requests each
-        // parse and tokenise its body at once. What runs there is bounded anyway (request
-        // preparation by admission, tokenizer jobs by their gate); this bounds the threads too,
-        // and the rest wait in tokio's queue.
-        .max_blocking_threads(BLOCKING_THREADS)
-        .thread_name("deltafin-http")
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    println!("deltafin serve: listening on http://{local} (loading the model; /health answers 503 until it is ready)");
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port))
-            .await
-            .with_context(|| format!("listening on {}:{}", opts.host, opts.port))?;
-        let local = listener.local_addr()?;
-        println!("deltafin serve: listening on http://{local}");
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
-        let app = routes::router(state);
+        let app = routes::router(state.clone());
         // On a signal, stop accepting and let responses in flight finish, but no longer than
         // SHUTDOWN_GRACE: an open stream could otherwise hold the process for a whole
         // generation.
@@ -130,9 +137,25 @@ pub fn serve(
             let _ = on_signal.changed().await;
             tokio::time::sleep(SHUTDOWN_GRACE).await;
         };
+        let ready = async move {
+            match loaded.await {
+                Ok(Ok(())) => {
+                    state.readiness.set_ready();
+                    println!(
+                        "deltafin serve: ready on http://{local} (model loaded in {:.1} s)",
+                        state.readiness.loading_s()
+                    );
+                    let _ = std::io::stdout().flush();
+                    std::future::pending::<Result<()>>().await
+                }
+                Ok(Err(e)) => Err(e.context("loading the model")),
+                Err(_) => Err(anyhow::anyhow!("the engine thread died while loading the model")),
+            }
+        };
         tokio::select! {
             r = axum::serve(listener, app).with_graceful_shutdown(graceful) => r.context("serving")?,
             _ = deadline => eprintln!("deltafin serve: closed the connections still open"),
+            r = ready => r?,
         }
         Ok::<(), anyhow::Error>(())
     })?;

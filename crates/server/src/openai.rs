@@ -11,10 +11,10 @@ use deltafin_text::textgen::{Finish, Summary, TextRequest, TokenLogprob};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::generation::{ChatSettings, Translator, Turn, chat_request, sse};
+use crate::generation::{ChatSettings, Translator, Turn, chat_request, deltafin_info, sse};
 use crate::params::{Obj, field, object, opt_bool, opt_f64, opt_int, opt_seed, opt_str, stop_list, unsupported};
-use crate::state::{Shared, new_id, unix_now};
-use crate::worker::{Admitted, Update};
+use crate::state::{Grant, Shared, new_id, unix_now};
+use crate::worker::{Admitted, RequestNote, Update};
 
 /// Most alternatives per token for `top_logprobs` (OpenAI's limit).
 const MAX_TOP_LOGPROBS: i64 = 20;
@@ -35,10 +35,10 @@ pub fn sampling(o: &Obj, max_temperature: f64) -> Result<SamplingParams, ApiErro
 }
 
 /// `max_completion_tokens` (preferred) or `max_tokens`.
-fn max_tokens(o: &Obj) -> Result<Option<(usize, &'static str)>, ApiError> {
+fn max_tokens(o: &Obj) -> Result<Option<usize>, ApiError> {
     for key in ["max_completion_tokens", "max_tokens"] {
         if let Some(n) = opt_int(o, key, 1, i64::from(u32::MAX))? {
-            return Ok(Some((n as usize, key)));
+            return Ok(Some(n as usize));
         }
     }
     Ok(None)
@@ -271,6 +271,7 @@ impl LogprobStyle {
 /// A validated request, ready to run and to answer.
 pub struct Prepared {
     pub req: TextRequest,
+    pub grant: Grant,
     pub stream: bool,
     pub include_usage: bool,
     logprobs: LogprobStyle,
@@ -298,16 +299,17 @@ pub fn prepare_chat(state: &Shared, body: &Value) -> Result<Prepared, ApiError> 
     let style = if logprobs { LogprobStyle::Chat(top.unwrap_or(0) as usize) } else { LogprobStyle::None };
     let settings = ChatSettings {
         max_tokens: max_tokens(o)?,
-        clamp: false,
         sampling: sampling(o, 2.0)?,
         stop: stop_list(o, "stop")?,
         logprobs: style.top(),
         ignore_eos: opt_bool(o, "ignore_eos")?.unwrap_or(false),
     };
+    let (req, grant) = chat_request(state, &conv, settings)?;
     Ok(Prepared {
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: include_usage(o)?,
-        req: chat_request(state, &conv, settings)?,
+        req,
+        grant,
         logprobs: style,
         chat: true,
     })
@@ -354,10 +356,13 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
     check_n(o)?;
     refuse_unsupported(o)?;
     let top = opt_int(o, "logprobs", 0, MAX_TOP_LOGPROBS)?;
-    let max = match opt_int(o, "max_tokens", 1, i64::from(u32::MAX))? {
-        Some(n) => state.budget(prompt.len(), Some(n as usize), "max_tokens")?,
+    let grant = match opt_int(o, "max_tokens", 1, i64::from(u32::MAX))? {
+        Some(n) => state.budget(prompt.len(), Some(n as usize))?,
         // The default never makes a fitting prompt fail.
-        None => state.budget(prompt.len(), None, "max_tokens")?.min(DEFAULT_COMPLETION_TOKENS),
+        None => {
+            let g = state.budget(prompt.len(), None)?;
+            Grant { tokens: g.tokens.min(DEFAULT_COMPLETION_TOKENS), ..g }
+        }
     };
     let style = match top {
         Some(n) => LogprobStyle::Legacy(n as usize),
@@ -369,7 +374,7 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
         req: TextRequest {
             forced,
             prompt,
-            max_tokens: max,
+            max_tokens: grant.tokens,
             sampling: sampling(o, 2.0)?,
             stop: stop_list(o, "stop")?,
             logprobs: style.top(),
@@ -377,6 +382,7 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
             reasoning_open: false,
             ignore_eos: opt_bool(o, "ignore_eos")?.unwrap_or(false),
         },
+        grant,
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: include_usage(o)?,
         logprobs: style,
@@ -465,7 +471,8 @@ fn fingerprint(state: &Shared) -> String {
 
 /// Answer a prepared request: a JSON body, or an event stream.
 pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
-    let job = state.submit(admitted, p.req.clone())?;
+    let endpoint = if p.chat { "POST /v1/chat/completions" } else { "POST /v1/completions" };
+    let job = state.submit(admitted, p.req.clone(), RequestNote::new(endpoint, p.grant))?;
     let id = new_id(if p.chat { "chatcmpl-" } else { "cmpl-" });
     if p.stream {
         let interval = state.keep_alive;
@@ -504,7 +511,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
             "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
             "usage": usage(&summary),
             "timings": timings(&summary),
-            "deltafin": {"numerics": state.model.numerics},
+            "deltafin": deltafin_info(&state, &p.grant),
         })
     } else {
         let logprobs = match p.logprobs {
@@ -517,7 +524,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
             "choices": [{"index": 0, "text": turn.content(), "logprobs": logprobs, "finish_reason": finish_reason(summary.finish)}],
             "usage": usage(&summary),
             "timings": timings(&summary),
-            "deltafin": {"numerics": state.model.numerics},
+            "deltafin": deltafin_info(&state, &p.grant),
         })
     };
     Ok(axum::Json(body).into_response())

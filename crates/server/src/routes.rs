@@ -31,19 +31,60 @@ pub fn router(state: Shared) -> Router {
         .route("/detokenize", post(detokenize))
         .fallback(fallback)
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(middleware::from_fn_with_state(state.clone(), while_loading))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
 }
 
+/// Endpoints that run a generation: the engine logs their line when it ends
+/// ([`crate::worker::RequestNote`]).
+const GENERATIONS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/messages"];
+
 /// Counts every request by route and status (unknown paths as one label, so hostile clients
-/// cannot grow the table).
+/// cannot grow the table), and logs a line for every request the engine does not log itself:
+/// refusals and errors, and the small endpoints (`/health` and `/metrics` only when they fail,
+/// as monitors poll them).
 async fn count(State(state): State<Shared>, req: Request, next: Next) -> Response {
     let endpoint =
         req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
+    let method = req.method().clone();
+    let t0 = std::time::Instant::now();
     let resp = next.run(req).await;
-    state.metrics.count_request(&endpoint, resp.status().as_u16());
+    let status = resp.status();
+    state.metrics.count_request(&endpoint, status.as_u16());
+    let polled = matches!(endpoint.as_str(), "/health" | "/metrics");
+    let generated = GENERATIONS.contains(&endpoint.as_str()) && status.is_success();
+    // A monitor polling a loading or degraded server gets its 503 quietly: /health says why.
+    let quiet = status.is_success() || (polled && status == StatusCode::SERVICE_UNAVAILABLE);
+    if !quiet {
+        tracing::warn!(target: "deltafin::request", "{method} {endpoint} {}", status.as_u16());
+    } else if !polled && !generated {
+        tracing::info!(target: "deltafin::request", "{method} {endpoint} {} in {:.1} ms", status.as_u16(), t0.elapsed().as_secs_f64() * 1e3);
+    }
     resp
+}
+
+/// Paths that answer while the model loads: health, metrics and the model lists.
+fn answers_while_loading(path: &str) -> bool {
+    matches!(path, "/health" | "/metrics" | "/v1/models" | "/api/tags" | "/api/version")
+        || path.starts_with("/v1/models/")
+}
+
+/// Until the model is open, endpoints that need it answer 503 `loading` with `Retry-After`.
+async fn while_loading(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    if state.readiness.is_ready() || answers_while_loading(req.uri().path()) {
+        return next.run(req).await;
+    }
+    let mut e = ApiError::unavailable(format!(
+        "the model is still loading ({:.0} s so far); retry when /health answers 200",
+        state.readiness.loading_s()
+    ));
+    e.code = Some("model_loading");
+    let anthropic = req.uri().path().starts_with("/v1/messages");
+    let mut r = if anthropic { AnthropicError(e).into_response() } else { e.into_response() };
+    r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("2"));
+    r
 }
 
 /// With `--api-key`, every endpoint but `/health` needs `Authorization: Bearer KEY` or
@@ -186,17 +227,19 @@ async fn count_tokens(State(state): State<Shared>, headers: HeaderMap, body: Bod
     Ok(axum::Json(json!({"input_tokens": n})).into_response())
 }
 
-fn model_object(state: &Shared) -> Value {
+/// The model as `/v1/models` lists it, under one of its names.
+fn model_object(state: &Shared, name: &str) -> Value {
     let m = &state.model;
     json!({
-        "id": m.id, "object": "model", "created": m.created, "owned_by": "deltafin",
+        "id": name, "object": "model", "created": m.created, "owned_by": "deltafin",
         "max_model_len": m.context,
         "deltafin": {"numerics": m.numerics, "approximate": m.approx, "context": m.context},
     })
 }
 
 async fn models(State(state): State<Shared>) -> Response {
-    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+    let data: Vec<Value> = state.model.names().map(|n| model_object(&state, n)).collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn model(
@@ -204,16 +247,21 @@ async fn model(
     id: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Response, ApiError> {
     let Ok(Path(id)) = id else { return Err(ApiError::bad_request("the model id in the path is not valid UTF-8")) };
-    if id == state.model.id {
-        Ok(axum::Json(model_object(&state)).into_response())
+    if state.model.answers_to(&id) {
+        Ok(axum::Json(model_object(&state, &id)).into_response())
     } else {
         Err(ApiError::model_not_found(&id))
     }
 }
 
-/// 200 `{"status": "ok", ...}`, or 503 `{"status": "degraded", "reason", ...}` while the last
-/// three generations failed reading experts (the rule: [`crate::metrics::Metrics::degraded`]).
+/// 200 `{"status": "ok", ...}`; 503 `{"status": "loading", "loading_s"}` while the model
+/// loads; 503 `{"status": "degraded", "reason", ...}` while the last three generations failed
+/// reading experts (the rule: [`crate::metrics::Metrics::degraded`]).
 async fn health(State(state): State<Shared>) -> Response {
+    if !state.readiness.is_ready() {
+        let body = json!({"status": "loading", "loading_s": state.readiness.loading_s(), "model": state.model.id});
+        return (StatusCode::SERVICE_UNAVAILABLE, [(header::RETRY_AFTER, "2")], axum::Json(body)).into_response();
+    }
     let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
     let queue_length = state.admission.waiting();
     match state.metrics.degraded() {

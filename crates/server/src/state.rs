@@ -10,11 +10,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::blocking::off_runtime;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::worker::{Admission, Admitted, EngineHandle, JobHandle};
+use crate::worker::{Admission, Admitted, EngineHandle, JobHandle, RequestNote};
 
 /// The served model, as `/v1/models` describes it.
 pub struct ModelInfo {
     pub id: String,
+    /// Other names the model answers to (`--alias`), listed beside `id`.
+    pub aliases: Vec<String>,
     pub created: u64,
     pub context: usize,
     pub vocab: usize,
@@ -38,6 +40,7 @@ pub struct AppState {
     /// Interval of SSE keep-alive comments.
     pub keep_alive: std::time::Duration,
     pub tokenizer_gate: TokenizerGate,
+    pub readiness: Readiness,
 }
 
 pub type Shared = Arc<AppState>;
@@ -55,6 +58,54 @@ pub const TOKENIZER_QUEUE: usize = 8;
 pub struct TokenizerGate {
     places: Arc<Semaphore>,
     running: Arc<Semaphore>,
+}
+
+impl ModelInfo {
+    /// Every name the model answers to, `id` first.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.id.as_str()).chain(self.aliases.iter().map(String::as_str))
+    }
+
+    pub fn answers_to(&self, name: &str) -> bool {
+        self.names().any(|n| n == name)
+    }
+}
+
+/// Whether the model is open yet: the port is bound before the model loads, and until it is
+/// ready every endpoint that needs the model answers 503 `loading`.
+pub struct Readiness {
+    ready: std::sync::atomic::AtomicBool,
+    since: std::time::Instant,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Readiness { ready: Default::default(), since: std::time::Instant::now() }
+    }
+}
+
+impl Readiness {
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn set_ready(&self) {
+        self.ready.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Seconds since the server started loading the model.
+    pub fn loading_s(&self) -> f64 {
+        self.since.elapsed().as_secs_f64()
+    }
+}
+
+/// A `max_tokens` the request asked for and what it got: the rest of the context, when the
+/// request asked for more than fits (agents send large fixed values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub tokens: usize,
+    /// The request's value, when it was clamped to `tokens`.
+    pub clamped_from: Option<usize>,
 }
 
 impl Default for TokenizerGate {
@@ -114,9 +165,9 @@ impl AppState {
     }
 
     /// Hand an admitted generation to the engine; dropping the handle cancels it.
-    pub fn submit(&self, admitted: Admitted, req: TextRequest) -> Result<JobHandle, ApiError> {
+    pub fn submit(&self, admitted: Admitted, req: TextRequest, note: RequestNote) -> Result<JobHandle, ApiError> {
         self.engine
-            .submit(admitted, req)
+            .submit(admitted, req, note)
             .ok_or_else(|| ApiError::unavailable("the engine thread has stopped; restart the server"))
     }
 
@@ -132,18 +183,19 @@ impl AppState {
         None
     }
 
-    /// The model id a request names must be ours.
+    /// The model a request names must be ours (its id or an alias).
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             None => Err(ApiError::missing("model")),
-            Some(m) if m == self.model.id => Ok(()),
+            Some(m) if self.model.answers_to(m) => Ok(()),
             Some(m) => Err(ApiError::model_not_found(m)),
         }
     }
 
-    /// A prompt that fits, and the generation length it leaves: `max_tokens` when given (an
-    /// error if it does not fit), else the rest of the context.
-    pub fn budget(&self, prompt_len: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
+    /// A prompt that fits, and the generation length it leaves: `max_tokens` when given,
+    /// clamped to the rest of the context when it asks for more (and the clamp reported), else
+    /// the rest of the context.
+    pub fn budget(&self, prompt_len: usize, max_tokens: Option<usize>) -> Result<Grant, ApiError> {
         let ctx = self.model.context;
         if prompt_len == 0 {
             return Err(ApiError::bad_request("the prompt is empty"));
@@ -153,17 +205,12 @@ impl AppState {
                 "the prompt is {prompt_len} tokens; this server's context is {ctx} tokens (start it with a larger --context)"
             )));
         }
-        match max_tokens {
-            Some(m) if prompt_len + m > ctx => Err({
-                let mut e = ApiError::context_exceeded(format!(
-                    "the prompt ({prompt_len} tokens) plus {param} ({m}) exceeds the context of {ctx} tokens"
-                ));
-                e.param = Some(param.to_string());
-                e
-            }),
-            Some(m) => Ok(m),
-            None => Ok(ctx - prompt_len),
-        }
+        let room = ctx - prompt_len;
+        Ok(match max_tokens {
+            Some(m) if m > room => Grant { tokens: room, clamped_from: Some(m) },
+            Some(m) => Grant { tokens: m, clamped_from: None },
+            None => Grant { tokens: room, clamped_from: None },
+        })
     }
 }
 

@@ -104,8 +104,56 @@ impl Drop for Admitted {
     }
 }
 
+/// What the request log says of a job besides its summary.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestNote {
+    /// Method and path, e.g. `POST /v1/chat/completions`.
+    pub endpoint: &'static str,
+    pub grant: crate::state::Grant,
+}
+
+impl RequestNote {
+    pub fn new(endpoint: &'static str, grant: crate::state::Grant) -> Self {
+        RequestNote { endpoint, grant }
+    }
+}
+
+/// The request log's line for a finished generation: what a person running the server wants
+/// to see per request (`DELTAFIN_LOG=deltafin::request=off` silences it).
+fn log_request(note: &RequestNote, result: Result<&Summary, &ApiError>) {
+    let clamp = match note.grant.clamped_from {
+        Some(asked) => format!("; max_tokens {asked} clamped to {}", note.grant.tokens),
+        None => String::new(),
+    };
+    match result {
+        Ok(s) => {
+            let after_first = s.completion_tokens.saturating_sub(1);
+            let rate = if s.decode_s > 0.0 && after_first > 0 { after_first as f64 / s.decode_s } else { 0.0 };
+            tracing::info!(
+                target: "deltafin::request",
+                "{} 200: prompt {} tokens ({} cached), {} generated, first token {:.2} s, {:.2} tokens/s, {:?}{clamp}",
+                note.endpoint,
+                s.prompt_tokens,
+                s.cached_prompt_tokens,
+                s.completion_tokens,
+                s.ttft_s,
+                rate,
+                s.finish,
+            )
+        }
+        Err(e) => tracing::warn!(
+            target: "deltafin::request",
+            "{} {}: {}{clamp}",
+            note.endpoint,
+            e.status.as_u16(),
+            e.message
+        ),
+    }
+}
+
 pub struct Job {
     pub req: TextRequest,
+    pub note: RequestNote,
     pub updates: mpsc::UnboundedSender<Update>,
     pub ticket: Arc<Ticket>,
 }
@@ -129,10 +177,10 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queue a job; `None` if the engine thread is gone.
-    pub fn submit(&self, admitted: Admitted, req: TextRequest) -> Option<JobHandle> {
+    pub fn submit(&self, admitted: Admitted, req: TextRequest, note: RequestNote) -> Option<JobHandle> {
         let (tx, rx) = mpsc::unbounded_channel();
         let ticket = admitted.0.clone();
-        self.jobs.send(Job { req, updates: tx, ticket }).ok()?;
+        self.jobs.send(Job { req, note, updates: tx, ticket }).ok()?;
         Some(JobHandle { updates: rx, _admitted: admitted })
     }
 }
@@ -157,6 +205,9 @@ pub struct EngineOptions {
     /// Test instrument: fail requests whose prompt holds a fault trigger.
     #[cfg(feature = "test-instruments")]
     pub inject_faults: bool,
+    /// Test instrument: sleep before loading the model.
+    #[cfg(feature = "test-instruments")]
+    pub load_delay: Duration,
 }
 
 impl EngineOptions {
@@ -171,17 +222,21 @@ impl EngineOptions {
     }
 }
 
-/// Start the engine thread. `open` loads the model on that thread; its error is returned here.
+/// Start the engine thread. `open` loads the model on that thread; the returned receiver says
+/// when it is open (or why it could not be), so that the caller can listen meanwhile. Jobs
+/// submitted before then wait for it.
 pub fn spawn(
     open: impl FnOnce() -> anyhow::Result<Session> + Send + 'static,
     tokenizer: Arc<Tokenizer>,
     admission: Arc<Admission>,
     metrics: Arc<Metrics>,
     opts: EngineOptions,
-) -> anyhow::Result<EngineHandle> {
+) -> anyhow::Result<(EngineHandle, tokio::sync::oneshot::Receiver<anyhow::Result<()>>)> {
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
     std::thread::Builder::new().name("deltafin-engine".into()).spawn(move || {
+        #[cfg(feature = "test-instruments")]
+        std::thread::sleep(opts.load_delay);
         let opened = open().and_then(|session| {
             let cache = match (&opts.state, opts.prefix_cache) {
                 (Some(s), true) => Some(PrefixCache::with_disk(&session.model, open_state_store(s, &session)?)),
@@ -191,22 +246,19 @@ pub fn spawn(
             Ok((session, cache))
         });
         let (mut session, mut cache) = match opened {
-            Ok(x) => {
-                let _ = ready_tx.send(Ok(()));
-                x
-            }
+            Ok(x) => x,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
                 return;
             }
         };
         metrics.set_expert_stats(&session);
+        let _ = ready_tx.send(Ok(()));
         while let Ok(job) = jobs_rx.recv() {
             run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, job);
         }
     })?;
-    ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;
-    Ok(EngineHandle { jobs: jobs_tx })
+    Ok((EngineHandle { jobs: jobs_tx }, ready_rx))
 }
 
 fn run_job(
@@ -218,7 +270,7 @@ fn run_job(
     opts: &EngineOptions,
     job: Job,
 ) {
-    let Job { req, updates, ticket } = job;
+    let Job { req, note, updates, ticket } = job;
     if !ticket.transition(QUEUED, RUNNING) {
         // The client left while waiting; its place is already free.
         metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -275,6 +327,11 @@ fn run_job(
     admission.running.store(false, Ordering::Release);
     if ticket.transition(RUNNING, FINISHED) {
         ticket.release();
+    }
+    match &last {
+        Update::Done(s) => log_request(&note, Ok(s)),
+        Update::Failed(e) => log_request(&note, Err(e)),
+        _ => {}
     }
     let _ = updates.send(last);
     // The clean-up may wait for reads in flight on a failing drive: the client has its answer

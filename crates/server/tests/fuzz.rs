@@ -61,7 +61,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
     };
     let metrics = Arc::new(Metrics::default());
     let admission = Admission::new(4);
-    let engine = worker::spawn(
+    let (engine, loaded) = worker::spawn(
         move || Session::open(&store, &run),
         tokenizer.clone(),
         admission.clone(),
@@ -73,12 +73,16 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
             step_delay: Duration::ZERO,
             #[cfg(feature = "test-instruments")]
             inject_faults: false,
+            #[cfg(feature = "test-instruments")]
+            load_delay: Duration::ZERO,
         },
     )
     .unwrap();
+    loaded.blocking_recv().expect("the engine thread answered").expect("the model opened");
     let state = Arc::new(AppState {
         model: ModelInfo {
             id: MODEL.into(),
+            aliases: Vec::new(),
             created: 0,
             context: CONTEXT,
             vocab,
@@ -96,7 +100,9 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
         script: Vec::new(),
         keep_alive: Duration::from_secs(15),
         tokenizer_gate: Default::default(),
+        readiness: Default::default(),
     });
+    state.readiness.set_ready();
     Served { state, _store: dir }
 });
 

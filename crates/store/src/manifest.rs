@@ -321,6 +321,9 @@ pub struct TokenizerInfo {
 impl Manifest {
     pub fn load(store: &Path) -> Result<Self, StoreError> {
         let path = store.join(MANIFEST_FILE);
+        if !path.exists() {
+            return Err(StoreError::Store { path: store.to_path_buf(), msg: not_a_store(store) });
+        }
         let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
         let m: Manifest = serde_json::from_str(&text)
             .map_err(|e| StoreError::Store { path: path.clone(), msg: format!("manifest is not valid: {e}") })?;
@@ -460,6 +463,29 @@ pub(crate) fn record_parts(parts: &[(&'static str, [usize; 2])]) -> (Vec<ExpertP
     (meta, off)
 }
 
+/// What to do with a directory that has no manifest: a Hugging Face checkpoint is converted
+/// first; anything else is not a store.
+fn not_a_store(dir: &Path) -> String {
+    let checkpoint = dir.join("config.json").is_file()
+        && std::fs::read_dir(dir)
+            .map(|es| es.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".safetensors")))
+            .unwrap_or(false);
+    if checkpoint {
+        let d = dir.display();
+        format!(
+            "this is a Hugging Face checkpoint, not a Deltafin store; convert it first: \
+             `deltafin convert --from {d} --to {d}-deltafin`, then pass --model {d}-deltafin"
+        )
+    } else if !dir.is_dir() {
+        "no such directory: pass --model a Deltafin store (made by `deltafin convert` or `deltafin install`)".into()
+    } else {
+        format!(
+            "no {MANIFEST_FILE}: not a Deltafin store (make one with `deltafin convert --from CHECKPOINT --to DIR` \
+             or `deltafin install`)"
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,5 +530,17 @@ mod tests {
         assert!(!int8.matches(&spine(SpineDtype::Bf16, chose), mib));
         assert_eq!(spine(SpineDtype::Int8, chose).precision(), SpinePrecision::Auto { budget: 1 << 30 });
         assert_eq!(spine(SpineDtype::Int8, None).precision(), SpinePrecision::Fixed(SpineDtype::Int8));
+    }
+
+    #[test]
+    fn a_checkpoint_given_as_a_store_says_to_convert_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("model-00001-of-00002.safetensors"), b"").unwrap();
+        let e = Manifest::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("Hugging Face checkpoint") && e.contains("deltafin convert --from"), "{e}");
+        let empty = tempfile::tempdir().unwrap();
+        let e = Manifest::load(empty.path()).unwrap_err().to_string();
+        assert!(e.contains("not a Deltafin store") && !e.contains("os error"), "{e}");
     }
 }
