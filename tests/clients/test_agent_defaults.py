@@ -229,3 +229,13 @@ def test_a_checkpoint_given_as_a_store_says_how_to_convert_it(deltafin_bin):
     assert "Hugging Face checkpoint" in proc.stderr and "deltafin convert --from" in proc.stderr, proc.stderr
     assert "os error" not in proc.stderr, proc.stderr
 
+
+
+def test_argument_mistakes_are_reported_before_loading(deltafin_bin, tmp_path):
+    """`generate` without a prompt says so before it opens (or fails to open) the store."""
+    proc = subprocess.run(
+        [str(deltafin_bin), "generate", "-m", str(tmp_path / "no-such-store")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "pass exactly one of --prompt or --prompt-tokens" in proc.stderr, proc.stderr

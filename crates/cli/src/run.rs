@@ -240,6 +240,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     {
         bail!("--routing-locality must be between 0 and 1");
     }
+    // Argument mistakes are reported before minutes of loading, not after.
+    if a.prompt.is_some() == a.prompt_tokens.is_some() {
+        bail!("pass exactly one of --prompt or --prompt-tokens");
+    }
     // A trace records each layer's prediction of the next layer's picks.
     // With --state-dir the state store holds one snapshot's bytes besides the live state.
     let opts = RunOptions {

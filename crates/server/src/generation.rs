@@ -70,12 +70,14 @@ pub struct Turn {
     calls: Vec<usize>,
     call_prefix: &'static str,
     pub logprobs: Vec<TokenLogprob>,
+    /// Tokens that produced reasoning text.
+    pub reasoning_tokens: usize,
 }
 
 impl Turn {
     /// `call_prefix`: how tool-call ids start (`call_` for OpenAI, `toolu_` for Anthropic).
     pub fn new(call_prefix: &'static str) -> Self {
-        Turn { pieces: Vec::new(), calls: Vec::new(), call_prefix, logprobs: Vec::new() }
+        Turn { pieces: Vec::new(), calls: Vec::new(), call_prefix, logprobs: Vec::new(), reasoning_tokens: 0 }
     }
 
     fn apply(&mut self, ev: OutputEvent) {
@@ -123,6 +125,9 @@ impl Turn {
             match u {
                 Update::Started => {}
                 Update::Token { events, logprob } => {
+                    if events.iter().any(|e| matches!(e, OutputEvent::Reasoning(_))) {
+                        self.reasoning_tokens += 1;
+                    }
                     events.into_iter().for_each(|e| self.apply(e));
                     self.logprobs.extend(logprob);
                 }

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod prompt;
+pub mod responses;
 pub mod routes;
 pub mod sse;
 pub mod state;
@@ -119,6 +120,7 @@ pub fn serve(
         keep_alive: opts.keep_alive,
         tokenizer_gate: Default::default(),
         readiness: Default::default(),
+        responses: Default::default(),
     });
     println!("deltafin serve: listening on http://{local} (loading the model; /health answers 503 until it is ready)");
     use std::io::Write as _;

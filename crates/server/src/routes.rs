@@ -15,13 +15,15 @@ use crate::blocking::off_runtime;
 use crate::error::{AnthropicError, ApiError};
 use crate::params::{field, object, opt_str};
 use crate::state::Shared;
-use crate::{anthropic, openai};
+use crate::{anthropic, openai, responses};
 
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses_create))
+        .route("/v1/responses/{id}", get(responses_get).delete(responses_delete))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
@@ -39,7 +41,7 @@ pub fn router(state: Shared) -> Router {
 
 /// Endpoints that run a generation: the engine logs their line when it ends
 /// ([`crate::worker::RequestNote`]).
-const GENERATIONS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/messages"];
+const GENERATIONS: [&str; 4] = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"];
 
 /// Counts every request by route and status (unknown paths as one label, so hostile clients
 /// cannot grow the table), and logs a line for every request the engine does not log itself:
@@ -202,6 +204,25 @@ async fn messages(State(state): State<Shared>, headers: HeaderMap, body: Body) -
     let s = state.clone();
     let p = off_runtime(move || anthropic::prepare(&s, &v)).await?;
     Ok(anthropic::respond(state, admitted, p).await?)
+}
+
+async fn responses_create(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await),
+    };
+    let v = json_body(&state, &headers, body).await?;
+    let s = state.clone();
+    let p = off_runtime(move || responses::prepare(&s, &v)).await?;
+    responses::respond(state, admitted, p).await
+}
+
+async fn responses_get(State(state): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    responses::get(&state, &id)
+}
+
+async fn responses_delete(State(state): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    responses::delete(&state, &id)
 }
 
 /// Tokenizer endpoints skip the engine's admission, so they pass a gate of their own

@@ -41,6 +41,8 @@ pub struct AppState {
     pub keep_alive: std::time::Duration,
     pub tokenizer_gate: TokenizerGate,
     pub readiness: Readiness,
+    /// Responses kept for `previous_response_id` (`/v1/responses`).
+    pub responses: crate::responses::store::ResponseStore,
 }
 
 pub type Shared = Arc<AppState>;
