@@ -11,6 +11,7 @@ pub mod generation;
 #[cfg(feature = "test-instruments")]
 pub mod instruments;
 pub mod metrics;
+pub mod ollama;
 pub mod openai;
 pub mod params;
 pub mod prompt;

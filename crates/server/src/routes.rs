@@ -13,9 +13,10 @@ use serde_json::{Value, json};
 
 use crate::blocking::off_runtime;
 use crate::error::{AnthropicError, ApiError};
+use crate::ollama::OllamaError;
 use crate::params::{field, object, opt_str};
 use crate::state::Shared;
-use crate::{anthropic, openai, responses};
+use crate::{anthropic, ollama, openai, responses};
 
 pub fn router(state: Shared) -> Router {
     Router::new()
@@ -23,6 +24,12 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses_create))
+        .route("/api/chat", post(ollama_chat))
+        .route("/api/generate", post(ollama_generate))
+        .route("/api/tags", get(|State(s): State<Shared>| async move { ollama::tags(&s) }))
+        .route("/api/ps", get(|State(s): State<Shared>| async move { ollama::ps(&s) }))
+        .route("/api/show", post(ollama_show))
+        .route("/api/version", get(|| async { ollama::version() }))
         .route("/v1/responses/{id}", get(responses_get).delete(responses_delete))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
@@ -41,7 +48,8 @@ pub fn router(state: Shared) -> Router {
 
 /// Endpoints that run a generation: the engine logs their line when it ends
 /// ([`crate::worker::RequestNote`]).
-const GENERATIONS: [&str; 4] = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"];
+const GENERATIONS: [&str; 6] =
+    ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/api/chat", "/api/generate"];
 
 /// Counts every request by route and status (unknown paths as one label, so hostile clients
 /// cannot grow the table), and logs a line for every request the engine does not log itself:
@@ -83,8 +91,14 @@ async fn while_loading(State(state): State<Shared>, req: Request, next: Next) ->
         state.readiness.loading_s()
     ));
     e.code = Some("model_loading");
-    let anthropic = req.uri().path().starts_with("/v1/messages");
-    let mut r = if anthropic { AnthropicError(e).into_response() } else { e.into_response() };
+    let path = req.uri().path();
+    let mut r = if path.starts_with("/v1/messages") {
+        AnthropicError(e).into_response()
+    } else if path.starts_with("/api/") {
+        OllamaError(e).into_response()
+    } else {
+        e.into_response()
+    };
     r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("2"));
     r
 }
@@ -109,6 +123,8 @@ async fn authenticate(State(state): State<Shared>, req: Request, next: Next) -> 
     }
     if req.uri().path().starts_with("/v1/messages") {
         AnthropicError(ApiError::unauthorized()).into_response()
+    } else if req.uri().path().starts_with("/api/") {
+        OllamaError(ApiError::unauthorized()).into_response()
     } else {
         ApiError::unauthorized().into_response()
     }
@@ -215,6 +231,33 @@ async fn responses_create(State(state): State<Shared>, headers: HeaderMap, body:
     let s = state.clone();
     let p = off_runtime(move || responses::prepare(&s, &v)).await?;
     responses::respond(state, admitted, p).await
+}
+
+async fn ollama_chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, OllamaError> {
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
+    };
+    let v = json_body(&state, &headers, body).await?;
+    let s = state.clone();
+    let p = off_runtime(move || ollama::prepare_chat(&s, &v)).await?;
+    Ok(ollama::respond(state, admitted, p).await?)
+}
+
+async fn ollama_generate(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, OllamaError> {
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
+    };
+    let v = json_body(&state, &headers, body).await?;
+    let s = state.clone();
+    let p = off_runtime(move || ollama::prepare_generate(&s, &v)).await?;
+    Ok(ollama::respond(state, admitted, p).await?)
+}
+
+async fn ollama_show(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, OllamaError> {
+    let v = json_body(&state, &headers, body).await?;
+    Ok(ollama::show(&state, &v)?)
 }
 
 async fn responses_get(State(state): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
