@@ -41,6 +41,8 @@ DELTAFIN_REQUIRE_IO_URING=$uring cargo test --locked --workspace --features delt
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
 # using the binary cargo test just built (with the test instruments).
 . scripts/ensure-client-venv.sh
+# OpenAI's Codex CLI (npm), for one real agent's tool-call round trip over /v1/responses.
+. scripts/ensure-agent-clis.sh
 DELTAFIN_BIN=${CARGO_TARGET_DIR:-target}/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
 # One closing line over all test binaries (cargo prints one per binary, the last often a doc-test
 # run with nothing in it) and the pytest run ("N passed, N skipped in Xs").

@@ -183,7 +183,7 @@ def test_errors_name_the_field(scripted_server):
     cases = [
         ({"model": SERVED_MODEL}, "input"),
         ({"model": SERVED_MODEL, "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-        ({"model": SERVED_MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"model": SERVED_MODEL, "input": "hi", "tools": [{"type": "holodeck"}]}, "tools[0]"),
         ({"model": SERVED_MODEL, "input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"model": SERVED_MODEL, "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ]

@@ -69,7 +69,8 @@ pub struct InstrumentArgs {
     #[arg(long, default_value_t = 0, hide = true)]
     pub token_delay_ms: u64,
     /// Test instrument: scripted replies (JSON `{"replies": [{"when", "text"}]}`) replace the
-    /// sampled tokens when the last user text contains `when`.
+    /// sampled tokens when the tool results ending the conversation, or else the last user text,
+    /// contain `when`.
     #[arg(long, hide = true)]
     pub script: Option<std::path::PathBuf>,
     /// Test instrument: prompts containing `inject-read-fault` / `inject-engine-error` fail in

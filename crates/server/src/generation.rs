@@ -32,7 +32,13 @@ pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Res
     let prompt = crate::prompt::encode_chat(state, conv)?;
     let grant = state.budget(prompt.len(), s.max_tokens)?;
     let req = TextRequest {
-        forced: state.forced(|| conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text())),
+        forced: state.forced(|| {
+            // A conversation that ends with tool results is matched on them first (an agent's
+            // next step), then on the last user text.
+            let tools = conv.messages.iter().rev().take_while(|m| m.role == Role::Tool).map(|m| m.text());
+            let user = conv.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text());
+            tools.chain(user).collect()
+        }),
         prompt,
         max_tokens: grant.tokens,
         sampling: s.sampling,

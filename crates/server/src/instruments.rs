@@ -2,8 +2,8 @@
 //! test suite's builds; release builds have neither the flags nor these code paths).
 //!
 //! - Scripted replies (`--script FILE`): the tiny fixtures' random weights cannot produce
-//!   reasoning or tool calls, so when the last user text contains a trigger the sampled tokens are
-//!   replaced by a reply's tokens, while the model still runs every step and everything after the
+//!   reasoning or tool calls, so when the tool results that end the conversation, or else the
+//!   last user text, contain a trigger the sampled tokens are replaced by a reply's tokens, while the model still runs every step and everything after the
 //!   sampler (parsing, streaming, both wire formats) is the production path.
 //! - A step delay (`--token-delay-ms N`): the engine sleeps after every model step, holding it
 //!   busy long enough for the concurrency tests to observe queueing deterministically.

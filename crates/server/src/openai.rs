@@ -369,7 +369,7 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
         None => LogprobStyle::None,
     };
     // A prompt sent as token ids is matched against scripts as its decoded text.
-    let forced = state.forced(|| Some(text.map_or_else(|| state.tokenizer.decode(&prompt), str::to_owned)));
+    let forced = state.forced(|| vec![text.map_or_else(|| state.tokenizer.decode(&prompt), str::to_owned)]);
     Ok(Prepared {
         req: TextRequest {
             forced,

@@ -173,15 +173,15 @@ impl AppState {
             .ok_or_else(|| ApiError::unavailable("the engine thread has stopped; restart the server"))
     }
 
-    /// Tokens that replace sampling for a request whose user text `text` yields: a scripted
-    /// reply's (test instrument). Always `None` without the `test-instruments` feature, where
-    /// `text` is never called.
+    /// Tokens that replace sampling for a request: the first scripted reply whose trigger one of
+    /// `texts` holds, the texts tried in order (test instrument). Always `None` without the
+    /// `test-instruments` feature, where `texts` is never called.
     #[cfg(feature = "test-instruments")]
-    pub fn forced(&self, text: impl FnOnce() -> Option<String>) -> Option<Vec<u32>> {
-        crate::instruments::scripted(&self.script, &text()?)
+    pub fn forced(&self, texts: impl FnOnce() -> Vec<String>) -> Option<Vec<u32>> {
+        texts().iter().find_map(|t| crate::instruments::scripted(&self.script, t))
     }
     #[cfg(not(feature = "test-instruments"))]
-    pub fn forced(&self, _text: impl FnOnce() -> Option<String>) -> Option<Vec<u32>> {
+    pub fn forced(&self, _texts: impl FnOnce() -> Vec<String>) -> Option<Vec<u32>> {
         None
     }
 

@@ -52,6 +52,10 @@ struct Echo {
     metadata: Value,
     user: Value,
     store: bool,
+    /// Each namespaced function's namespace (its calls name it).
+    namespaces: Vec<(String, String)>,
+    /// Tool types left out of the prompt (hosted tools this server cannot run).
+    unavailable: Vec<String>,
 }
 
 pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
@@ -83,6 +87,7 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
         carried = prev.history;
     }
     parse::input(o.get("input"), &mut carried)?;
+    let tools = parse::tools(o.get("tools"))?;
     let mut messages = Vec::with_capacity(carried.len() + 1);
     if let Some(instructions) = opt_str(o, "instructions")? {
         messages.push(Message::new(Role::System, instructions));
@@ -90,7 +95,7 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
     messages.extend(carried.iter().cloned());
     let conv = Conversation {
         messages,
-        tools: parse::tools(o.get("tools"))?,
+        tools: tools.functions,
         tool_choice: parse::tool_choice(o.get("tool_choice"))?,
         reasoning_effort: parse::effort(o.get("reasoning"))?,
         response_format: parse::format(o.get("text"))?,
@@ -120,14 +125,16 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
         metadata: field(o, "metadata").cloned().unwrap_or(json!({})),
         user: get("user"),
         store,
+        namespaces: tools.namespaces,
+        unavailable: tools.unavailable,
     };
     Ok(Prepared { req, grant, stream: opt_bool(o, "stream")?.unwrap_or(false), store, history: carried, echo })
 }
 
 /// One output item for a piece of the turn. `id` is the item's id; a call keeps its own
 /// `call_id` (the id the client answers with `function_call_output`).
-fn item(piece: &Piece, id: &str, status: &str) -> Value {
-    match piece {
+fn item(piece: &Piece, id: &str, status: &str, echo: &Echo) -> Value {
+    let mut v = match piece {
         Piece::Reasoning(s) => json!({
             "type": "reasoning", "id": id, "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": s}],
@@ -139,7 +146,13 @@ fn item(piece: &Piece, id: &str, status: &str) -> Value {
         Piece::Call { id: call_id, name, arguments } => json!({
             "type": "function_call", "id": id, "status": status, "call_id": call_id, "name": name, "arguments": arguments,
         }),
+    };
+    if let Piece::Call { name, .. } = piece
+        && let Some((_, ns)) = echo.namespaces.iter().find(|(n, _)| n == name)
+    {
+        v["namespace"] = json!(ns);
     }
+    v
 }
 
 /// The item id prefix for a piece.
@@ -181,6 +194,10 @@ fn response_object(
     error: Option<&ApiError>,
 ) -> Value {
     let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+    let mut info = deltafin_info(state, grant);
+    if !echo.unavailable.is_empty() {
+        info["tools_not_available"] = json!(echo.unavailable);
+    }
     json!({
         "id": id, "object": "response", "created_at": created, "status": status,
         "model": if echo.model.is_empty() { state.model.id.clone() } else { echo.model.clone() },
@@ -194,7 +211,7 @@ fn response_object(
         "parallel_tool_calls": echo.parallel_tool_calls, "reasoning": echo.reasoning, "text": echo.text,
         "metadata": echo.metadata, "user": echo.user, "store": echo.store, "truncation": "disabled",
         "background": false,
-        "deltafin": deltafin_info(state, grant),
+        "deltafin": info,
     })
 }
 
@@ -231,7 +248,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
     }
     let mut turn = Turn::new("call_");
     let summary = turn.collect(job).await?;
-    let output = turn.pieces.iter().map(|pc| item(pc, &new_id(item_prefix(pc)), "completed")).collect();
+    let output = turn.pieces.iter().map(|pc| item(pc, &new_id(item_prefix(pc)), "completed", &p.echo)).collect();
     let body = response_object(
         &state,
         &id,

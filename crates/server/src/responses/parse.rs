@@ -149,35 +149,80 @@ fn str_field(o: &Obj, key: &str, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// Flat Responses function tools (`{"type": "function", "name", "parameters", ...}`) in the
-/// chat form the template renders (`{"type": "function", "function": {...}}`).
-pub fn tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
+/// The request's tools as the model sees them.
+#[derive(Debug, Default)]
+pub struct Tools {
+    /// Function tools in the chat form the template renders (`{"type": "function", "function": {...}}`).
+    pub functions: Vec<Value>,
+    /// The namespace of each function that came in one (`{"type": "namespace", "tools": [...]}`):
+    /// its calls name it, as OpenAI's do.
+    pub namespaces: Vec<(String, String)>,
+    /// Tool types this server cannot run (hosted tools such as `web_search`, freeform `custom`
+    /// tools): left out of the prompt, and listed in the response (`deltafin.tools_not_available`).
+    pub unavailable: Vec<String>,
+}
+
+/// Hosted or freeform tool types: the model is not told of them (it could not use them here).
+const UNAVAILABLE: &[&str] = &[
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "computer_use_preview",
+    "computer",
+    "mcp",
+    "local_shell",
+    "custom",
+];
+
+/// A flat function tool (`{"type": "function", "name", "parameters", ...}`) in chat form.
+fn function(t: &Value, param: &str) -> Result<Value, ApiError> {
+    let Some(name) = t.get("name").and_then(Value::as_str) else {
+        return Err(ApiError::invalid(param, "a function tool needs a string 'name'"));
+    };
+    let mut f = json!({"name": name, "parameters": t.get("parameters").cloned().unwrap_or(json!({}))});
+    if let Some(d) = t.get("description").filter(|d| d.is_string()) {
+        f["description"] = d.clone();
+    }
+    Ok(json!({"type": "function", "function": f}))
+}
+
+pub fn tools(v: Option<&Value>) -> Result<Tools, ApiError> {
     let list = match v {
-        None | Some(Value::Null) => return Ok(Vec::new()),
+        None | Some(Value::Null) => return Ok(Tools::default()),
         Some(Value::Array(a)) => a,
         Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
     };
-    let mut out = Vec::with_capacity(list.len());
+    let mut out = Tools::default();
     for (i, t) in list.iter().enumerate() {
         let param = format!("tools[{i}]");
         match t.get("type").and_then(Value::as_str) {
-            Some("function") => {}
+            Some("function") => out.functions.push(function(t, &param)?),
+            Some("namespace") => {
+                let Some(ns) = t.get("name").and_then(Value::as_str) else {
+                    return Err(ApiError::invalid(&param, "a namespace needs a string 'name'"));
+                };
+                let Some(inner) = t.get("tools").and_then(Value::as_array) else {
+                    return Err(ApiError::invalid(&param, "a namespace needs a 'tools' array"));
+                };
+                for (k, f) in inner.iter().enumerate() {
+                    let p = format!("{param}.tools[{k}]");
+                    if f.get("type").and_then(Value::as_str) != Some("function") {
+                        return Err(ApiError::invalid(&p, "a namespace holds function tools only"));
+                    }
+                    let chat = function(f, &p)?;
+                    out.namespaces
+                        .push((chat["function"]["name"].as_str().unwrap_or_default().to_string(), ns.to_string()));
+                    out.functions.push(chat);
+                }
+            }
+            Some(kind) if UNAVAILABLE.contains(&kind) => out.unavailable.push(kind.to_string()),
             Some(other) => {
-                return Err(ApiError::invalid(
-                    &param,
-                    format!("tools of type '{other}' are not supported: this server runs function tools only"),
-                ));
+                return Err(ApiError::invalid(&param, format!("tools of type '{other}' are not known to this server")));
             }
             None => return Err(ApiError::invalid(&param, "each tool needs a 'type'")),
         }
-        let Some(name) = t.get("name").and_then(Value::as_str) else {
-            return Err(ApiError::invalid(&param, "a function tool needs a string 'name'"));
-        };
-        let mut f = json!({"name": name, "parameters": t.get("parameters").cloned().unwrap_or(json!({}))});
-        if let Some(d) = t.get("description").filter(|d| d.is_string()) {
-            f["description"] = d.clone();
-        }
-        out.push(json!({"type": "function", "function": f}));
     }
     Ok(out)
 }
@@ -260,9 +305,17 @@ mod tests {
         let mut out = Vec::new();
         let e = input(Some(&json!([{"type": "item_reference", "id": "x"}])), &mut out).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("input[0].type"));
-        let e = tools(Some(&json!([{"type": "web_search"}]))).unwrap_err();
+        let e = tools(Some(&json!([{"type": "holodeck"}]))).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tools[0]"));
-        let t = tools(Some(&json!([{"type": "function", "name": "f", "description": "d"}]))).unwrap();
-        assert_eq!(t[0]["function"]["name"], "f");
+        let t = tools(Some(&json!([
+            {"type": "function", "name": "f", "description": "d"},
+            {"type": "web_search", "external_web_access": true},
+            {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "g"}]},
+        ])))
+        .unwrap();
+        assert_eq!(t.functions[0]["function"]["name"], "f");
+        assert_eq!(t.functions[1]["function"]["name"], "g");
+        assert_eq!(t.namespaces, vec![("g".to_string(), "ns".to_string())]);
+        assert_eq!(t.unavailable, vec!["web_search".to_string()]);
     }
 }

@@ -92,7 +92,7 @@ impl Events {
     fn open(&mut self, out: &mut VecDeque<Event>, piece: Piece, call: Option<usize>) {
         let id = new_id(item_prefix(&piece));
         let index = self.output.len();
-        let mut added = item(&piece, &id, "in_progress");
+        let mut added = item(&piece, &id, "in_progress", &self.p.echo);
         // Items open empty: their text arrives as deltas.
         match &piece {
             Piece::Reasoning(_) | Piece::Content(_) => added["content"] = json!([]),
@@ -153,7 +153,7 @@ impl Events {
                 );
             }
         }
-        let done = item(&o.piece, &id, "completed");
+        let done = item(&o.piece, &id, "completed", &self.p.echo);
         self.emit(out, "response.output_item.done", json!({"output_index": index, "item": done}));
         self.output.push(done);
         self.pieces.push(o.piece);
