@@ -239,3 +239,13 @@ def test_argument_mistakes_are_reported_before_loading(deltafin_bin, tmp_path):
     )
     assert proc.returncode != 0
     assert "pass exactly one of --prompt or --prompt-tokens" in proc.stderr, proc.stderr
+
+
+def test_a_context_beyond_the_model_is_refused_before_listening(deltafin_bin, store):
+    proc = subprocess.run(
+        [str(deltafin_bin), "serve", "-m", str(store), "--port", "0", "-c", "999999", "--load-delay-ms", "30000"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "max_position_embeddings" in proc.stderr, proc.stderr
+    assert "listening on" not in proc.stdout, proc.stdout

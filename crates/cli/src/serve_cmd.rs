@@ -98,6 +98,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // buffer of one snapshot (--state-dir).
     run_opts.state_copies = 1 + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
     run_opts.fetcher = a.model.fetcher_for(&store)?;
+    // The context and the memory plan are checked now, before the port is bound and the model
+    // loads for minutes.
+    Session::plan(&store, &run_opts)?;
     let cfg = &store.manifest.config;
     let id = a.served_model_name.clone().unwrap_or_else(|| {
         std::fs::canonicalize(&path)

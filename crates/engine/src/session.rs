@@ -119,16 +119,13 @@ pub struct StreamReport {
 }
 
 impl Session {
-    pub fn open(store: &Store, opts: &RunOptions) -> Result<Self> {
-        let default_top_k = store.manifest.config.num_experts_per_token;
-        let k = opts.experts_per_token.unwrap_or(default_top_k);
+    /// The memory plan this run would use, without loading anything: a `--context` beyond the
+    /// model or a budget that cannot hold it is an error here, before minutes of loading.
+    pub fn plan(store: &Store, opts: &RunOptions) -> Result<Plan> {
+        let k = opts.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
         // Demand reads for one layer, plus as many for the next layer's prefetch.
-        let prefetch_buffers = if opts.prefetch { k } else { 0 };
-        let io_buffers = k + prefetch_buffers;
+        let io_buffers = k + if opts.prefetch { k } else { 0 };
         let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
-        // Both read back-ends (experts, streamed spine) report to one activity: the disk's
-        // idle time.
-        let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let max = store.manifest.config.max_position_embeddings;
         anyhow::ensure!(
@@ -145,7 +142,20 @@ impl Session {
             state_copies: opts.state_copies,
             prefill_chunk: opts.prefill_chunk,
         };
-        let plan = make_plan(&store.manifest, &budget, &req)?;
+        make_plan(&store.manifest, &budget, &req)
+    }
+
+    pub fn open(store: &Store, opts: &RunOptions) -> Result<Self> {
+        let default_top_k = store.manifest.config.num_experts_per_token;
+        let k = opts.experts_per_token.unwrap_or(default_top_k);
+        // Demand reads for one layer, plus as many for the next layer's prefetch.
+        let prefetch_buffers = if opts.prefetch { k } else { 0 };
+        let io_buffers = k + prefetch_buffers;
+        // Both read back-ends (experts, streamed spine) report to one activity: the disk's
+        // idle time.
+        let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
+        let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
+        let plan = Self::plan(store, opts)?;
         let model = K3Model::load(
             store,
             &RunConfig {
