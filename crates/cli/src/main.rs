@@ -5,6 +5,7 @@ mod drive_limit;
 mod install_cmd;
 mod kernel_bench;
 mod plan_cmd;
+mod plan_speed;
 mod run;
 mod serve_cmd;
 mod spine_choice;

@@ -1,6 +1,8 @@
 //! `deltafin plan`: the memory plan for a model that need not be on this machine (a config, or
 //! the Kimi K3 release on paper): what stays resident, what is streamed, how large the prompt
-//! chunks are, and the bytes each token is expected to read.
+//! chunks are, the bytes each token is expected to read, and from a drive rate (given, or
+//! measured with `--measure DIR`) the seconds per token and to the first token
+//! ([`crate::plan_speed`]), and the disk a store needs.
 
 use std::path::PathBuf;
 
@@ -40,6 +42,22 @@ pub struct PlanArgs {
     /// Plan without prefetch buffers: the default (kept so that existing scripts work).
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Drive read rate(s) in GB/s, comma separated (e.g. 3,7,12): seconds per token and to the
+    /// first token at each.
+    #[arg(long, value_delimiter = ',')]
+    pub disk_gbps: Vec<f64>,
+    /// Measure the drive under DIR instead: the raw O_DIRECT random read rate at the model's
+    /// expert record size, 32 in flight (writes and deletes a ~1.1 GB scratch file there), and
+    /// this machine's compute rate (FMA peak, every thread).
+    #[arg(long, value_name = "DIR")]
+    pub measure: Option<PathBuf>,
+    /// Sustained compute rate in GFLOP/s for the estimates (default: measured with --measure,
+    /// else compute is left out and the figures are the drive's alone).
+    #[arg(long)]
+    pub gflops: Option<f64>,
+    /// Prompt length of the time-to-first-token estimate.
+    #[arg(long, default_value_t = 2000)]
+    pub prompt_length: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -56,6 +74,55 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     };
     let m = paper_manifest(&cfg);
     let k = cfg.num_experts_per_token;
+    if a.disk_gbps.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
+        bail!("--disk-gbps takes positive rates in GB/s, e.g. 3,7,12");
+    }
+    if a.gflops.is_some_and(|g| !(g.is_finite() && g > 0.0)) {
+        bail!("--gflops must be a positive rate");
+    }
+    let mut rates = a.disk_gbps.clone();
+    let mut gflops = a.gflops;
+    let mut measured = None;
+    if let Some(dir) = &a.measure {
+        let r = deltafin_engine::stream::probe::scratch_read_bandwidth(
+            dir,
+            m.experts.record_bytes,
+            64,
+            128,
+            32,
+            &mut |s| eprintln!("plan --measure: {s}"),
+        )
+        .with_context(|| format!("measuring the drive under {}", dir.display()))?;
+        eprintln!("plan --measure: measuring this machine's compute rate (FMA peak, every thread)");
+        let threads = rayon::current_num_threads();
+        let g = deltafin_kernels::roofline::fma_peak_gflops(threads, 0.3);
+        gflops = gflops.or(Some(g));
+        eprintln!(
+            "plan --measure: drive {:.2} GB/s ({} reads of {} bytes, O_DIRECT {}, {} in flight); compute {:.0} GFLOP/s on {threads} threads",
+            r.gbps, r.reads, r.read_bytes, r.o_direct, r.queue_depth, g
+        );
+        rates.push(r.gbps);
+        measured = Some(json!({"disk": r, "gflops": g, "threads": threads}));
+    }
+    let disk = crate::plan_speed::disk_need(&m);
+    if !a.json {
+        println!(
+            "disk: a full install takes {} (spine {} + experts {}); a streaming install starts at {} (the spine) and grows with the experts used",
+            human(disk.full_bytes),
+            human(disk.spine_bytes),
+            human(disk.expert_bytes),
+            human(disk.stream_start_bytes)
+        );
+        println!(
+            "spine precision assumed: {} matrices ({}), f32 vectors: what `convert --spine auto` writes for a model this size\n",
+            format!("{:?}", m.spine.matrix_dtype).to_lowercase(),
+            if m.spine.int8_group == 0 {
+                "one scale per row".to_string()
+            } else {
+                format!("scale groups of {}", m.spine.int8_group)
+            }
+        );
+    }
     let latent_cache: LatentDtype = a.latent_cache.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     let mut out = Vec::new();
     for &b in &a.memory_budget {
@@ -72,6 +139,8 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         let per_token = plan.spine_bytes_per_token + plan.expected_expert_bytes_per_token;
         let longest = longest_context(&m, &Budget::given(b), &req);
         let state_per_1k = state_bytes(&m, 1000, latent_cache.bytes()) - state_bytes(&m, 0, latent_cache.bytes());
+        let estimates: Vec<_> =
+            rates.iter().map(|&g| crate::plan_speed::estimate(&m, &plan, g, a.prompt_length, gflops)).collect();
         if !a.json {
             println!("{}", plan.describe());
             println!(
@@ -86,9 +155,34 @@ pub fn plan(a: PlanArgs) -> Result<()> {
                 human(state_per_1k),
                 cfg.max_position_embeddings
             );
+            for e in &estimates {
+                println!(
+                    "  estimate at {:.1} GB/s{}: decode {:.2} s/token ({}-bound), first token of a {}-token prompt {:.1} s ({} chunk{}, {}-bound)",
+                    e.disk_gbps,
+                    gflops.map(|g| format!(" and {g:.0} GFLOP/s")).unwrap_or_default(),
+                    e.s_per_token,
+                    e.decode_bound,
+                    e.prompt_tokens,
+                    e.ttft_s,
+                    e.ttft_chunks,
+                    if e.ttft_chunks == 1 { "" } else { "s" },
+                    e.ttft_bound
+                );
+            }
+            if !estimates.is_empty() {
+                println!(
+                    "  (estimates: the larger of the drive's time for the bytes read and {}; cold cache, uniform routing; measured runs land 1.0-2.1x above such floors)",
+                    if gflops.is_some() {
+                        "the compute time"
+                    } else {
+                        "nothing else (no --gflops or --measure: compute left out)"
+                    }
+                );
+            }
+            println!();
         }
         out.push(json!({ "plan": plan, "read_bytes_per_token": per_token, "longest_context": longest,
-                         "state_bytes_per_1000_tokens": state_per_1k }));
+                         "state_bytes_per_1000_tokens": state_per_1k, "estimates": estimates.iter().map(|e| e.to_json()).collect::<Vec<_>>() }));
     }
     if a.json {
         println!(
@@ -98,6 +192,10 @@ pub fn plan(a: PlanArgs) -> Result<()> {
                            "spine_bytes_int8": m.spine.bytes, "record_bytes": m.experts.record_bytes,
                            "prefill_token_bytes": prefill_token_bytes(&m, k) },
                 "plans": out,
+                "disk": disk.to_json(),
+                "gflops": gflops,
+                "measured": measured,
+                "spine_dtype": format!("{:?}", m.spine.matrix_dtype).to_lowercase(),
             })
         );
     }

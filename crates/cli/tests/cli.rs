@@ -235,6 +235,55 @@ fn plan_for_kimi_k3_on_paper() {
     assert!(err.contains("below the minimum"), "{err}");
 }
 
+/// `plan` answers "how fast, and how much disk": at a given drive rate the decode estimate is
+/// the bytes read per token over that rate, a faster drive gives a shorter time to first token,
+/// and a full install is the spine plus every expert record.
+#[test]
+fn plan_estimates_speed_and_disk() {
+    let out = ok(&["plan", "--preset", "kimi-k3", "--memory-budget", "64G", "--disk-gbps", "3,12", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    let p = &v["plans"][0];
+    let read = p["read_bytes_per_token"].as_f64().unwrap();
+    let est = p["estimates"].as_array().unwrap();
+    assert_eq!(est.len(), 2);
+    let s3 = est[0]["s_per_token"].as_f64().unwrap();
+    assert!((s3 - read / 3e9).abs() < 1e-9 * s3.max(1.0), "{s3} vs {}", read / 3e9);
+    assert_eq!(est[0]["decode_bound"], "drive");
+    assert!(est[1]["ttft_s"].as_f64().unwrap() < est[0]["ttft_s"].as_f64().unwrap());
+    let d = &v["disk"];
+    let record = v["model"]["record_bytes"].as_u64().unwrap();
+    assert_eq!(d["expert_bytes"].as_u64().unwrap(), record * 92 * 896);
+    assert_eq!(
+        d["full_bytes"].as_u64().unwrap(),
+        d["spine_bytes"].as_u64().unwrap() + d["expert_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(v["spine_dtype"], "int8");
+    // With a compute rate the prompt of a slow processor is compute-bound.
+    let out =
+        ok(&["plan", "--preset", "kimi-k3", "--memory-budget", "64G", "--disk-gbps", "12", "--gflops", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["plans"][0]["estimates"][0]["ttft_bound"], "compute");
+    // --measure reads a scratch file with O_DIRECT under the directory, and removes it.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = fixture("k3-tiny/hf/config.json");
+    let out = ok(&[
+        "plan",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--memory-budget",
+        "1G",
+        "--measure",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["measured"]["disk"]["gbps"].as_f64().unwrap() > 0.0, "{}", v["measured"]);
+    assert!(v["measured"]["gflops"].as_f64().unwrap() > 0.0);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the probe file was left behind");
+    let err = fails(&["plan", "--preset", "kimi-k3", "--memory-budget", "64G", "--disk-gbps", "0"]);
+    assert!(err.contains("--disk-gbps"), "{err}");
+}
+
 /// The bundled demo model (`models/k3-demo`, trained) continues its fixed prompt exactly as its
 /// training framework did (PyTorch, float32, `models/k3-demo/continuation.json`): the prompt is
 /// tokenized as tiktoken does, and with a bf16 spine, which is what the default (`--spine auto`,

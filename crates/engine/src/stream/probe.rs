@@ -45,12 +45,26 @@ pub fn raw_read_bandwidth(
     if targets.is_empty() {
         bail!("the store has no routed experts to read");
     }
+    read_rate(store.experts.paths(), &targets, backend, queue_depth, reads, seed, batched)
+}
+
+/// Read `reads` of `targets` (`[file, offset, len]`, their aligned windows) at random from
+/// `paths`, `queue_depth` in flight, and report the rate.
+fn read_rate(
+    paths: &[std::path::PathBuf],
+    targets: &[[u64; 3]],
+    backend: Option<BackendKind>,
+    queue_depth: usize,
+    reads: usize,
+    seed: u64,
+    batched: bool,
+) -> Result<ProbeResult> {
     let max_w = targets.iter().map(|r| Window::of(r).len).max().unwrap_or(DIRECT_ALIGN);
     let qd = queue_depth.max(1);
     // Declared before the back-end so they are dropped after it: its drop waits for the reads
     // still in flight into them (an early return on a failed read must not free them first).
     let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(max_w)).collect();
-    let (files, o_direct) = open_files(store.experts.paths(), true)?;
+    let (files, o_direct) = open_files(paths, true)?;
     let mut be = make_backend(Arc::new(files), backend, queue_depth)?;
     let mut free: Vec<usize> = (0..qd).collect();
     let mut rng = SmallRng::seed_from_u64(seed);
@@ -98,4 +112,49 @@ pub fn raw_read_bandwidth(
         o_direct,
         batched,
     })
+}
+
+/// The raw O_DIRECT read rate of the drive under `dir` at `record_bytes` per read (Kimi K3's
+/// expert record is 17,547,264 bytes), depth `queue_depth`: a scratch file of `records`
+/// records is written and synced, read `reads` times at random, and deleted. For `deltafin plan
+/// --measure`, before there is a store. `progress` is told what is happening.
+pub fn scratch_read_bandwidth(
+    dir: &std::path::Path,
+    record_bytes: u64,
+    records: u64,
+    reads: usize,
+    queue_depth: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<ProbeResult> {
+    use std::io::Write as _;
+    let path = dir.join(format!(".deltafin-probe-{}", std::process::id()));
+    // Removed however this ends.
+    struct Remove(std::path::PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _remove = Remove(path.clone());
+    let stride = record_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
+    let total = stride * records;
+    progress(&format!("writing a {:.1} GB probe file in {}", total as f64 / 1e9, dir.display()));
+    {
+        let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
+        // Not zeros: some drives and file systems short-cut them.
+        let mut rng = SmallRng::seed_from_u64(7);
+        let mut block = vec![0u8; 8 << 20];
+        let mut left = total;
+        while left > 0 {
+            rng.fill(&mut block[..]);
+            let n = left.min(block.len() as u64) as usize;
+            f.write_all(&block[..n])?;
+            left -= n as u64;
+        }
+        f.flush()?;
+        f.get_ref().sync_all()?;
+    }
+    progress(&format!("reading {reads} random records of {record_bytes} bytes with O_DIRECT, {queue_depth} in flight"));
+    let targets: Vec<[u64; 3]> = (0..records).map(|i| [0, i * stride, record_bytes]).collect();
+    read_rate(std::slice::from_ref(&path), &targets, None, queue_depth, reads, 1, false)
 }
