@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce README's "Traces of a trained router" replay: the trained demo model's router traces
+# Reproduce docs/streaming.md's "Traces of a trained router" replay: the trained demo model's router traces
 # (models/k3-demo/traces, with their look-ahead predictions) drive a K3-shaped synthetic store of
 # 7 MoE layers x 64 experts (17.5 MB records, 7.9 GB), decoding with prefetch off and on at three
 # cache sizes, and LRU against SLRU. Results land in bench-results/demo-traces-replay/.

@@ -3,7 +3,7 @@
 # toolchain rustup installs there by default) as the native build is linted: the platform
 # modules (engine/src/os, store/src/os.rs, stream/uring.rs) must compile everywhere. Type-checking needs only each target's standard library, which rustup
 # installs here; nothing is linked, so no macOS SDK or Windows linker is needed (and these
-# builds have never run on those systems: see README, "Platforms"). Sourced by test.sh.
+# builds have never run on those systems: see docs/platforms.md). Sourced by test.sh.
 set -euo pipefail
 command -v rustup >/dev/null || { echo "the platform lints need rustup (scripts/ensure-toolchain.sh installs it)" >&2; exit 1; }
 for target in aarch64-apple-darwin x86_64-pc-windows-msvc; do

@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=480)
     ap.add_argument("--gen", type=int, default=32)
     # The committed traces were recorded with the int8 spine, the conversion's default then; bf16 (the default now,
-    # `--spine auto`) changes about one (token, layer) pair's expert set in thirteen (README "Spine quantisation").
+    # `--spine auto`) changes about one (token, layer) pair's expert set in thirteen (docs/numerics.md, "Spine quantisation").
     ap.add_argument("--spine", default="int8", help="the store's spine (convert --spine); int8 reproduces the committed traces")
     args = ap.parse_args()
     enc = encoding(Path(args.hf))

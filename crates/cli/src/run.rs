@@ -50,7 +50,7 @@ pub struct ModelArgs {
     /// Prefetch the next MoE layer's predicted experts while a layer computes. Off by default:
     /// replaying the trained demo model's router traces (76% precise predictions) on a K3-shaped
     /// store, it read 40-48% more and decoded 8-27% slower at 8, 16 and 32 cache slots per layer
-    /// (README, "Traces of a trained router").
+    /// (docs/streaming.md, "Traces of a trained router").
     #[arg(long, conflicts_with = "no_prefetch")]
     pub prefetch: bool,
     /// No look-ahead prefetch: the default (kept so that existing scripts work).

@@ -28,7 +28,7 @@ impl std::str::FromStr for SpineArg {
 pub struct SpineArgs {
     /// Storage of spine matrices: auto, int8 (per-row scales), bf16 or f32. auto keeps the
     /// checkpoint's bf16 when the bf16 spine takes at most half the memory budget, else int8
-    /// (int8 changes a trained model's top token at 2-3% of positions: README "Spine
+    /// (int8 changes a trained model's top token at 2-3% of positions: docs/numerics.md "Spine
     /// quantisation").
     #[arg(long, default_value = "auto")]
     pub spine: SpineArg,

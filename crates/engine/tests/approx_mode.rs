@@ -1,6 +1,6 @@
 //! Approximate mode against exact mode on the fixtures: the largest logit deviation (relative to
 //! the largest exact logit) over every position of every prompt, and top-1 agreement. Printed,
-//! recorded in the README, and asserted as regression bounds.
+//! recorded in docs/numerics.md, and asserted as regression bounds.
 
 mod common;
 

@@ -1,7 +1,7 @@
 //! Fidelity of the quantised spines against the f32 path, over every position of every fixture
 //! prompt: top-1 agreement and mean KL(p_f32 || p_quant). Tiny random models are sensitive (near
 //! tie router choices flip), so these figures judge the quantisation scheme rather than a model;
-//! the bounds below are regression bounds set from measured values (see README).
+//! the bounds below are regression bounds set from measured values (see docs/numerics.md).
 
 mod common;
 
@@ -66,7 +66,7 @@ fn compare(base: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, f64) {
 #[test]
 fn quantised_spines_against_f32() {
     // Regression bounds per fixture and scheme: [free routing: min top-1 agreement, max mean KL,
-    // pinned routing: min top-1 agreement, max mean KL]. Measured values are in the README; the
+    // pinned routing: min top-1 agreement, max mean KL]. Measured values are in docs/numerics.md; the
     // bounds leave ~15% headroom. The fixtures' weights are bf16, so the bf16 spine is exact.
     let bf16 = [1.0, 1e-9, 1.0, 1e-9];
     let none = [0.0, f64::INFINITY, 0.0, f64::INFINITY]; // printed for comparison only
@@ -107,7 +107,7 @@ fn quantised_spines_against_f32() {
 /// The bf16 latent cache (the default with int8 and bf16 spines) against the f32 cache, on the
 /// f32 spine, at every position of every fixture prompt: what the cache's rounding alone
 /// changes. Random tiny models flip near-tie router choices easily, so the bounds are regression
-/// bounds from measured values (printed; README "Attention at long context"); pinned routing
+/// bounds from measured values (printed; docs/numerics.md); pinned routing
 /// shows the rounding's own size.
 #[test]
 fn bf16_latent_cache_against_f32() {
