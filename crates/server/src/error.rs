@@ -197,7 +197,8 @@ impl ApiError {
         json!({"type": "error", "error": {"type": kind, "message": self.message}})
     }
 
-    fn respond(&self, body: serde_json::Value) -> Response {
+    /// This error's status and `Retry-After` around `body` (the wire format's shape).
+    pub(crate) fn respond(&self, body: serde_json::Value) -> Response {
         let mut r = (self.status, axum::Json(body)).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));

@@ -213,7 +213,14 @@ pub fn parse_tool_choice(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
             "required" => Ok(ToolChoice::Required),
             _ => Err(ApiError::invalid("tool_choice", "'tool_choice' must be auto, none, required or a function")),
         },
-        Some(Value::Object(o)) => match o.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str()) {
+        // Chat's `{"type": "function", "function": {"name"}}`, or the Responses API's flat
+        // `{"type": "function", "name"}`.
+        Some(Value::Object(o)) => match o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .or_else(|| o.get("name").filter(|_| o.get("type").and_then(|t| t.as_str()) == Some("function")))
+            .and_then(|n| n.as_str())
+        {
             Some(name) => Ok(ToolChoice::Function(name.to_string())),
             None => Err(ApiError::invalid("tool_choice", "a named tool choice needs function.name")),
         },

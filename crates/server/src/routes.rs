@@ -180,6 +180,20 @@ async fn refuse(state: &Shared, headers: &HeaderMap, body: Body, e: ApiError) ->
     e
 }
 
+/// A place for a generation, then its body as JSON: a refusal (429) is decided before the body
+/// is read.
+async fn admitted_body(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(crate::worker::Admitted, Value), ApiError> {
+    let admitted = match state.admit() {
+        Ok(a) => a,
+        Err(e) => return Err(refuse(state, headers, body, e).await),
+    };
+    Ok((admitted, json_body(state, headers, body).await?))
+}
+
 fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice(bytes).map_err(ApiError::malformed_json)
 }
@@ -190,66 +204,42 @@ async fn json_body(state: &Shared, headers: &HeaderMap, body: Body) -> Result<Va
 }
 
 async fn chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || openai::prepare_chat(&s, &v)).await?;
     openai::respond(state, admitted, p).await
 }
 
 async fn completions(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || openai::prepare_completion(&s, &v)).await?;
     openai::respond(state, admitted, p).await
 }
 
 async fn messages(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, AnthropicError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || anthropic::prepare(&s, &v)).await?;
     Ok(anthropic::respond(state, admitted, p).await?)
 }
 
 async fn responses_create(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || responses::prepare(&s, &v)).await?;
     responses::respond(state, admitted, p).await
 }
 
 async fn ollama_chat(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, OllamaError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || ollama::prepare_chat(&s, &v)).await?;
     Ok(ollama::respond(state, admitted, p).await?)
 }
 
 async fn ollama_generate(State(state): State<Shared>, headers: HeaderMap, body: Body) -> Result<Response, OllamaError> {
-    let admitted = match state.admit() {
-        Ok(a) => a,
-        Err(e) => return Err(refuse(&state, &headers, body, e).await.into()),
-    };
-    let v = json_body(&state, &headers, body).await?;
+    let (admitted, v) = admitted_body(&state, &headers, body).await?;
     let s = state.clone();
     let p = off_runtime(move || ollama::prepare_generate(&s, &v)).await?;
     Ok(ollama::respond(state, admitted, p).await?)

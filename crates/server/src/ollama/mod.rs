@@ -35,11 +35,7 @@ impl From<ApiError> for OllamaError {
 
 impl IntoResponse for OllamaError {
     fn into_response(self) -> Response {
-        let mut r = (self.0.status, axum::Json(json!({"error": self.0.message}))).into_response();
-        if let Some(s) = self.0.retry_after {
-            r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(s));
-        }
-        r
+        self.0.respond(json!({"error": self.0.message}))
     }
 }
 

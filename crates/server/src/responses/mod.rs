@@ -96,7 +96,7 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
     let conv = Conversation {
         messages,
         tools: tools.functions,
-        tool_choice: parse::tool_choice(o.get("tool_choice"))?,
+        tool_choice: crate::openai::parse_tool_choice(o.get("tool_choice"))?,
         reasoning_effort: parse::effort(o.get("reasoning"))?,
         response_format: parse::format(o.get("text"))?,
     };

@@ -3,7 +3,7 @@
 //! flat function `tools`, `tool_choice`, `reasoning.effort`, `text.format`, and the history of
 //! `previous_response_id` in front.
 
-use deltafin_text::chat::{Message, Role, ToolCall, ToolChoice};
+use deltafin_text::chat::{Message, Role, ToolCall};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
@@ -225,28 +225,6 @@ pub fn tools(v: Option<&Value>) -> Result<Tools, ApiError> {
         }
     }
     Ok(out)
-}
-
-pub fn tool_choice(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(ToolChoice::Auto),
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => Ok(ToolChoice::Auto),
-            "none" => Ok(ToolChoice::None),
-            "required" => Ok(ToolChoice::Required),
-            _ => Err(ApiError::invalid("tool_choice", "'tool_choice' must be auto, none, required or a function")),
-        },
-        Some(Value::Object(o)) => {
-            match (o.get("type").and_then(Value::as_str), o.get("name").and_then(Value::as_str)) {
-                (Some("function"), Some(name)) => Ok(ToolChoice::Function(name.to_string())),
-                _ => Err(ApiError::invalid(
-                    "tool_choice",
-                    "a named tool choice is {\"type\": \"function\", \"name\": ...}",
-                )),
-            }
-        }
-        Some(_) => Err(ApiError::invalid("tool_choice", "'tool_choice' must be a string or an object")),
-    }
 }
 
 /// `reasoning.effort` as K3's thinking level.
