@@ -120,6 +120,7 @@ impl ModelArgs {
             },
             fetcher: None,
             log_reads: false,
+            load_progress: None,
         })
     }
 

@@ -98,6 +98,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // buffer of one snapshot (--state-dir).
     run_opts.state_copies = 1 + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
     run_opts.fetcher = a.model.fetcher_for(&store)?;
+    let load_progress = std::sync::Arc::new(deltafin_engine::k3::LoadProgress::default());
+    run_opts.load_progress = Some(load_progress.clone());
     // The context and the memory plan are checked now, before the port is bound and the model
     // loads for minutes.
     Session::plan(&store, &run_opts)?;
@@ -152,6 +154,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
         prefix_cache: !a.no_prefix_cache,
         state: state_store,
+        load_progress: Some(load_progress),
         #[cfg(feature = "test-instruments")]
         instruments: deltafin_server::instruments::Options {
             step_delay: Duration::from_millis(a.instruments.token_delay_ms),

@@ -51,6 +51,8 @@ pub struct RunOptions {
     /// Keep every read of the run (experts and streamed spine) for a replay of exactly those
     /// reads ([`Session::take_read_log`]).
     pub log_reads: bool,
+    /// Counts the resident spine layers as they load (a server's `/health` while it loads).
+    pub load_progress: Option<Arc<crate::k3::LoadProgress>>,
 }
 
 impl Default for RunOptions {
@@ -72,6 +74,7 @@ impl Default for RunOptions {
             latent_cache: None,
             fetcher: None,
             log_reads: false,
+            load_progress: None,
         }
     }
 }
@@ -173,6 +176,7 @@ impl Session {
                     token_bytes: plan.prefill_token_bytes,
                 }),
                 disk_activity: Some(activity.clone()),
+                load_progress: opts.load_progress.clone(),
             },
         )?;
         let watch = activity.clone();

@@ -49,7 +49,12 @@ pub struct ServeOptions {
     pub prefix_cache: bool,
     /// Keep prompt states on disk too (`--state-dir`).
     pub state: Option<StateStoreOptions>,
+    /// Counts the model's load (the same as the session's `RunOptions::load_progress`).
+    pub load_progress: Option<Arc<deltafin_engine::k3::LoadProgress>>,
 }
+
+/// How often a loading server says how far it has come.
+const LOAD_REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// Threads of the async runtime's blocking pool (request preparation, tokenizer jobs).
 const BLOCKING_THREADS: usize = 8;
@@ -120,7 +125,7 @@ pub fn serve(
         script,
         keep_alive: opts.keep_alive,
         tokenizer_gate: Default::default(),
-        readiness: Default::default(),
+        readiness: state::Readiness::new(opts.load_progress.clone()),
         responses: Default::default(),
     });
     println!("deltafin serve: listening on http://{local} (loading the model; /health answers 503 until it is ready)");
@@ -141,7 +146,17 @@ pub fn serve(
             tokio::time::sleep(SHUTDOWN_GRACE).await;
         };
         let ready = async move {
-            match loaded.await {
+            // A person watching a load of minutes sees it move.
+            let mut loaded = loaded;
+            let mut every = tokio::time::interval(LOAD_REPORT_EVERY);
+            every.tick().await;
+            let loaded = loop {
+                tokio::select! {
+                    r = &mut loaded => break r,
+                    _ = every.tick() => eprintln!("deltafin serve: loading the model: {}", state.readiness.describe()),
+                }
+            };
+            match loaded {
                 Ok(Ok(())) => {
                     state.readiness.set_ready();
                     println!(

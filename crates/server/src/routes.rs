@@ -87,8 +87,8 @@ async fn while_loading(State(state): State<Shared>, req: Request, next: Next) ->
         return next.run(req).await;
     }
     let mut e = ApiError::unavailable(format!(
-        "the model is still loading ({:.0} s so far); retry when /health answers 200",
-        state.readiness.loading_s()
+        "the model is still loading ({}); retry when /health answers 200",
+        state.readiness.describe()
     ));
     e.code = Some("model_loading");
     let path = req.uri().path();
@@ -313,7 +313,8 @@ async fn model(
 /// reading experts (the rule: [`crate::metrics::Metrics::degraded`]).
 async fn health(State(state): State<Shared>) -> Response {
     if !state.readiness.is_ready() {
-        let body = json!({"status": "loading", "loading_s": state.readiness.loading_s(), "model": state.model.id});
+        let mut body = state.readiness.json();
+        body["model"] = json!(state.model.id);
         return (StatusCode::SERVICE_UNAVAILABLE, [(header::RETRY_AFTER, "2")], axum::Json(body)).into_response();
     }
     let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);

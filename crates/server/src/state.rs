@@ -78,15 +78,15 @@ impl ModelInfo {
 pub struct Readiness {
     ready: std::sync::atomic::AtomicBool,
     since: std::time::Instant,
-}
-
-impl Default for Readiness {
-    fn default() -> Self {
-        Readiness { ready: Default::default(), since: std::time::Instant::now() }
-    }
+    /// Resident spine layers loaded so far, when the loader counts them.
+    pub progress: Option<Arc<deltafin_engine::k3::LoadProgress>>,
 }
 
 impl Readiness {
+    pub fn new(progress: Option<Arc<deltafin_engine::k3::LoadProgress>>) -> Self {
+        Readiness { ready: Default::default(), since: std::time::Instant::now(), progress }
+    }
+
     pub fn is_ready(&self) -> bool {
         self.ready.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -98,6 +98,27 @@ impl Readiness {
     /// Seconds since the server started loading the model.
     pub fn loading_s(&self) -> f64 {
         self.since.elapsed().as_secs_f64()
+    }
+
+    /// Where the load stands, for a person: "N s so far" and, once counted, "N of M spine layers".
+    pub fn describe(&self) -> String {
+        match self.progress.as_ref().map(|p| p.get()) {
+            Some((done, total)) if total > 0 => {
+                format!("{done} of {total} resident spine layers, {:.0} s so far", self.loading_s())
+            }
+            _ => format!("{:.0} s so far", self.loading_s()),
+        }
+    }
+
+    /// `/health`'s body while loading.
+    pub fn json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({"status": "loading", "loading_s": self.loading_s()});
+        if let Some((done, total)) = self.progress.as_ref().map(|p| p.get()).filter(|&(_, t)| t > 0) {
+            v["spine_layers_loaded"] = serde_json::json!(done);
+            v["spine_layers_total"] = serde_json::json!(total);
+            v["progress"] = serde_json::json!(done as f64 / total as f64);
+        }
+        v
     }
 }
 
@@ -225,4 +246,27 @@ pub fn new_id(prefix: &str) -> String {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::SmallRng::from_os_rng();
     format!("{prefix}{:016x}{:08x}", rng.random::<u64>(), rng.random::<u32>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering::Relaxed;
+
+    #[test]
+    fn loading_health_counts_the_layers_once_the_loader_does() {
+        let p = Arc::new(deltafin_engine::k3::LoadProgress::default());
+        let r = Readiness::new(Some(p.clone()));
+        assert!(r.json().get("progress").is_none(), "nothing counted yet");
+        p.layers_total.store(8, Relaxed);
+        p.layers_done.store(2, Relaxed);
+        let v = r.json();
+        assert_eq!(v["status"], "loading");
+        assert_eq!((v["spine_layers_loaded"].as_u64(), v["spine_layers_total"].as_u64()), (Some(2), Some(8)));
+        assert_eq!(v["progress"], 0.25);
+        assert!(r.describe().starts_with("2 of 8 resident spine layers"), "{}", r.describe());
+        assert!(!r.is_ready());
+        r.set_ready();
+        assert!(r.is_ready());
+    }
 }

@@ -100,7 +100,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
         script: Vec::new(),
         keep_alive: Duration::from_secs(15),
         tokenizer_gate: Default::default(),
-        readiness: Default::default(),
+        readiness: deltafin_server::state::Readiness::new(None),
         responses: Default::default(),
     });
     state.readiness.set_ready();

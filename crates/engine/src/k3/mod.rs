@@ -60,6 +60,23 @@ pub struct RunConfig {
     pub prompt_borrowing: Option<PromptBorrowing>,
     /// Where the spine loader reports its reads (the run's disk idle time).
     pub disk_activity: Option<Arc<DiskActivity>>,
+    /// Counts the resident layers loaded, for whoever waits on the load (a server's `/health`).
+    pub load_progress: Option<Arc<LoadProgress>>,
+}
+
+/// How far a model's load has come: resident spine layers read and decoded, of how many.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    pub layers_done: std::sync::atomic::AtomicUsize,
+    pub layers_total: std::sync::atomic::AtomicUsize,
+}
+
+impl LoadProgress {
+    /// (layers done, layers in all); (0, 0) before the load has counted them.
+    pub fn get(&self) -> (usize, usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.layers_done.load(Relaxed), self.layers_total.load(Relaxed))
+    }
 }
 
 /// A prompt longer than the plan's chunk borrows the expert cache's memory (given back before
@@ -85,6 +102,7 @@ impl Default for RunConfig {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             prompt_borrowing: None,
             disk_activity: None,
+            load_progress: None,
         }
     }
 }
@@ -224,9 +242,16 @@ impl K3Model {
         let layout = RecordLayout::from_manifest(&ex.parts, ex.record_bytes).context("expert record layout")?;
         let resident = run.resident_layers.unwrap_or(c.num_hidden_layers).min(c.num_hidden_layers);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        if let Some(p) = &run.load_progress {
+            p.layers_total.store(resident, std::sync::atomic::Ordering::Relaxed);
+        }
         for l in 0..c.num_hidden_layers {
             layers.push(if l < resident {
-                LayerSlot::Resident(load_layer(store, &c, l, &layout)?)
+                let layer = load_layer(store, &c, l, &layout)?;
+                if let Some(p) = &run.load_progress {
+                    p.layers_done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                LayerSlot::Resident(layer)
             } else {
                 LayerSlot::Streamed
             });
