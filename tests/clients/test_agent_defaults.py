@@ -249,3 +249,17 @@ def test_a_context_beyond_the_model_is_refused_before_listening(deltafin_bin, st
     assert proc.returncode != 0
     assert "max_position_embeddings" in proc.stderr, proc.stderr
     assert "listening on" not in proc.stdout, proc.stdout
+
+
+def test_a_failed_generation_is_logged_once(start_server):
+    """The engine logs a failed generation's line; the HTTP layer does not log it again."""
+    server = start_server("--inject-faults")
+    r = http_request(server, "POST", "/v1/chat/completions",
+                     {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "inject-engine-error"}],
+                      "max_tokens": 2})
+    assert r.status == 500, r.body
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "POST /v1/chat/completions 500" not in server.stderr_text():
+        time.sleep(0.1)
+    lines = [line for line in server.stderr_text().splitlines() if "POST /v1/chat/completions 500" in line]
+    assert len(lines) == 1, lines

@@ -69,6 +69,13 @@ def test_max_output_tokens_makes_it_incomplete(scripted_openai):
     assert r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
+    # The item it ended inside is incomplete too.
+    assert r.output[-1].status == "incomplete"
+    events = list(scripted_openai.responses.create(
+        model=SERVED_MODEL, input=RIDDLE_PROMPT, max_output_tokens=3, temperature=0, stream=True, timeout=CLIENT_TIMEOUT,
+    ))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"
 
 
 def test_stream_sends_the_documented_event_sequence(scripted_openai):
@@ -186,6 +193,7 @@ def test_errors_name_the_field(scripted_server):
         ({"model": SERVED_MODEL, "input": "hi", "tools": [{"type": "holodeck"}]}, "tools[0]"),
         ({"model": SERVED_MODEL, "input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"model": SERVED_MODEL, "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": SERVED_MODEL, "input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
     ]
     for body, param in cases:
         r = http_request(scripted_server, "POST", "/v1/responses", body)

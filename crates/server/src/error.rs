@@ -36,11 +36,18 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for a `Retry-After` header.
     pub retry_after: Option<u64>,
+    /// The engine has logged this failure's request line already (the HTTP layer does not
+    /// log it again).
+    pub logged: bool,
 }
+
+/// Marks a response whose request line the engine wrote.
+#[derive(Clone, Copy)]
+pub struct EngineLogged;
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None, logged: false }
     }
 
     /// A request field with a bad value.
@@ -202,6 +209,9 @@ impl ApiError {
         let mut r = (self.status, axum::Json(body)).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if self.logged {
+            r.extensions_mut().insert(EngineLogged);
         }
         r
     }

@@ -131,7 +131,7 @@ pub fn serve(
     println!("deltafin serve: listening on http://{local} (loading the model; /health answers 503 until it is ready)");
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let app = routes::router(state.clone());
         // On a signal, stop accepting and let responses in flight finish, but no longer than
         // SHUTDOWN_GRACE: an open stream could otherwise hold the process for a whole
@@ -176,10 +176,11 @@ pub fn serve(
             r = ready => r?,
         }
         Ok::<(), anyhow::Error>(())
-    })?;
-    // Open streams are not waited for: the engine thread ends with the process.
+    });
+    // Open streams are not waited for: the engine thread ends with the process. Also after a
+    // failed load, so that no blocking task holds the exit.
     rt.shutdown_timeout(Duration::from_secs(1));
-    Ok(())
+    served
 }
 
 async fn shutdown_signal() {

@@ -64,20 +64,25 @@ async fn count(State(state): State<Shared>, req: Request, next: Next) -> Respons
     let status = resp.status();
     state.metrics.count_request(&endpoint, status.as_u16());
     let polled = matches!(endpoint.as_str(), "/health" | "/metrics");
-    let generated = GENERATIONS.contains(&endpoint.as_str()) && status.is_success();
-    // A monitor polling a loading or degraded server gets its 503 quietly: /health says why.
-    let quiet = status.is_success() || (polled && status == StatusCode::SERVICE_UNAVAILABLE);
-    if !quiet {
-        tracing::warn!(target: "deltafin::request", "{method} {endpoint} {}", status.as_u16());
-    } else if !polled && !generated {
-        tracing::info!(target: "deltafin::request", "{method} {endpoint} {} in {:.1} ms", status.as_u16(), t0.elapsed().as_secs_f64() * 1e3);
+    // The engine wrote the line of every generation it ran, failed ones included.
+    let engine_logged = (GENERATIONS.contains(&endpoint.as_str()) && status.is_success())
+        || resp.extensions().get::<crate::error::EngineLogged>().is_some();
+    // A monitor polling a healthy, loading or degraded server stays out of the log: /health says why.
+    let monitor = polled && (status.is_success() || status == StatusCode::SERVICE_UNAVAILABLE);
+    if !(engine_logged || monitor) {
+        if status.is_success() {
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(target: "deltafin::request", "{method} {endpoint} {} in {ms:.1} ms", status.as_u16());
+        } else {
+            tracing::warn!(target: "deltafin::request", "{method} {endpoint} {}", status.as_u16());
+        }
     }
     resp
 }
 
 /// Paths that answer while the model loads: health, metrics and the model lists.
 fn answers_while_loading(path: &str) -> bool {
-    matches!(path, "/health" | "/metrics" | "/v1/models" | "/api/tags" | "/api/version")
+    matches!(path, "/health" | "/metrics" | "/v1/models" | "/api/tags" | "/api/version" | "/api/ps" | "/api/show")
         || path.starts_with("/v1/models/")
 }
 

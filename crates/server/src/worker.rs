@@ -126,6 +126,14 @@ fn log_request(note: &RequestNote, result: Result<&Summary, &ApiError>) {
         None => String::new(),
     };
     match result {
+        Ok(s) if s.finish == Finish::Cancelled => tracing::info!(
+            target: "deltafin::request",
+            "{} cancelled (the client left): prompt {} tokens ({} cached), {} generated{clamp}",
+            note.endpoint,
+            s.prompt_tokens,
+            s.cached_prompt_tokens,
+            s.completion_tokens,
+        ),
         Ok(s) => {
             let after_first = s.completion_tokens.saturating_sub(1);
             let rate = if s.decode_s > 0.0 && after_first > 0 { after_first as f64 / s.decode_s } else { 0.0 };
@@ -273,6 +281,7 @@ fn run_job(
     let Job { req, note, updates, ticket } = job;
     if !ticket.transition(QUEUED, RUNNING) {
         // The client left while waiting; its place is already free.
+        tracing::info!(target: "deltafin::request", "{}: cancelled while queued (the client left)", note.endpoint);
         metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return;
     }
@@ -328,11 +337,18 @@ fn run_job(
     if ticket.transition(RUNNING, FINISHED) {
         ticket.release();
     }
-    match &last {
-        Update::Done(s) => log_request(&note, Ok(s)),
-        Update::Failed(e) => log_request(&note, Err(e)),
-        _ => {}
-    }
+    let last = match last {
+        Update::Done(s) => {
+            log_request(&note, Ok(&s));
+            Update::Done(s)
+        }
+        Update::Failed(mut e) => {
+            log_request(&note, Err(&e));
+            e.logged = true;
+            Update::Failed(e)
+        }
+        other => other,
+    };
     let _ = updates.send(last);
     // The clean-up may wait for reads in flight on a failing drive: the client has its answer
     // already, and the next job, taken by this same thread, only starts after it.

@@ -158,6 +158,12 @@ fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
             opt_str(mo, "content").map_err(|_| ApiError::invalid(&p("content"), "'content' must be a string"))?;
         let mut msg = Message::new(role, content.unwrap_or_default());
         match role {
+            // A new user turn or a new set of calls: calls left unanswered before are over.
+            Role::User => unanswered.clear(),
+            Role::Assistant if field(mo, "tool_calls").is_some() => unanswered.clear(),
+            _ => {}
+        }
+        match role {
             Role::Assistant => {
                 msg.reasoning = opt_str(mo, "thinking")
                     .map_err(|_| ApiError::invalid(&p("thinking"), "'thinking' must be a string"))?
@@ -432,6 +438,20 @@ mod tests {
         assert_eq!(m[2].tool_call_id, m[1].tool_calls.get(1).map(|c| c.id.clone()));
         assert_eq!(m[3].tool_call_id, Some(m[1].tool_calls[0].id.clone()));
         assert_eq!(m[3].name.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn a_new_turn_leaves_unanswered_calls_behind() {
+        let v = json!([
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "a", "arguments": {}}}]},
+            {"role": "user", "content": "never mind"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "a", "arguments": {}}}]},
+            {"role": "tool", "content": "r"},
+        ]);
+        let m = messages(Some(&v)).unwrap();
+        assert_eq!(m[4].tool_call_id, Some(m[3].tool_calls[0].id.clone()));
+        assert_ne!(m[1].tool_calls[0].id, m[3].tool_calls[0].id);
     }
 
     #[test]

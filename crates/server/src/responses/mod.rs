@@ -84,7 +84,7 @@ pub fn prepare(state: &Shared, body: &Value) -> Result<Prepared, ApiError> {
             e.code = Some("previous_response_not_found");
             return Err(e);
         };
-        carried = prev.history;
+        carried = prev.history.as_ref().clone();
     }
     parse::input(o.get("input"), &mut carried)?;
     let tools = parse::tools(o.get("tools"))?;
@@ -248,14 +248,25 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
     }
     let mut turn = Turn::new("call_");
     let summary = turn.collect(job).await?;
-    let output = turn.pieces.iter().map(|pc| item(pc, &new_id(item_prefix(pc)), "completed", &p.echo)).collect();
+    let status = status_of(&summary);
+    // A response cut off by max_output_tokens ends inside its last item.
+    let last = turn.pieces.len().saturating_sub(1);
+    let output = turn
+        .pieces
+        .iter()
+        .enumerate()
+        .map(|(i, pc)| {
+            let item_status = if i == last && status == "incomplete" { "incomplete" } else { "completed" };
+            item(pc, &new_id(item_prefix(pc)), item_status, &p.echo)
+        })
+        .collect();
     let body = response_object(
         &state,
         &id,
         created,
         &p.echo,
         &p.grant,
-        status_of(&summary),
+        status,
         output,
         Some(usage(&summary, turn.reasoning_tokens)),
         None,
@@ -267,7 +278,7 @@ pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<R
 /// `GET /v1/responses/{id}`.
 pub fn get(state: &Shared, id: &str) -> Result<Response, ApiError> {
     match state.responses.get(id) {
-        Some(s) => Ok(axum::Json(s.response).into_response()),
+        Some(s) => Ok(axum::Json(s.response.as_ref().clone()).into_response()),
         None => Err(not_found(id)),
     }
 }

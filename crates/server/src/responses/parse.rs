@@ -86,6 +86,7 @@ pub fn input(v: Option<&Value>, out: &mut Vec<Message>) -> Result<(), ApiError> 
                 }
                 out.push(m);
             }
+            (Some("message"), None) => return Err(ApiError::invalid(&p("role"), "a message item needs a 'role'")),
             (Some("function_call"), _) => {
                 let name = str_field(o, "name", &p("name"))?;
                 let call_id = str_field(o, "call_id", &p("call_id"))?;

@@ -4,7 +4,7 @@
 //! the client need not resend it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use deltafin_text::chat::Message;
 use serde_json::Value;
@@ -16,9 +16,9 @@ pub const STORE_BYTES: usize = 64 << 20;
 #[derive(Clone)]
 pub struct Stored {
     /// The response object as it was returned.
-    pub response: Value,
+    pub response: Arc<Value>,
     /// The conversation it continued plus its output, for a response that continues it.
-    pub history: Vec<Message>,
+    pub history: Arc<Vec<Message>>,
     bytes: usize,
 }
 
@@ -34,7 +34,7 @@ impl Stored {
             })
             .sum();
         let bytes = text + response.to_string().len();
-        Stored { response, history, bytes }
+        Stored { response: Arc::new(response), history: Arc::new(history), bytes }
     }
 }
 
@@ -74,6 +74,7 @@ impl ResponseStore {
         }
     }
 
+    /// The stored response: its parts are shared, so the lock is held for a count, not a copy.
     pub fn get(&self, id: &str) -> Option<Stored> {
         self.lock().map.get(id).cloned()
     }

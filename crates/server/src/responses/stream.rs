@@ -114,8 +114,9 @@ impl Events {
         self.open = Some(Open { piece, id, index, call });
     }
 
-    /// Close the open item, if any.
-    fn close(&mut self, out: &mut VecDeque<Event>) {
+    /// Close the open item, if any, as `status` (`completed`, or `incomplete` when the response
+    /// ends inside it).
+    fn close(&mut self, out: &mut VecDeque<Event>, status: &str) {
         let Some(o) = self.open.take() else { return };
         let (id, index) = (o.id.clone(), o.index);
         match &o.piece {
@@ -153,7 +154,7 @@ impl Events {
                 );
             }
         }
-        let done = item(&o.piece, &id, "completed", &self.p.echo);
+        let done = item(&o.piece, &id, status, &self.p.echo);
         self.emit(out, "response.output_item.done", json!({"output_index": index, "item": done}));
         self.output.push(done);
         self.pieces.push(o.piece);
@@ -163,20 +164,20 @@ impl Events {
         match ev {
             OutputEvent::Reasoning(s) => {
                 if !matches!(self.open, Some(Open { piece: Piece::Reasoning(_), .. })) {
-                    self.close(out);
+                    self.close(out, "completed");
                     self.open(out, Piece::Reasoning(String::new()), None);
                 }
                 self.delta(out, "response.reasoning_text.delta", s);
             }
             OutputEvent::Content(s) => {
                 if !matches!(self.open, Some(Open { piece: Piece::Content(_), .. })) {
-                    self.close(out);
+                    self.close(out, "completed");
                     self.open(out, Piece::Content(String::new()), None);
                 }
                 self.delta(out, "response.output_text.delta", s);
             }
             OutputEvent::ToolCallBegin { index, name } => {
-                self.close(out);
+                self.close(out, "completed");
                 let call = Piece::Call { id: new_id("call_"), name, arguments: String::new() };
                 self.open(out, call, Some(index));
             }
@@ -211,7 +212,7 @@ impl Events {
 
     fn fail(&mut self, out: &mut VecDeque<Event>, e: &ApiError) {
         self.start(out);
-        self.close(out);
+        self.close(out, "incomplete");
         let r = self.response("failed", None, Some(e));
         self.emit(out, "response.failed", json!({"response": r}));
     }
@@ -236,8 +237,8 @@ impl Translator for Events {
             }
             Some(Update::Done(summary)) => {
                 self.start(out);
-                self.close(out);
                 let status = status_of(&summary);
+                self.close(out, if status == "completed" { "completed" } else { "incomplete" });
                 let r = self.response(status, Some(usage(&summary, self.reasoning_tokens)), None);
                 keep(&self.state, self.p.store, &self.id, &r, std::mem::take(&mut self.p.history), &self.pieces);
                 let kind = if status == "completed" { "response.completed" } else { "response.incomplete" };
