@@ -229,7 +229,7 @@ fn input_of(args: &str) -> Value {
 
 pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
     let prompt_tokens = p.req.prompt.len();
-    let job = state.submit(admitted, p.req.clone(), RequestNote::new("POST /v1/messages", p.grant))?;
+    let job = state.submit(admitted, p.req, RequestNote::new("POST /v1/messages", p.grant))?;
     let id = new_id("msg_");
     if p.stream {
         let interval = state.keep_alive;

@@ -319,7 +319,7 @@ fn call_value(name: &str, arguments: &str, index: usize) -> Value {
 
 pub async fn respond(state: Shared, admitted: Admitted, p: Prepared) -> Result<Response, ApiError> {
     let endpoint = if p.kind == Kind::Chat { "POST /api/chat" } else { "POST /api/generate" };
-    let job = state.submit(admitted, p.req.clone(), RequestNote::new(endpoint, p.grant))?;
+    let job = state.submit(admitted, p.req, RequestNote::new(endpoint, p.grant))?;
     if p.stream {
         return Ok(stream::ndjson(job, stream::Lines::new(p.kind, p.model)));
     }
