@@ -9,6 +9,8 @@
         --total-steps 3000 --minutes 9                         # a first time-boxed piece
     $PY tools/demo/train.py ... --resume /tmp/run --minutes 9  # the next piece, same machine (full checkpoint)
     $PY tools/demo/train.py ... --init-from ckpt/compact       # a later session, from the compact weights only
+    $PY tools/demo/train.py --data D --out /tmp/ft --init-hf models/k3-demo/hf --chat-data D --chat-frac 0.4 \
+        --total-steps 400 --lr 6e-4 --warmup 40 ...            # a fine-tune of the bundle: a new schedule
 
 Training: CUDA with bf16 autocast (the router and the KDA recurrence run in float32 inside the model), chunked KDA,
 AdamW (fused on CUDA) with decoupled weight decay on matrices only, linear warm-up then cosine to --min-lr-ratio of
@@ -43,6 +45,13 @@ valid.bin every --eval-every steps and at the end.
 
 Token files: uint16 ids, documents as [BOS] + tokens back to back (tools/demo/tokenizer.py); NAME.bin.gz is read
 too when NAME.bin is absent.
+
+Fine-tuning: --init-hf DIR starts a new schedule (step 0, fresh AdamW moments, --total-steps of its own) from the
+weights of a Hugging Face export (the bundle's bf16 spine, its MXFP4 experts dequantised). --chat-data DIR adds the
+chat set of tools/demo/chat_data.py (chat-train.bin + chat-train.idx.npy, chat-valid.*): --chat-frac of each
+batch's windows start at a conversation's first token, the rest are plain-text windows as above; validation then
+reports the chat loss (windows from the held-out conversations' starts) beside the plain one. Both are saved with
+the run, so --resume continues a fine-tune exactly.
 """
 
 import time
@@ -76,7 +85,7 @@ COMPACT_MAX_FILES = 3
 SCHEDULE_DEFAULTS = dict(
     seed=1234, seq=512, batch=64, lr=2e-3, min_lr_ratio=0.1, warmup=100, total_steps=None, weight_decay=0.1,
     beta1=0.9, beta2=0.95, grad_clip=1.0, bias_u=1e-3, bias_u_start=1e-2, bias_u_decay=None, rewarmup=50,
-    qat_from=None,
+    qat_from=None, chat_frac=0.0,
 )
 
 
@@ -300,6 +309,32 @@ class Tokens:
         fit = (len(self.ids) - 1) // (seq + 1)
         n = max(1, min(n, fit))
         offs = np.linspace(0, len(self.ids) - seq - 1, n).astype(np.int64)
+        return torch.from_numpy(np.stack([self.ids[o : o + seq + 1] for o in offs]).astype(np.int64))  # [n, seq+1]
+
+
+class ChatTokens(Tokens):
+    """tools/demo/chat_data.py's conversations (NAME.bin, back to back) and where each starts (NAME.idx.npy): windows
+    start at a conversation's first token, so every window holds at least one whole turn from its beginning."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        starts = np.load(path.with_name(path.name.replace(".bin", ".idx.npy")))
+        self.starts = starts
+
+    def usable(self, seq: int) -> np.ndarray:
+        ok = self.starts[self.starts + seq + 1 <= len(self.ids)]
+        if len(ok) == 0:
+            raise SystemExit(f"{self.path}: no conversation start leaves a window of {seq + 1} tokens")
+        return ok
+
+    def train_batch(self, seed: int, step: int, batch: int, seq: int) -> torch.Tensor:
+        rng = np.random.default_rng([seed, step, 1])
+        offs = rng.choice(self.usable(seq), size=batch)
+        return torch.from_numpy(np.stack([self.ids[o : o + seq + 1] for o in offs]).astype(np.int64))  # [B, seq+1]
+
+    def eval_windows(self, n: int, seq: int) -> torch.Tensor:
+        ok = self.usable(seq)
+        offs = ok[np.linspace(0, len(ok) - 1, min(n, len(ok))).astype(np.int64)]
         return torch.from_numpy(np.stack([self.ids[o : o + seq + 1] for o in offs]).astype(np.int64))  # [n, seq+1]
 
 
@@ -575,8 +610,9 @@ def train(args) -> dict:
     full = meta = None
     loss_log: list = []
     mode = "resume" if args.resume else "init_from" if args.init_from else "fresh"
-    if args.resume and args.init_from:
-        raise SystemExit("--resume and --init-from exclude each other")
+    if sum(bool(x) for x in (args.resume, args.init_from, getattr(args, "init_hf", None))) > 1:
+        raise SystemExit("--resume, --init-from and --init-hf exclude each other")
+    hf_model = None
     if args.resume:
         path = resolve_full(Path(args.resume))
         full = torch.load(path, map_location="cpu", weights_only=False)
@@ -592,6 +628,13 @@ def train(args) -> dict:
         state["rewarm_from"] = state["step"]
         src = (f"initialised from the compact checkpoint {args.init_from} (step {state['step']}): weights only, "
                f"AdamW moments re-initialised, LR re-warmed over {h['rewarmup']} steps")
+    elif getattr(args, "init_hf", None):
+        hf_model = k3.load_hf(Path(args.init_hf), dtype=torch.float32)
+        cfg = hf_model.cfg
+        h = resolve_hparams(args, None)
+        state = {"step": 0, "tokens": 0, "rewarm_from": None}
+        src = (f"fine-tune from the Hugging Face export {args.init_hf} (its MXFP4 experts dequantised): a new "
+               "schedule from step 0, fresh AdamW moments")
     else:
         cfg = smoke_config() if args.smoke_model else load_config(args.config)
         h = resolve_hparams(args, None)
@@ -607,6 +650,9 @@ def train(args) -> dict:
         model.load_state_dict(full["model"], strict=True)
     elif meta is not None:
         model.load_state_dict(sd, strict=True)
+    elif hf_model is not None:
+        model.load_state_dict(hf_model.state_dict(), strict=True)
+        del hf_model
     model.to(device).train()
     opt = make_optimizer(model, h, device)
     if full is not None:
@@ -623,6 +669,15 @@ def train(args) -> dict:
     valid_tok = Tokens(data_dir / "valid.bin")
     eval_w = valid_tok.eval_windows(args.eval_windows, h["seq"])
     top = int(max(train_tok.ids.max(), valid_tok.ids.max()))
+    chat_tok = chat_eval_w = None
+    n_chat = round(h["batch"] * h["chat_frac"])
+    if h["chat_frac"] > 0:
+        if not getattr(args, "chat_data", None):
+            raise SystemExit("this run mixes in chat windows (chat_frac > 0): --chat-data DIR is required")
+        chat_tok = ChatTokens(Path(args.chat_data) / "chat-train.bin")
+        chat_valid = ChatTokens(Path(args.chat_data) / "chat-valid.bin")
+        chat_eval_w = chat_valid.eval_windows(args.eval_windows, h["seq"])
+        top = max(top, int(chat_tok.ids.max()), int(chat_valid.ids.max()))
     if top >= cfg.vocab_size:
         raise SystemExit(f"token id {top} >= vocab_size {cfg.vocab_size}")
 
@@ -632,6 +687,10 @@ def train(args) -> dict:
     log(f"data: train {len(train_tok):,} tokens, valid {len(valid_tok):,} ({len(eval_w)} eval windows of {h['seq']}); "
         f"{tok_step:,} tokens/step = batch {h['batch']} (micro {micro}) x seq {h['seq']}; "
         f"{h['total_steps']} steps = {h['total_steps'] * tok_step / max(1, len(train_tok)):.2f} epochs")
+    if chat_tok is not None:
+        log(f"chat: {len(chat_tok):,} tokens in {len(chat_tok.starts):,} conversations; {n_chat} of {h['batch']} "
+            f"windows per step start at a conversation ({h['total_steps'] * n_chat * h['seq'] / len(chat_tok):.2f} "
+            f"epochs); {len(chat_eval_w)} held-out chat windows")
     log("hparams: " + json.dumps(h))
 
     if out is not None:
@@ -666,9 +725,15 @@ def train(args) -> dict:
     def run_eval() -> float:
         t = time.time()
         v = evaluate(model, eval_w, micro, device, amp)
+        r = {"step": state["step"], "tokens": state["tokens"], "valid_loss": v}
+        chat = ""
+        if chat_eval_w is not None:
+            r["chat_valid_loss"] = evaluate(model, chat_eval_w, micro, device, amp)
+            chat = f", chat {r['chat_valid_loss']:.4f} ({len(chat_eval_w)} windows)"
         est["eval"] = time.time() - t
-        record({"step": state["step"], "tokens": state["tokens"], "valid_loss": v, "eval_s": round(est["eval"], 2)})
-        log(f"step {state['step']:6d}  valid loss {v:.4f}  ({len(eval_w)} windows, {est['eval']:.1f} s)")
+        r["eval_s"] = round(est["eval"], 2)
+        record(r)
+        log(f"step {state['step']:6d}  valid loss {v:.4f}  ({len(eval_w)} windows{chat}, {est['eval']:.1f} s)")
         return v
 
     def save_all() -> None:
@@ -716,7 +781,10 @@ def train(args) -> dict:
         lr = lr_at(step, h, state.get("rewarm_from"))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = train_tok.train_batch(h["seed"], step, h["batch"], h["seq"])
+        batch = train_tok.train_batch(h["seed"], step, h["batch"] - n_chat, h["seq"])
+        if n_chat:
+            batch = torch.cat([batch, chat_tok.train_batch(h["seed"], step, n_chat, h["seq"])])
+            batch = batch[torch.randperm(len(batch), generator=torch.Generator().manual_seed(h["seed"] + step))]
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         for i in range(0, h["batch"], micro):
@@ -960,6 +1028,9 @@ def main():
     ap.add_argument("--compact", help="compact checkpoint folder (default OUT/compact)")
     ap.add_argument("--resume", help="full checkpoint file, or a run folder (its latest ckpt-*.pt)")
     ap.add_argument("--init-from", help="compact checkpoint folder: weights only, fresh optimizer moments")
+    ap.add_argument("--init-hf", help="fine-tune: a Hugging Face export's weights, a new schedule from step 0")
+    ap.add_argument("--chat-data", help="folder with chat_data.py's chat-{train,valid}.bin and .idx.npy")
+    ap.add_argument("--chat-frac", type=float, help="share of each batch's windows taken from --chat-data (default 0)")
     ap.add_argument("--minutes", type=float, default=0, help="stop cleanly (and save) before M minutes of wall time")
     # schedule-defining (default: SCHEDULE_DEFAULTS, or the checkpoint's when resuming)
     ap.add_argument("--total-steps", type=int, help="optimizer steps of the whole run (fixes the LR schedule)")

@@ -17,6 +17,8 @@ use deltafin_store::Store;
 use deltafin_store::presence::ExpertFetcher;
 use deltafin_text::tokenizer::Tokenizer;
 
+use crate::chat_turn::{chat_conversation, chat_prompt, chat_turn};
+
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
     /// Deltafin store directory (made by `deltafin convert`, `deltafin install` or `deltafin
@@ -176,6 +178,17 @@ pub struct GenerateArgs {
     /// Prompt token ids, comma separated.
     #[arg(long, value_delimiter = ',')]
     pub prompt_tokens: Option<Vec<u32>>,
+    /// Chat: send this as a user message in the model's chat format (Kimi K3's, as `serve` renders
+    /// a chat request), stop at the end of the assistant's message, and print its reasoning and
+    /// its answer apart (`reasoning`, `content`, `tool_calls` with --json). Needs a tokenizer.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_tokens"])]
+    pub chat: Option<String>,
+    /// With --chat: a system message before the user's.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// With --chat: how much the model thinks (low, medium, high, max; `none` turns thinking off).
+    #[arg(long, requires = "chat", default_value = "max")]
+    pub reasoning_effort: String,
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
     /// Print one JSON object instead of text.
@@ -242,9 +255,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         bail!("--routing-locality must be between 0 and 1");
     }
     // Argument mistakes are reported before minutes of loading, not after.
-    if a.prompt.is_some() == a.prompt_tokens.is_some() {
-        bail!("pass exactly one of --prompt or --prompt-tokens");
+    if [a.prompt.is_some(), a.prompt_tokens.is_some(), a.chat.is_some()].iter().filter(|&&x| x).count() != 1 {
+        bail!("pass exactly one of --prompt, --prompt-tokens or --chat");
     }
+    let chat = a.chat.as_deref().map(|m| chat_conversation(m, a.system.as_deref(), &a.reasoning_effort)).transpose()?;
     // A trace records each layer's prediction of the next layer's picks.
     // With --state-dir the state store holds one snapshot's bytes besides the live state.
     let opts = RunOptions {
@@ -255,13 +269,17 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let (store, mut s) = a.model.open_with(&opts)?;
     let tok = load_tokenizer(&store)?;
-    let prompt_ids = match (&a.prompt, &a.prompt_tokens) {
-        (Some(text), None) => match &tok {
+    let prompt_ids = match (&a.prompt, &a.prompt_tokens, &chat) {
+        (Some(text), None, None) => match &tok {
             Some(t) => t.encode(text),
             None => bail!("this store has no tokenizer; pass --prompt-tokens instead of --prompt"),
         },
-        (None, Some(ids)) => ids.clone(),
-        _ => bail!("pass exactly one of --prompt or --prompt-tokens"),
+        (None, Some(ids), None) => ids.clone(),
+        (None, None, Some((conv, opts))) => match &tok {
+            Some(t) => chat_prompt(conv, *opts, t)?,
+            None => bail!("this store has no tokenizer, which --chat needs"),
+        },
+        _ => bail!("pass exactly one of --prompt, --prompt-tokens or --chat"),
     };
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
@@ -354,6 +372,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         deltafin_engine::stream::replay::write_iolog(&s.take_read_log(), path)?;
     }
     let text = tok.as_ref().map(|t| t.decode(&g.tokens));
+    let turn = match (&chat, &tok) {
+        (Some((_, opts)), Some(t)) => Some(chat_turn(t, opts.thinking, &g.tokens)),
+        _ => None,
+    };
     let steps = &g.timing.decode_step_s;
     let decode_tps = (!steps.is_empty()).then(|| steps.len() as f64 / steps.iter().sum::<f64>());
     let report = s.report();
@@ -380,6 +402,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             })),
             "tokens": g.tokens,
             "text": text,
+            "reasoning": turn.as_ref().map(|t| &t.reasoning),
+            "content": turn.as_ref().map(|t| &t.content),
+            "tool_calls": turn.as_ref().map(|t| t.tool_calls.iter().map(|(name, args)| serde_json::json!({"name": name, "arguments": args})).collect::<Vec<_>>()),
             "stopped_at_eos": g.stopped_at_eos,
             "model": s.variant(),
             "experts_per_token": s.model.config.num_experts_per_token,
@@ -415,7 +440,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         });
         println!("{out}");
     } else {
-        match text {
+        let shown = match (&turn, text) {
+            (Some(turn), _) => Some(turn.shown()),
+            (None, t) => t,
+        };
+        match shown {
             Some(t) if std::io::stdout().is_terminal() => println!("{}", terminal_safe(&t)),
             Some(t) => println!("{t}"),
             None => println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
