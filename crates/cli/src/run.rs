@@ -184,11 +184,12 @@ pub struct GenerateArgs {
     #[arg(long, conflicts_with_all = ["prompt", "prompt_tokens"])]
     pub chat: Option<String>,
     /// With --chat: a system message before the user's.
-    #[arg(long, requires = "chat")]
+    #[arg(long)]
     pub system: Option<String>,
     /// With --chat: how much the model thinks (low, medium, high, max; `none` turns thinking off).
-    #[arg(long, requires = "chat", default_value = "max")]
-    pub reasoning_effort: String,
+    /// Default: max, as K3's API.
+    #[arg(long)]
+    pub reasoning_effort: Option<String>,
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
     /// Print one JSON object instead of text.
@@ -258,7 +259,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if [a.prompt.is_some(), a.prompt_tokens.is_some(), a.chat.is_some()].iter().filter(|&&x| x).count() != 1 {
         bail!("pass exactly one of --prompt, --prompt-tokens or --chat");
     }
-    let chat = a.chat.as_deref().map(|m| chat_conversation(m, a.system.as_deref(), &a.reasoning_effort)).transpose()?;
+    if a.chat.is_none() && (a.system.is_some() || a.reasoning_effort.is_some()) {
+        bail!("--system and --reasoning-effort go with --chat");
+    }
+    let effort = a.reasoning_effort.as_deref().unwrap_or("max");
+    let chat = a.chat.as_deref().map(|m| chat_conversation(m, a.system.as_deref(), effort)).transpose()?;
     // A trace records each layer's prediction of the next layer's picks.
     // With --state-dir the state store holds one snapshot's bytes besides the live state.
     let opts = RunOptions {

@@ -318,6 +318,51 @@ fn demo_model_continues_as_its_training_framework_did() {
     }
 }
 
+/// The demo model answers in chat as its training framework did (`models/k3-demo/chat.json`:
+/// PyTorch, float32, the question rendered with K3's chat template): `generate --chat` renders the
+/// same prompt ids, stops at the end of the assistant's message with the same tokens, and splits
+/// them into the recorded reasoning (the thinking span closes) and answer, with a bf16 spine (the
+/// default for this model) and an f32 one.
+#[test]
+fn demo_model_answers_in_chat_as_its_training_framework_did() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo");
+    let rec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(demo.join("chat.json")).unwrap()).unwrap();
+    let question = rec["messages"][0]["content"].as_str().unwrap();
+    let hf = demo.join("hf");
+    for spine in ["bf16", "f32"] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = dir.path().to_str().unwrap();
+        ok(&["convert", "--from", hf.to_str().unwrap(), "--to", s, "--spine", spine]);
+        let out = ok(&["generate", "--model", s, "--chat", question, "--max-tokens", "200", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+        assert_eq!(v["prompt_tokens"], rec["prompt_ids"], "the chat prompt rendered as the fine-tune saw it");
+        assert_eq!(v["tokens"], rec["tokens"], "the recorded greedy answer ({spine})");
+        assert_eq!(v["stopped_at_eos"], true, "the turn ends with <|end_of_msg|>");
+        assert_eq!(v["reasoning"], rec["reasoning"]);
+        assert_eq!(v["content"], rec["content"]);
+        assert_eq!(v["tool_calls"], serde_json::json!([]));
+        // The text form shows the thinking apart from the answer.
+        let text = ok(&["generate", "--model", s, "--chat", question, "--max-tokens", "200"]);
+        let content = rec["content"].as_str().unwrap();
+        assert!(text.starts_with("[thinking] "), "{text:?}");
+        assert!(text.trim_end().ends_with(content.trim()), "{text:?}");
+    }
+}
+
+/// `generate --chat` refuses what it cannot render before loading anything.
+#[test]
+fn generate_chat_arguments_are_checked() {
+    let store = convert("k3-tiny", &[]);
+    let s = store.path().to_str().unwrap();
+    let err = fails(&["generate", "--model", s, "--chat", "hi", "--reasoning-effort", "lots"]);
+    assert!(err.contains("unsupported reasoning effort 'lots'"), "{err}");
+    let err = fails(&["generate", "--model", s, "--chat", "hi", "--prompt", "x"]);
+    assert!(err.contains("cannot be used with"), "{err}");
+    let err = fails(&["generate", "--model", s, "--system", "be brief", "--prompt", "x"]);
+    assert!(err.contains("--chat"), "{err}");
+}
+
 /// `logits --all-positions` writes every position's logits, teacher-forced, as f32 `[T, V]`:
 /// the last row is what `logits` prints. `convert --router-f32` keeps only the routers' gates in
 /// f32 (the manifest says so) and the store runs.
