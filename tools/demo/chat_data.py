@@ -387,7 +387,7 @@ def render(conv: dict) -> list:
                  "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
                  "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
                  f"with `thinking_effort={effort}`.")
-    last_calls, tool_index = [], 0
+    tool_index = 0
     for m in conv["messages"]:
         role = m["role"]
         if role in ("system", "user"):
@@ -416,7 +416,7 @@ def render(conv: dict) -> list:
                     close("call")
                 close("tools")
             end_message()
-            last_calls, tool_index = calls, 0
+            tool_index = 0
         elif role == "tool":
             tool_index += 1
             open_("message", [("role", "tool"), ("tool", m["name"]), ("index", str(tool_index))])
@@ -433,6 +433,20 @@ def to_ids(segs: list, enc, first_special: int) -> list:
         else:
             ids.extend(enc.encode_ordinary(s))
     return ids
+
+
+def first_special_id(hf: Path) -> int:
+    """The id of [BOS], the first of the 256 special slots (K3's markers sit at fixed offsets from it)."""
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    return next(int(k) for k, v in cfg["added_tokens_decoder"].items() if v["content"] == "[BOS]")
+
+
+def prompt_ids(conv: dict, enc, fs: int) -> list:
+    """The conversation plus the generation prompt `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`."""
+    segs = render(conv)
+    segs += [("<|open|>", True), ("message", False), (" role", False), ('="', False), ("assistant", False),
+             ('"', False), ("<|sep|>", True), ("<|open|>", True), ("think", False), ("<|sep|>", True)]
+    return to_ids(segs, enc, fs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -504,8 +518,7 @@ def main():
     hf, out = Path(args.hf), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     enc = encoding(hf)
-    cfg = json.loads((hf / "tokenizer_config.json").read_text())
-    first_special = next(int(k) for k, v in cfg["added_tokens_decoder"].items() if v["content"] == "[BOS]")
+    first_special = first_special_id(hf)
     stats = {"first_special": first_special}
     samples = []
     for split in ("train", "valid"):

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import k3_torch as k3  # noqa: E402
-from chat_data import END, LOOKUP_TOOL, SPECIAL_OFFSET, render, to_ids  # noqa: E402
+from chat_data import END, LOOKUP_TOOL, SPECIAL_OFFSET, first_special_id, prompt_ids, render, to_ids  # noqa: E402
 from tokenizer import encoding  # noqa: E402
 
 QUESTIONS = [
@@ -42,19 +42,6 @@ QUESTIONS = [
 TOOL_QUESTION = "What does `shutil.copyfile` do in Python?"
 TOOL_RESULT = ("shutil.copyfile(src, dst, *, follow_symlinks=True)\n\nCopy the contents (no metadata) of the file "
                "named src to a file named dst and return dst in the most efficient way possible.")
-
-
-def first_special(hf: Path) -> int:
-    cfg = json.loads((hf / "tokenizer_config.json").read_text())
-    return next(int(k) for k, v in cfg["added_tokens_decoder"].items() if v["content"] == "[BOS]")
-
-
-def prompt_ids(conv: dict, enc, fs: int) -> list:
-    """The conversation plus the generation prompt `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`."""
-    segs = render(conv)
-    segs += [("<|open|>", True), ("message", False), (" role", False), ('="', False), ("assistant", False),
-             ('"', False), ("<|sep|>", True), ("<|open|>", True), ("think", False), ("<|sep|>", True)]
-    return to_ids(segs, enc, fs)
 
 
 @torch.no_grad()
@@ -148,7 +135,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     hf = Path(args.hf)
-    enc, fs = encoding(hf), first_special(hf)
+    enc, fs = encoding(hf), first_special_id(hf)
     stop = fs + SPECIAL_OFFSET[END]
     model = k3.load_hf(hf, dtype=torch.float32)
     model.eval()

@@ -12,8 +12,9 @@ picks. The kinds:
     code    a Python standard-library module
     rust    a Rust standard-library source file
     mixed   documentation prose, then Python code, then Rust code, back to back
-    chat    a long dialogue in plain text (User: / Assistant: turns built from held-out documentation paragraphs;
-            the model was never trained on K3's chat format, so this is chat-shaped text, not a chat)
+    chat    a conversation in K3's chat format, as a chat request renders it: the held-out questions and answers of
+            tools/demo/chat_data.py (chat-valid.jsonl) as earlier turns, their reasoning included, then one more
+            question and the generation prompt; the greedy tokens are the model's reasoning and answer
 Prompts are cut to --prompt tokens (default 480, under the 512 the model was trained on), then --gen greedy tokens.
 """
 
@@ -43,13 +44,26 @@ def longest(docs):
     return max(docs, key=lambda d: len(d["text"]))
 
 
-def chat_text(docs) -> str:
-    paras = [p.strip() for d in docs for p in d["text"].split("\n\n") if 80 < len(p.strip()) < 600]
-    turns = []
-    for i, p in enumerate(paras[:24]):
-        first = p.split(".")[0][:120]
-        turns.append(f"User: Can you explain this: {first}?\n\nAssistant: {p}\n")
-    return "\n".join(turns)
+def chat_ids(chat_valid: Path, hf: Path, enc, budget: int) -> list:
+    """A multi-turn conversation of held-out questions and answers, at most `budget` tokens with the last question
+    and the generation prompt (tools/demo/chat_eval.py renders it as the server does)."""
+    from chat_data import first_special_id, prompt_ids
+
+    fs = first_special_id(hf)
+    convs = [json.loads(line) for line in chat_valid.read_text().splitlines() if line.strip()]
+    convs = [c for c in convs if not c["tools"]]
+    messages, ids = [], None
+    for i, c in enumerate(convs):
+        turn = [m for m in c["messages"] if m["role"] != "system"]
+        trial = {"tools": [], "reasoning_effort": None, "messages": messages + [turn[0]]}
+        t = prompt_ids(trial, enc, fs)
+        if len(t) > budget:
+            break
+        ids = t  # the conversation so far, asking this question
+        messages += turn
+    if ids is None:
+        raise SystemExit(f"no held-out question fits {budget} tokens")
+    return ids
 
 
 def main():
@@ -60,9 +74,10 @@ def main():
     ap.add_argument("--out", default="models/k3-demo/traces")
     ap.add_argument("--prompt", type=int, default=480)
     ap.add_argument("--gen", type=int, default=32)
-    # The committed traces were recorded with the int8 spine, the conversion's default then; bf16 (the default now,
-    # `--spine auto`) changes about one (token, layer) pair's expert set in thirteen (docs/numerics.md, "Spine quantisation").
-    ap.add_argument("--spine", default="int8", help="the store's spine (convert --spine); int8 reproduces the committed traces")
+    ap.add_argument("--chat-data", default="target/demo/data", help="folder with chat_data.py's chat-valid.jsonl")
+    # The traces of the bundle before the chat fine-tune were recorded with the int8 spine, the conversion's default
+    # then; these use the default now (`--spine auto`: bf16 for this model).
+    ap.add_argument("--spine", default="auto", help="the store's spine (convert --spine)")
     args = ap.parse_args()
     enc = encoding(Path(args.hf))
     by = held_out(Path(args.corpus))
@@ -73,15 +88,15 @@ def main():
     }
     third = args.prompt // 3
     texts["mixed"] = "\n\n".join(enc.decode(enc.encode_ordinary(texts[k])[:third]) for k in ("prose", "code", "rust"))
-    texts["chat"] = chat_text(by["python-docs"])
+    prompts = {k: enc.encode_ordinary(t)[: args.prompt] for k, t in texts.items()}
+    prompts["chat"] = chat_ids(Path(args.chat_data) / "chat-valid.jsonl", Path(args.hf), enc, args.prompt)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         subprocess.run([args.bin, "convert", "--from", args.hf, "--to", str(store), "--spine", args.spine], check=True,
                        capture_output=True)
-        for name, text in texts.items():
-            ids = enc.encode_ordinary(text)[: args.prompt]
+        for name, ids in prompts.items():
             trace = out / f"{name}.jsonl"
             subprocess.run([args.bin, "generate", "--model", str(store), "--prompt-tokens", ",".join(map(str, ids)),
                             "--max-tokens", str(args.gen), "--ignore-eos", "--trace", str(trace)], check=True,

@@ -1000,7 +1000,7 @@ def smoke(args) -> None:
     rc = train(smoke_args(out=str(base / "c"), init_from=str(base / "compact-3")))
     for s in (4, 5, 6):
         log(f"  step {s}: A {ra['losses'][s]:.5f}  C {rc['losses'][s]:.5f}")
-    log(f"  (C differs from A by design: fresh AdamW moments, bf16-rounded weights, LR re-warm-up)")
+    log("  (C differs from A by design: fresh AdamW moments, bf16-rounded weights, LR re-warm-up)")
 
     log("\n=== smoke D: --minutes time box (a 1000-step schedule in 0.35 minutes) ===")
     t = time.time()
