@@ -1,6 +1,16 @@
-"""The three demo questions through chat completions, the Responses API and Ollama's /api/chat, and the tool round
-trip through chat completions, against a running `deltafin serve` on the demo store (port in argv[1])."""
-import json, sys, urllib.request
+#!/usr/bin/env python3
+"""Ask the demo model three questions through chat completions, the Responses API and Ollama's /api/chat, and make
+one tool round trip through chat completions (a `lookup_docs` call, then the answer from its result), against a
+running `deltafin serve` on the demo store. Greedy; standard library only.
+
+    deltafin convert --from models/k3-demo/hf --to /tmp/demo && deltafin serve -m /tmp/demo --port 8392 &
+    python3 tools/demo/ask_server.py 8392 > bench-results/demo-chat/server-answers.txt
+"""
+
+import json
+import sys
+import urllib.request
+
 base = f"http://127.0.0.1:{sys.argv[1]}"
 def post(path, body):
     r = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
