@@ -126,7 +126,7 @@ pub enum SpinePrecision {
     Fixed(SpineDtype),
     /// The checkpoint's own precision, bf16, when the bf16 spine takes at most half of `budget`
     /// (the memory the runtime will plan with), else int8. On the trained demo model int8 flips
-    /// the top token at 2-3% of positions, almost all through changed expert choices
+    /// the top token at 2-2.5% of positions, almost all through changed expert choices
     /// (docs/numerics.md, "Spine quantisation"), so int8 is what a machine takes when it must, not the
     /// default where bf16 fits with as much memory again left for the expert cache.
     Auto { budget: u64 },
