@@ -18,9 +18,10 @@ pub fn chat_conversation(message: &str, system: Option<&str>, effort: &str) -> R
     let thinking = effort != "none";
     let conv =
         Conversation { messages, reasoning_effort: thinking.then(|| effort.to_string()), ..Conversation::default() };
+    let opts = RenderOptions { thinking, add_generation_prompt: true };
     // Refuse an unknown effort now, before minutes of loading.
-    chat::encode::render(&conv, RenderOptions { thinking, add_generation_prompt: true }).map_err(|e| anyhow!("{e}"))?;
-    Ok((conv, RenderOptions { thinking, add_generation_prompt: true }))
+    chat::encode::render(&conv, opts).map_err(|e| anyhow!("{e}"))?;
+    Ok((conv, opts))
 }
 
 pub fn chat_prompt(conv: &Conversation, opts: RenderOptions, tok: &Tokenizer) -> Result<Vec<u32>> {

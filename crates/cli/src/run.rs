@@ -50,9 +50,9 @@ pub struct ModelArgs {
     #[arg(long, default_value = "slru")]
     pub cache_policy: Policy,
     /// Prefetch the next MoE layer's predicted experts while a layer computes. Off by default:
-    /// replaying the trained demo model's router traces (76% precise predictions) on a K3-shaped
-    /// store, it read 40-48% more and decoded 8-27% slower at 8, 16 and 32 cache slots per layer
-    /// (docs/streaming.md, "Traces of a trained router").
+    /// replaying the trained demo model's router traces (77-78% precise predictions) on a
+    /// K3-shaped store, it read 31-40% more and decoded 0-21% slower at about 10, 18 and 33 cache
+    /// slots per layer (docs/streaming.md, "Traces of a trained router").
     #[arg(long, conflicts_with = "no_prefetch")]
     pub prefetch: bool,
     /// No look-ahead prefetch: the default (kept so that existing scripts work).
