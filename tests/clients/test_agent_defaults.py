@@ -238,7 +238,7 @@ def test_argument_mistakes_are_reported_before_loading(deltafin_bin, tmp_path):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode != 0
-    assert "pass exactly one of --prompt or --prompt-tokens" in proc.stderr, proc.stderr
+    assert "pass exactly one of --prompt, --prompt-tokens or --chat" in proc.stderr, proc.stderr
 
 
 def test_a_context_beyond_the_model_is_refused_before_listening(deltafin_bin, store):
