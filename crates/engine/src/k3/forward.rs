@@ -12,8 +12,27 @@ use deltafin_kernels::ops::rms_norm;
 use super::state::{K3State, LayerState};
 use super::{Attention, Ffn, K3Model, Layer};
 use crate::blocks::attn_res::ResidualBlocks;
-use crate::blocks::moe::MoeRun;
+use crate::blocks::moe::{MoeRun, Routing};
 use crate::experts::ExpertSource;
+use crate::scratch::Scratch;
+
+/// One sequence's share of a batched step ([`K3Model::forward_batch`]): its state, the tokens
+/// it feeds (one to decode, several for a prompt chunk), and where its next-token logits go.
+/// Shapes: logits `[vocab]`.
+pub struct SeqStep<'a> {
+    pub state: &'a mut K3State,
+    pub tokens: &'a [u32],
+    pub logits: &'a mut [f32],
+}
+
+/// What a batched step reuses from step to step, shared by the step's sequences: scratch, and
+/// each step token's residual blocks and routing `[T]` (only the first T are live).
+#[derive(Default)]
+pub struct BatchBuffers {
+    pub scratch: Scratch,
+    pub blocks: Vec<ResidualBlocks>,
+    pub routing: Vec<Routing>,
+}
 
 /// A chunk reads ahead when its tokens' picks number at least this many times the layer's
 /// experts: under uniform routing each expert is then missed with probability below e^-4 (2%).
@@ -57,19 +76,71 @@ impl K3Model {
         logits: &mut [f32],
         on_layer: &mut dyn FnMut(usize) -> bool,
     ) -> Result<bool> {
+        // One sequence is a batch of one, run on the sequence's own buffers (moved, not copied:
+        // a decode step still allocates nothing).
+        let mut bufs = BatchBuffers {
+            scratch: std::mem::take(&mut st.scratch),
+            blocks: std::mem::take(&mut st.blocks),
+            routing: std::mem::take(&mut st.chunk_routing),
+        };
+        let mut one = [SeqStep { state: &mut *st, tokens, logits }];
+        let r = self.forward_batch_with(&mut one, experts, &mut bufs, on_layer);
+        (st.scratch, st.blocks, st.chunk_routing) = (bufs.scratch, bufs.blocks, bufs.routing);
+        r
+    }
+
+    /// One step for several sequences at once (continuous batching): each `seqs[i]` feeds its
+    /// own tokens (one for a decode step, several for a prompt chunk) into its own state, and
+    /// gets the logits after its last token. The step goes through the model once: each spine
+    /// layer is fetched once, every spine matrix, router and shared expert is applied to all of
+    /// the step's tokens together, the union of every token's experts is read once and each
+    /// expert applied to every token that chose it, and the head runs once over the sequences'
+    /// last tokens. Only attention goes sequence by sequence, each over its own state. Per
+    /// sequence the arithmetic is that of the same tokens alone (`forward_chunk`), bit for bit.
+    /// A failure fails the step for every sequence in it (their states are left part-way).
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        experts: &mut dyn ExpertSource,
+        bufs: &mut BatchBuffers,
+    ) -> Result<()> {
+        self.forward_batch_with(seqs, experts, bufs, &mut |_| true)?;
+        Ok(())
+    }
+
+    /// [`Self::forward_batch`] with `on_layer` as in [`Self::forward_chunk_with`].
+    pub fn forward_batch_with(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        experts: &mut dyn ExpertSource,
+        bufs: &mut BatchBuffers,
+        on_layer: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<bool> {
         let c = &self.config;
         let h = c.hidden_size;
-        let t_n = tokens.len();
-        anyhow::ensure!(t_n > 0, "empty chunk");
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            anyhow::bail!("token id {t} is outside the vocabulary (size {})", c.vocab_size);
+        anyhow::ensure!(!seqs.is_empty(), "empty batch");
+        for s in seqs.iter() {
+            anyhow::ensure!(!s.tokens.is_empty(), "empty chunk");
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                anyhow::bail!("token id {t} is outside the vocabulary (size {})", c.vocab_size);
+            }
+            anyhow::ensure!(
+                s.logits.len() == c.vocab_size,
+                "logits buffer of {} for a vocabulary of {}",
+                s.logits.len(),
+                c.vocab_size
+            );
+            anyhow::ensure!(
+                !s.state.part_way,
+                "this sequence's state was left part-way through a chunk (a failed or stopped step): it cannot be continued"
+            );
         }
-        anyhow::ensure!(
-            !st.part_way,
-            "this sequence's state was left part-way through a chunk (a failed or stopped step): it cannot be continued"
-        );
-        st.part_way = true;
-        let K3State { layers: states, routing, scratch: sc, blocks, chunk_routing, .. } = st;
+        for s in seqs.iter_mut() {
+            s.state.part_way = true;
+        }
+        // Sequence i's tokens are rows starts[i]..starts[i + 1] of every [T, ..] buffer.
+        let t_n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let BatchBuffers { scratch: sc, blocks, routing: chunk_routing } = bufs;
         while blocks.len() < t_n {
             blocks.push(ResidualBlocks::new(c.rms_norm_eps));
         }
@@ -78,18 +149,17 @@ impl K3Model {
         chunk_routing.resize_with(t_n.max(chunk_routing.len()), Default::default);
         let chunk_routing = &mut chunk_routing[..t_n];
         let mut xs = sc.take(t_n * h); // [T, H] the running partial sums entering each layer
-        for (t, &tok) in tokens.iter().enumerate() {
+        for (t, &tok) in seqs.iter().flat_map(|s| s.tokens).enumerate() {
             self.embed.row(tok as usize, &mut xs[t * h..(t + 1) * h]);
         }
         let mut normed = sc.take(t_n * h); // [T, H] each sub-layer's normed input
         let mut ys = sc.take(t_n * h); // [T, H] FFN outputs
         let mut hmix = sc.take(h); // [H] input of a sub-layer after residual mixing
-        let mut y = sc.take(h); // [H] attention output
         for l in 0..self.layers.len() {
             let layer = self.layer(l)?;
-            // Attention: each token's input mixed and normed, the chunk's attention (its
-            // projections batched, its recurrence token by token), then each token's running
-            // sum and the FFN's normed input.
+            // Attention: each token's input mixed and normed, each sequence's attention over its
+            // own state (its projections batched, its recurrence token by token), then each
+            // token's running sum and the FFN's normed input.
             if let Ffn::Moe(m) = &layer.ffn
                 && t_n * c.num_experts_per_token >= READ_AHEAD_COVERAGE * c.num_experts
             {
@@ -103,10 +173,16 @@ impl K3Model {
                 let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
                 self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
             }
-            match (&layer.attn, &mut states[l]) {
-                (Attention::Kda(k), LayerState::Kda(s)) => k.forward_chunk(s, &normed, t_n, &mut ys, sc),
-                (Attention::Mla(m), LayerState::Mla(s)) => m.forward_chunk(s, &normed, t_n, &mut ys, sc),
-                _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
+            let mut t0 = 0;
+            for s in seqs.iter_mut() {
+                let n = s.tokens.len();
+                let (x, y) = (&normed[t0 * h..(t0 + n) * h], &mut ys[t0 * h..(t0 + n) * h]);
+                match (&layer.attn, &mut s.state.layers[l]) {
+                    (Attention::Kda(k), LayerState::Kda(st)) => k.forward_chunk(st, x, n, y, sc),
+                    (Attention::Mla(m), LayerState::Mla(st)) => m.forward_chunk(st, x, n, y, sc),
+                    _ => anyhow::bail!("layer {l}: state does not match the attention kind"),
+                }
+                t0 += n;
             }
             for t in 0..t_n {
                 let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
@@ -115,46 +191,71 @@ impl K3Model {
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward_batch(&normed, t_n, &mut ys, sc),
                 Ffn::Moe(m) => {
-                    // A pinned routing (a study's override, set before a token) applies to the
-                    // chunk's first token; the state keeps the last token's routing.
-                    chunk_routing[0].copy_from(&routing[l]);
-                    chunk_routing[1..].iter_mut().for_each(|r| {
-                        r.pinned = false;
-                        r.pinned_next.clear();
-                    });
-                    // Look-ahead predicts one token's next picks; a chunk's union is requested
+                    // A pinned routing (a study's override, set before a token) applies to each
+                    // sequence's first token of the step; a state keeps its last token's routing.
+                    let mut t0 = 0;
+                    for s in seqs.iter() {
+                        chunk_routing[t0].copy_from(&s.state.routing[l]);
+                        chunk_routing[t0 + 1..t0 + s.tokens.len()].iter_mut().for_each(|r| {
+                            r.pinned = false;
+                            r.pinned_next.clear();
+                        });
+                        t0 += s.tokens.len();
+                    }
+                    // Look-ahead predicts one token's next picks; a step's union is requested
                     // whole at its layer.
                     let next = if t_n == 1 { self.next_moe(l) } else { None };
                     let run = MoeRun { next, hint: self.run.prefetch, approx: self.run.approx };
                     m.forward(&normed, experts, run, chunk_routing, &mut ys, sc)?;
-                    routing[l].copy_from(&chunk_routing[t_n - 1]);
+                    let mut t0 = 0;
+                    for s in seqs.iter_mut() {
+                        t0 += s.tokens.len();
+                        s.state.routing[l].copy_from(&chunk_routing[t0 - 1]);
+                    }
                 }
             }
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
             if !on_layer(l) && l + 1 < self.layers.len() {
                 // Stopped between layers: no read is open, the buffers go back.
-                for buf in [xs, normed, ys, hmix, y] {
+                for buf in [xs, normed, ys, hmix] {
                     sc.give(buf);
                 }
                 return Ok(false);
             }
         }
-        let last = &xs[(t_n - 1) * h..];
-        if let Some(w) = &self.output_res_w {
-            blocks[t_n - 1].mix(last, w, &mut hmix);
+        // The head, once for the step: each sequence's last token, mixed and normed, as a row.
+        let n_seq = seqs.len();
+        let mut last = sc.take(n_seq * h); // [N, H] each sequence's normed last hidden state
+        let mut t0 = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            t0 += s.tokens.len();
+            let x = &xs[(t0 - 1) * h..t0 * h];
+            if let Some(w) = &self.output_res_w {
+                blocks[t0 - 1].mix(x, w, &mut hmix);
+            } else {
+                hmix.copy_from_slice(x);
+            }
+            rms_norm(&hmix, &self.norm, c.rms_norm_eps, &mut last[i * h..(i + 1) * h]);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if let [s] = seqs {
+            head.forward(&last, s.logits);
         } else {
-            hmix.copy_from_slice(last);
+            let v = c.vocab_size;
+            let mut out = sc.take(n_seq * v); // [N, vocab]
+            head.forward_batch(&last, n_seq, &mut out);
+            for (s, row) in seqs.iter_mut().zip(out.chunks_exact(v)) {
+                s.logits.copy_from_slice(row);
+            }
+            sc.give(out);
         }
-        rms_norm(&hmix, &self.norm, c.rms_norm_eps, &mut y);
-        match &self.lm_head {
-            Some(head) => head.forward(&y, logits),
-            None => self.embed.forward(&y, logits),
-        }
-        for buf in [xs, normed, ys, hmix, y] {
+        for buf in [xs, normed, ys, hmix, last] {
             sc.give(buf);
         }
-        st.position += t_n;
-        st.part_way = false;
+        for s in seqs.iter_mut() {
+            s.state.position += s.tokens.len();
+            s.state.part_way = false;
+        }
         Ok(true)
     }
 

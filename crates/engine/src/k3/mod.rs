@@ -25,6 +25,7 @@ use crate::stream::reader::BackendKind;
 use crate::stream::spine::SpineStreamer;
 use crate::weights::{Linear, load_vec};
 
+pub use forward::{BatchBuffers, SeqStep};
 pub use state::{K3State, LayerState};
 
 /// Prompt tokens processed together when no memory plan sized the chunk (a model loaded

@@ -1,0 +1,290 @@
+//! Continuous batching: several sequences in one step (`K3Model::forward_batch`), joining and
+//! leaving between steps, a joining sequence's prompt chunks riding beside the others' decode
+//! tokens. Per sequence the logits after every step are those of the same sequence alone, bit
+//! for bit, for every spine dtype, with the spine resident or streamed, through plain and
+//! streamed expert reads; and a step reads each distinct expert once for all its sequences.
+
+mod common;
+
+use common::*;
+use deltafin_engine::experts::{ExpertSource, StoreExperts};
+use deltafin_engine::generate::argmax;
+use deltafin_engine::k3::{BatchBuffers, K3Model, RunConfig, SeqStep};
+use deltafin_engine::stream::cache::Policy;
+use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
+use deltafin_store::{ExpertLayout, SpineDtype, Store};
+
+/// One sequence of a schedule: it joins at step `join`, feeds its prompt in chunks of `chunk`,
+/// then decodes `decode` greedy tokens and leaves.
+struct Seq {
+    prompt: Vec<u32>,
+    join: usize,
+    chunk: usize,
+    decode: usize,
+}
+
+/// A sequence while the schedule runs: what it has fed, and its logits after every step.
+struct Live {
+    state: deltafin_engine::k3::K3State,
+    fed: usize,
+    decoded: usize,
+    next: u32,
+    logits: Vec<f32>,
+    history: Vec<Vec<f32>>,
+}
+
+/// What a sequence feeds next: its next prompt chunk, its last greedy token, or nothing (done).
+fn step_tokens(s: &Seq, l: &Live) -> Option<Vec<u32>> {
+    if l.fed < s.prompt.len() {
+        Some(s.prompt[l.fed..(l.fed + s.chunk).min(s.prompt.len())].to_vec())
+    } else if l.decoded < s.decode {
+        Some(vec![l.next])
+    } else {
+        None
+    }
+}
+
+fn advance(s: &Seq, l: &mut Live, fed: usize) {
+    if l.fed < s.prompt.len() {
+        l.fed += fed;
+    } else {
+        l.decoded += 1;
+    }
+    l.history.push(l.logits.clone());
+    l.next = argmax(&l.logits);
+}
+
+/// Run `seqs` together as a continuous batch; every sequence's logits after each of its steps,
+/// and the largest batch that ran.
+fn run_batched(model: &K3Model, src: &mut dyn ExpertSource, seqs: &[Seq]) -> (Vec<Vec<Vec<f32>>>, usize) {
+    let v = model.config.vocab_size;
+    let mut live: Vec<Option<Live>> = seqs.iter().map(|_| None).collect();
+    let mut done = vec![false; seqs.len()];
+    let mut bufs = BatchBuffers::default();
+    let (mut step, mut widest) = (0, 0);
+    let mut out: Vec<Vec<Vec<f32>>> = seqs.iter().map(|_| Vec::new()).collect();
+    while done.iter().any(|d| !d) {
+        for (i, s) in seqs.iter().enumerate() {
+            if s.join == step && live[i].is_none() && !done[i] {
+                live[i] = Some(Live {
+                    state: model.new_state(),
+                    fed: 0,
+                    decoded: 0,
+                    next: 0,
+                    logits: vec![0f32; v],
+                    history: Vec::new(),
+                });
+            }
+        }
+        let feeds: Vec<(usize, Vec<u32>)> = live
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.as_ref().and_then(|l| step_tokens(&seqs[i], l)).map(|t| (i, t)))
+            .collect();
+        if !feeds.is_empty() {
+            let mut taken: Vec<(usize, Live)> = feeds.iter().map(|(i, _)| (*i, live[*i].take().unwrap())).collect();
+            let mut steps: Vec<SeqStep<'_>> = taken
+                .iter_mut()
+                .zip(&feeds)
+                .map(|((_, l), (_, t))| SeqStep { state: &mut l.state, tokens: t, logits: &mut l.logits })
+                .collect();
+            widest = widest.max(steps.len());
+            model.forward_batch(&mut steps, src, &mut bufs).unwrap();
+            drop(steps);
+            for ((i, mut l), (_, t)) in taken.into_iter().zip(&feeds) {
+                advance(&seqs[i], &mut l, t.len());
+                live[i] = Some(l);
+            }
+        }
+        // Who has fed everything leaves between steps.
+        for (i, s) in seqs.iter().enumerate() {
+            if let Some(l) = &live[i]
+                && step_tokens(s, l).is_none()
+            {
+                out[i] = live[i].take().unwrap().history;
+                done[i] = true;
+            }
+        }
+        step += 1;
+        assert!(step < 1000, "the schedule does not end");
+    }
+    (out, widest)
+}
+
+/// The same sequence alone, with the same chunks: its logits after each step.
+fn run_alone(model: &K3Model, src: &mut dyn ExpertSource, s: &Seq) -> Vec<Vec<f32>> {
+    let v = model.config.vocab_size;
+    let mut l =
+        Live { state: model.new_state(), fed: 0, decoded: 0, next: 0, logits: vec![0f32; v], history: Vec::new() };
+    while let Some(t) = step_tokens(s, &l) {
+        model.forward_chunk(&mut l.state, src, &t, &mut l.logits).unwrap();
+        advance(s, &mut l, t.len());
+    }
+    l.history
+}
+
+/// Four sequences over the fixture's prompts: two start together (one prompt whole, one in
+/// chunks of 3), a third joins while they decode (its chunks ride beside their tokens), a
+/// fourth joins late with a one-token prompt; each leaves when it is done.
+fn schedule(name: &str) -> Vec<Seq> {
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let p = |i: usize| prompts[i % prompts.len()].clone();
+    vec![
+        Seq { prompt: p(0), join: 0, chunk: 64, decode: 6 },
+        Seq { prompt: p(1), join: 0, chunk: 3, decode: 4 },
+        Seq { prompt: p(2), join: 2, chunk: 5, decode: 7 },
+        Seq { prompt: vec![p(0)[0]], join: 5, chunk: 1, decode: 3 },
+    ]
+}
+
+fn check(model: &K3Model, store: &Store, what: &str, name: &str, batched_src: &mut dyn ExpertSource) {
+    let seqs = schedule(name);
+    let (got, widest) = run_batched(model, batched_src, &seqs);
+    assert!(widest >= 3, "{what}: the schedule must run three sequences at once (ran {widest})");
+    for (i, s) in seqs.iter().enumerate() {
+        let want = run_alone(model, &mut StoreExperts::new(store), s);
+        assert_eq!(got[i].len(), want.len(), "{what}: sequence {i} ran {} steps, alone {}", got[i].len(), want.len());
+        for (k, (a, b)) in got[i].iter().zip(&want).enumerate() {
+            assert!(same(a, b), "{what}: sequence {i}'s logits after step {k} differ from the sequence alone");
+        }
+    }
+}
+
+#[test]
+fn a_batched_step_gives_each_sequence_its_logits_alone() {
+    for name in FIXTURES {
+        for dtype in [SpineDtype::Int8, SpineDtype::Bf16, SpineDtype::F32] {
+            let dir = convert_fixture(name, dtype, 0, ExpertLayout::Pack);
+            let store = Store::open(dir.path(), None).unwrap();
+            for resident in [None, Some(1)] {
+                let model =
+                    K3Model::load(&store, &RunConfig { resident_layers: resident, ..Default::default() }).unwrap();
+                let what = format!("{name} {dtype:?} resident {resident:?}");
+                check(&model, &store, &what, name, &mut StoreExperts::new(&store));
+            }
+        }
+    }
+}
+
+/// Through the streaming source (a cache of one slot per layer, fewer I/O buffers than a
+/// step's distinct experts), on every read back-end, and on a pool of three threads.
+#[test]
+fn a_batched_step_streams_bit_identically() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for name in FIXTURES {
+        let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::InPlace);
+        let store = Store::open(dir.path(), None).unwrap();
+        let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+        for backend in backends() {
+            let o = StreamOptions {
+                cache_slots_per_layer: 1,
+                policy: Policy::Slru,
+                backend: Some(backend),
+                direct: true,
+                queue_depth: 8,
+                io_buffers: 6,
+                prefetch_buffers: 0,
+            };
+            let mut src = StreamingExperts::new(&store, o).unwrap();
+            pool.install(|| check(&model, &store, &format!("{name} {backend:?}"), name, &mut src));
+        }
+    }
+}
+
+/// A step reads each distinct expert once for all its sequences: two sequences decoding
+/// together read no more than the union of their experts, which is less than their reads alone
+/// whenever they share one.
+#[test]
+fn a_batched_step_reads_the_union_of_its_sequences_experts_once() {
+    let name = FIXTURES[1];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+    let v = model.config.vocab_size;
+    let record = store.manifest.experts.record_bytes as u64;
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let (mut a, mut b) = (model.new_state(), model.new_state());
+    let (mut la, mut lb) = (vec![0f32; v], vec![0f32; v]);
+    let mut src = StoreExperts::new(&store);
+    model.forward_chunk(&mut a, &mut src, &prompts[0], &mut la).unwrap();
+    model.forward_chunk(&mut b, &mut src, &prompts[1], &mut lb).unwrap();
+    let mut bufs = BatchBuffers::default();
+    let (mut shared_steps, mut alone_bytes, mut batched_bytes) = (0, 0, 0);
+    for _ in 0..8 {
+        let (ta, tb) = ([argmax(&la)], [argmax(&lb)]);
+        // What each would read alone: its own experts, from copies of the states.
+        let mut solo = 0;
+        for (st, t) in [(&a, ta[0]), (&b, tb[0])] {
+            let mut copy = model.new_state();
+            copy.copy_sequence_from(st);
+            let mut s = StoreExperts::new(&store);
+            model.forward(&mut copy, &mut s, t, &mut vec![0f32; v]).unwrap();
+            solo += s.bytes_read();
+        }
+        let before = src.bytes_read();
+        let mut steps = [
+            SeqStep { state: &mut a, tokens: &ta, logits: &mut la },
+            SeqStep { state: &mut b, tokens: &tb, logits: &mut lb },
+        ];
+        model.forward_batch(&mut steps, &mut src, &mut bufs).unwrap();
+        let got = src.bytes_read() - before;
+        // The union of the two sequences' picks, layer by layer.
+        let union: u64 = (0..model.layers.len())
+            .map(|l| {
+                let mut e: Vec<usize> = a.routing[l].experts.iter().chain(&b.routing[l].experts).copied().collect();
+                e.sort_unstable();
+                e.dedup();
+                e.len() as u64
+            })
+            .sum();
+        assert_eq!(got, union * record, "a step reads each distinct expert of its sequences once");
+        assert!(got <= solo);
+        shared_steps += usize::from(got < solo);
+        alone_bytes += solo;
+        batched_bytes += got;
+    }
+    assert!(
+        shared_steps > 0,
+        "no step shared an expert: the check proves nothing ({batched_bytes} of {alone_bytes} bytes)"
+    );
+}
+
+/// A step refuses what it cannot run, before it changes any state: an empty batch, a sequence
+/// with no tokens, a token outside the vocabulary, a logits buffer of the wrong size, and a
+/// state left part-way by an earlier failure; the other sequences' states are untouched.
+#[test]
+fn a_batched_step_refuses_bad_input_without_touching_any_state() {
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+    let v = model.config.vocab_size;
+    let mut src = StoreExperts::new(&store);
+    let mut bufs = BatchBuffers::default();
+    assert!(model.forward_batch(&mut [], &mut src, &mut bufs).is_err());
+    let (mut a, mut b) = (model.new_state(), model.new_state());
+    let (mut la, mut lb) = (vec![0f32; v], vec![0f32; v]);
+    let bad_token = [v as u32];
+    let mut short = vec![0f32; v - 1];
+    let cases: [(&[u32], bool); 3] = [(&[], false), (&bad_token, false), (&[1], true)];
+    for (tokens, short_logits) in cases {
+        let logits: &mut [f32] = if short_logits { &mut short } else { &mut lb };
+        let mut steps =
+            [SeqStep { state: &mut a, tokens: &[1, 2], logits: &mut la }, SeqStep { state: &mut b, tokens, logits }];
+        assert!(model.forward_batch(&mut steps, &mut src, &mut bufs).is_err());
+        assert_eq!((a.position, b.position), (0, 0));
+        assert!(!a.is_part_way() && !b.is_part_way(), "a refused step leaves no state part-way");
+    }
+    // A sequence left part-way (a stopped chunk) is refused, and takes no other down with it.
+    model.forward_chunk_with(&mut b, &mut src, &[1, 2], &mut lb, &mut |_| false).unwrap();
+    assert!(b.is_part_way());
+    let mut steps = [
+        SeqStep { state: &mut a, tokens: &[3], logits: &mut la },
+        SeqStep { state: &mut b, tokens: &[3], logits: &mut lb },
+    ];
+    assert!(model.forward_batch(&mut steps, &mut src, &mut bufs).is_err());
+    assert!(!a.is_part_way() && a.position == 0);
+    let mut alone = [SeqStep { state: &mut a, tokens: &[3], logits: &mut la }];
+    model.forward_batch(&mut alone, &mut src, &mut bufs).unwrap();
+    assert_eq!(a.position, 1);
+}
