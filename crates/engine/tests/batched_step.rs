@@ -201,7 +201,7 @@ fn a_batched_step_reads_the_union_of_its_sequences_experts_once() {
     let store = Store::open(dir.path(), None).unwrap();
     let model = K3Model::load(&store, &RunConfig::default()).unwrap();
     let v = model.config.vocab_size;
-    let record = store.manifest.experts.record_bytes as u64;
+    let record = store.manifest.experts.record_bytes;
     let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
     let (mut a, mut b) = (model.new_state(), model.new_state());
     let (mut la, mut lb) = (vec![0f32; v], vec![0f32; v]);
