@@ -58,6 +58,44 @@ pub trait ExpertSource {
     fn take_back(&mut self) {}
 }
 
+/// An expert source that tells `on_begin(layer, experts)` what each layer asked for and passes
+/// everything through (a prompt's distinct experts, a batched step's union per layer).
+pub struct Observed<'a, F: FnMut(usize, &[usize])> {
+    pub inner: &'a mut dyn ExpertSource,
+    pub on_begin: F,
+}
+
+impl<F: FnMut(usize, &[usize])> ExpertSource for Observed<'_, F> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        (self.on_begin)(layer, experts);
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
+        self.inner.drain(f)
+    }
+    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        self.inner.prefetch(layer, experts)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn faults(&self) -> FaultStats {
+        self.inner.faults()
+    }
+    fn read_ahead(&mut self, layer: usize) {
+        self.inner.read_ahead(layer)
+    }
+    fn lend(&mut self, bytes: u64) -> u64 {
+        self.inner.lend(bytes)
+    }
+    fn take_back(&mut self) {
+        self.inner.take_back()
+    }
+}
+
 /// Reads every record from the store with plain positioned reads, verifying its checksum; no
 /// caching, no overlap. The simplest correct source, and the reference the streaming source is
 /// tested against.

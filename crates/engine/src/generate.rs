@@ -8,8 +8,7 @@ use std::time::Instant;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::experts::ExpertSource;
-use crate::fault::FaultStats;
+use crate::experts::{ExpertSource, Observed};
 use crate::k3::{K3Model, K3State, RunConfig};
 use crate::study::routing::RoutingOverride;
 use crate::study::trace::TraceWriter;
@@ -89,45 +88,6 @@ pub struct PromptStats {
     /// Expert cache memory the prompt borrowed for its larger chunks (given back before the
     /// first new token).
     pub borrowed_bytes: u64,
-}
-
-/// An expert source that remembers which records were requested (the prompt's distinct
-/// experts) and passes everything through.
-struct Distinct<'a> {
-    inner: &'a mut dyn ExpertSource,
-    seen: HashSet<(usize, usize)>,
-}
-
-impl ExpertSource for Distinct<'_> {
-    fn begin(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
-        self.seen.extend(experts.iter().map(|&e| (layer, e)));
-        self.inner.begin(layer, experts)
-    }
-    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()> {
-        self.inner.drain(f)
-    }
-    fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
-        self.inner.prefetch(layer, experts)
-    }
-    fn bytes_read(&self) -> u64 {
-        self.inner.bytes_read()
-    }
-    fn reset(&mut self) {
-        self.inner.reset()
-    }
-    fn faults(&self) -> FaultStats {
-        self.inner.faults()
-    }
-    fn read_ahead(&mut self, layer: usize) {
-        self.inner.read_ahead(layer)
-    }
-
-    fn lend(&mut self, bytes: u64) -> u64 {
-        self.inner.lend(bytes)
-    }
-    fn take_back(&mut self) {
-        self.inner.take_back()
-    }
 }
 
 impl GenerateHooks<'_> {
@@ -240,7 +200,10 @@ fn feed_prompt(
     hooks: &mut GenerateHooks<'_>,
     driver: &mut dyn Driver,
 ) -> Result<Option<usize>> {
-    let mut distinct = Distinct { inner: experts, seen: HashSet::new() };
+    // The prompt's distinct (layer, expert) records.
+    let mut seen = HashSet::new();
+    let mut distinct =
+        Observed { inner: experts, on_begin: |l: usize, e: &[usize]| seen.extend(e.iter().map(|&e| (l, e))) };
     let layers = model.layers.len() as u64;
     let mut progress =
         PromptProgress { tokens_total: prompt.len(), layers_done: 0, layers_total: layers * prompt.len() as u64 };
@@ -270,7 +233,7 @@ fn feed_prompt(
         progress.layers_done = before + layers * tokens.len() as u64;
         driver.after_step(distinct.bytes_read());
     }
-    Ok(Some(distinct.seen.len()))
+    Ok(Some(seen.len()))
 }
 
 /// One chunk through the model; per token, the routing override before and the trace after;

@@ -12,6 +12,7 @@
 //!
 //! Text (tokenizer, chat format, sampling) lives in the `deltafin-text` crate above this one.
 
+pub mod batch;
 pub mod blocks;
 pub mod experts;
 pub mod fault;

@@ -288,3 +288,120 @@ fn a_batched_step_refuses_bad_input_without_touching_any_state() {
     model.forward_batch(&mut alone, &mut src, &mut bufs).unwrap();
     assert_eq!(a.position, 1);
 }
+
+/// The scheduler (`batch::Batcher`): sequences queue beyond `max_batch`, join as others leave,
+/// a joining prompt goes through in chunks inside steps that also decode the running sequences,
+/// a sequence taken out mid-way (a cancelled request) changes no other; each sequence's greedy
+/// tokens are those of `generate_greedy` alone.
+#[test]
+fn the_batcher_gives_each_sequence_its_tokens_alone() {
+    use deltafin_engine::batch::{Batcher, Next, SeqId};
+    use deltafin_engine::generate::generate_greedy;
+    use std::collections::HashMap;
+    let name = FIXTURES[1];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 4, ..Default::default() }).unwrap();
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let want_tokens = [5usize, 9, 3, 6, 4];
+    let mut src = StoreExperts::new(&store);
+    let mut b = Batcher::new(&model, 3);
+    let mut ids: Vec<SeqId> = Vec::new();
+    for i in 0..4 {
+        ids.push(b.join(prompts[i % prompts.len()].clone()).unwrap());
+    }
+    assert_eq!(b.len(), (0, 4));
+    let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut mixed_steps = 0;
+    let mut step = 0;
+    let cancelled = ids[2];
+    while !b.is_empty() {
+        if step == 3 {
+            // A late arrival, and a cancellation.
+            ids.push(b.join(prompts[4 % prompts.len()].clone()).unwrap());
+            b.leave(cancelled);
+        }
+        let r = b
+            .step(&mut src, &mut |id, logits| {
+                let i = ids.iter().position(|&x| x == id).unwrap();
+                let toks = got.entry(id).or_default();
+                toks.push(argmax(logits));
+                if toks.len() >= want_tokens[i] { Next::Leave } else { Next::Token(*toks.last().unwrap()) }
+            })
+            .unwrap();
+        assert!(r.sequences <= 3 && b.len().0 <= 3, "at most max_batch sequences run");
+        assert!(r.prompt_tokens <= 4, "a step feeds at most the plan's prompt chunk");
+        mixed_steps += usize::from(r.prompt_tokens > 0 && r.decode_tokens > 0);
+        step += 1;
+        assert!(step < 200);
+    }
+    assert!(mixed_steps > 0, "a joining prompt rode beside decode tokens");
+    for (i, id) in ids.iter().enumerate() {
+        if *id == cancelled {
+            continue;
+        }
+        let alone =
+            generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[i % prompts.len()], want_tokens[i], None)
+                .unwrap();
+        assert_eq!(got[id], alone.tokens, "sequence {i}'s tokens in the batch differ from alone");
+    }
+}
+
+/// An expert source that fails its `fail_at`-th `begin` (a read fault), then works.
+struct FailOnce<'a> {
+    inner: StoreExperts<'a>,
+    begins: usize,
+    fail_at: usize,
+    resets: usize,
+}
+
+impl ExpertSource for FailOnce<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.begins += 1;
+        anyhow::ensure!(self.begins != self.fail_at, "injected read fault");
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.inner.drain(f)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn reset(&mut self) {
+        self.resets += 1;
+        self.inner.reset()
+    }
+}
+
+/// A failed step fails the sequences in it and no other: they leave the batch with the error,
+/// the source is reset, a sequence still waiting for room runs on and gets its tokens alone.
+#[test]
+fn a_failed_step_fails_its_sequences_and_the_batch_goes_on() {
+    use deltafin_engine::batch::{Batcher, Next};
+    use deltafin_engine::generate::generate_greedy;
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let mut src = FailOnce { inner: StoreExperts::new(&store), begins: 0, fail_at: 1, resets: 0 };
+    let mut b = Batcher::new(&model, 2);
+    let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
+    let waiting = b.join(prompts[0].clone()).unwrap();
+    let mut tokens = Vec::new();
+    let mut pick = |id, logits: &[f32]| {
+        assert_eq!(id, waiting, "only the waiting sequence runs after the failure");
+        tokens.push(argmax(logits));
+        if tokens.len() == 4 { Next::Leave } else { Next::Token(*tokens.last().unwrap()) }
+    };
+    let e = b.step(&mut src, &mut pick).unwrap_err();
+    assert_eq!(e.failed, vec![a, c]);
+    assert!(format!("{e}").contains("injected read fault"));
+    assert_eq!(src.resets, 1, "the source is reset after a failed step");
+    assert_eq!(b.len(), (0, 1), "the failed sequences left; the waiting one stays queued");
+    while !b.is_empty() {
+        b.step(&mut src, &mut pick).unwrap();
+    }
+    let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[0], 4, None).unwrap();
+    assert_eq!(tokens, alone.tokens);
+}

@@ -1,0 +1,247 @@
+//! Continuous batching: up to `max_batch` sequences share every model step. Sequences join and
+//! leave between steps; a joining sequence's prompt goes through in chunks that ride in the same
+//! steps as the running sequences' decode tokens, so a long prompt delays the others by one
+//! chunk's compute per step instead of freezing them for the whole prompt. Each step is one
+//! [`K3Model::forward_batch`]: every spine layer fetched once, the union of the step's experts
+//! read once and applied to every token that chose it, the head run once.
+//!
+//! Per sequence the logits are those of the same sequence alone, bit for bit (the step's
+//! arithmetic is per token; `tests/batched_step.rs`).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::experts::{ExpertSource, Observed};
+use crate::k3::{BatchBuffers, K3Model, K3State, SeqStep};
+
+/// A sequence's handle in a [`Batcher`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct SeqId(pub u64);
+
+/// One sequence in the batch: its state, what of its prompt is still to feed, and the token it
+/// feeds next once the prompt is in.
+struct Member {
+    id: SeqId,
+    state: K3State,
+    prompt: Vec<u32>,
+    fed: usize,
+    next: Option<u32>,
+    /// `[vocab]` the logits after its last fed token.
+    logits: Vec<f32>,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StepReport {
+    /// Sequences in the step, and of them those that fed a prompt chunk.
+    pub sequences: usize,
+    pub prompt_sequences: usize,
+    /// Tokens fed: prompt tokens, and decode tokens (one per decoding sequence).
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub seconds: f64,
+    /// Routed-expert bytes and streamed spine bytes read during the step.
+    pub expert_bytes: u64,
+    pub spine_bytes: u64,
+    /// Distinct experts the step read per MoE layer, summed over its MoE layers (the union of
+    /// its tokens' picks), and the MoE layers that ran.
+    pub distinct_experts: usize,
+    pub moe_layers: usize,
+}
+
+/// What a caller says of a sequence after a step that ended its prompt or decoded a token.
+pub enum Next {
+    /// Feed this token next.
+    Token(u32),
+    /// The sequence is done: it leaves the batch.
+    Leave,
+}
+
+/// The continuous-batching scheduler over one model and one expert source.
+pub struct Batcher<'m> {
+    model: &'m K3Model,
+    bufs: BatchBuffers,
+    running: Vec<Member>,
+    waiting: VecDeque<Member>,
+    max_batch: usize,
+    /// Prompt tokens at most in one step (the plan's chunk: the activations it reserves).
+    chunk: usize,
+    next_id: u64,
+}
+
+impl<'m> Batcher<'m> {
+    /// At most `max_batch` sequences per step (at least 1); prompts go through in steps of at
+    /// most the model's planned prompt chunk.
+    pub fn new(model: &'m K3Model, max_batch: usize) -> Self {
+        Batcher {
+            model,
+            bufs: BatchBuffers::default(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            max_batch: max_batch.max(1),
+            chunk: model.run().prefill_chunk.max(1),
+            next_id: 0,
+        }
+    }
+
+    /// Queue a sequence with this prompt; it joins at the next step with room.
+    pub fn join(&mut self, prompt: Vec<u32>) -> Result<SeqId> {
+        anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+        let vocab = self.model.config.vocab_size;
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("token id {t} is outside the vocabulary (size {vocab})");
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.waiting.push_back(Member {
+            id,
+            state: self.model.new_state(),
+            prompt,
+            fed: 0,
+            next: None,
+            logits: vec![0f32; vocab],
+        });
+        Ok(id)
+    }
+
+    /// Take a sequence out (a cancelled request), wherever it is.
+    pub fn leave(&mut self, id: SeqId) {
+        self.running.retain(|m| m.id != id);
+        self.waiting.retain(|m| m.id != id);
+    }
+
+    /// Sequences running, and waiting for room.
+    pub fn len(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// One step: waiting sequences join while there is room, then every running sequence feeds
+    /// its next token or its next prompt chunk (prompt chunks share the step's prompt-token
+    /// allowance in joining order; a sequence whose turn has not come waits a step). After the
+    /// step `after(id, logits)` is asked, for each sequence whose prompt is now in or that
+    /// decoded, what it feeds next. A failed step fails every sequence in it: they are taken
+    /// out (their states are part-way), the expert source is reset, and [`StepError`] names
+    /// them; the sequences that were waiting stay queued.
+    pub fn step(
+        &mut self,
+        experts: &mut dyn ExpertSource,
+        after: &mut dyn FnMut(SeqId, &[f32]) -> Next,
+    ) -> std::result::Result<StepReport, StepError> {
+        while self.running.len() < self.max_batch
+            && let Some(m) = self.waiting.pop_front()
+        {
+            self.running.push(m);
+        }
+        // What each running sequence feeds: (index, prompt range or the next token).
+        let mut allowance = self.chunk;
+        let mut feeds: Vec<(usize, usize, usize)> = Vec::with_capacity(self.running.len());
+        for (i, m) in self.running.iter().enumerate() {
+            if m.fed < m.prompt.len() {
+                let n = (m.prompt.len() - m.fed).min(allowance);
+                if n > 0 {
+                    feeds.push((i, m.fed, m.fed + n));
+                    allowance -= n;
+                }
+            } else if m.next.is_some() {
+                feeds.push((i, 0, 0));
+            }
+        }
+        let mut report = StepReport::default();
+        if feeds.is_empty() {
+            return Ok(report);
+        }
+        let (bytes0, spine0, t0) = (experts.bytes_read(), self.model.spine_bytes_read(), Instant::now());
+        let (mut distinct, mut layers) = (0, 0);
+        let mut counter = Observed {
+            inner: &mut *experts,
+            on_begin: |_: usize, e: &[usize]| {
+                distinct += e.len();
+                layers += 1;
+            },
+        };
+        let result = {
+            // Disjoint borrows of the running members, in feed order.
+            let mut members: Vec<&mut Member> = Vec::with_capacity(feeds.len());
+            let mut rest: &mut [Member] = &mut self.running;
+            let mut base = 0;
+            for &(i, _, _) in &feeds {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - base);
+                let (m, tail) = tail.split_first_mut().expect("feed index within the running members");
+                members.push(m);
+                rest = tail;
+                base = i + 1;
+            }
+            let mut steps: Vec<SeqStep<'_>> = members
+                .into_iter()
+                .zip(&feeds)
+                .map(|(m, &(_, a, b))| {
+                    let tokens: &[u32] = if b > a {
+                        &m.prompt[a..b]
+                    } else {
+                        std::slice::from_ref(m.next.as_ref().expect("decoding members have a token"))
+                    };
+                    SeqStep { state: &mut m.state, tokens, logits: &mut m.logits }
+                })
+                .collect();
+            self.model.forward_batch(&mut steps, &mut counter, &mut self.bufs)
+        };
+        report.distinct_experts = distinct;
+        report.moe_layers = layers;
+        if let Err(e) = result {
+            // No half-served read or unverified record reaches the next step.
+            experts.reset();
+            let failed: Vec<SeqId> = feeds.iter().map(|&(i, _, _)| self.running[i].id).collect();
+            self.running.retain(|m| !failed.contains(&m.id));
+            return Err(StepError { error: e, failed });
+        }
+        report.seconds = t0.elapsed().as_secs_f64();
+        report.expert_bytes = experts.bytes_read() - bytes0;
+        report.spine_bytes = self.model.spine_bytes_read() - spine0;
+        report.sequences = feeds.len();
+        let mut leaving = Vec::new();
+        for &(i, a, b) in &feeds {
+            let m = &mut self.running[i];
+            if b > a {
+                report.prompt_sequences += 1;
+                report.prompt_tokens += b - a;
+                m.fed = b;
+                if m.fed < m.prompt.len() {
+                    continue;
+                }
+            } else {
+                report.decode_tokens += 1;
+            }
+            match after(m.id, &m.logits) {
+                Next::Token(t) => m.next = Some(t),
+                Next::Leave => leaving.push(m.id),
+            }
+        }
+        self.running.retain(|m| !leaving.contains(&m.id));
+        Ok(report)
+    }
+
+    /// A running sequence's state (for prompt states on disk and tests).
+    pub fn state(&self, id: SeqId) -> Option<&K3State> {
+        self.running.iter().find(|m| m.id == id).map(|m| &m.state)
+    }
+}
+
+/// A step that failed, and the sequences it failed (taken out of the batch).
+#[derive(Debug)]
+pub struct StepError {
+    pub error: anyhow::Error,
+    pub failed: Vec<SeqId>,
+}
+
+impl std::fmt::Display for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.error)
+    }
+}
