@@ -10,6 +10,7 @@ mod plan_speed;
 mod run;
 mod serve_cmd;
 mod spine_choice;
+mod streams;
 mod trace_cmd;
 
 use std::path::PathBuf;

@@ -228,6 +228,15 @@ pub struct GenerateArgs {
     /// reads).
     #[arg(long, hide = true, value_name = "FILE")]
     pub read_log: Option<PathBuf>,
+    /// Decode N sequences together (continuous batching), each with its own prompt: stream 0's
+    /// is the prompt, stream i's moves every id by i x 7,919. Prints each stream's tokens and
+    /// the batch's figures (what `bench --streams` measures).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub streams: Option<u64>,
+    /// With --streams: once the streams have decoded their tokens, a sequence with a prompt of
+    /// this many tokens joins while they go on decoding; reports the longest pause it caused.
+    #[arg(long, value_name = "TOKENS", requires = "streams")]
+    pub join_prompt: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -242,7 +251,7 @@ pub struct LogitsArgs {
     pub all_positions: Option<PathBuf>,
 }
 
-fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
+pub(crate) fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
     match store.tokenizer_file("tiktoken.model") {
         Some(_) => Ok(Some(Tokenizer::load(&store.dir)?)),
         None => Ok(None),
@@ -250,6 +259,12 @@ fn load_tokenizer(store: &Store) -> Result<Option<Tokenizer>> {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    if let Some(n) = a.streams {
+        return crate::streams::generate_streams(&a, n as usize);
+    }
+    if a.join_prompt.is_some() {
+        bail!("--join-prompt goes with --streams");
+    }
     if let Some(p) = a.routing_locality
         && !(0.0..=1.0).contains(&p)
     {

@@ -43,6 +43,9 @@ pub struct StepReport {
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
     pub seconds: f64,
+    /// Seconds of the step with no read of the run in flight (experts or streamed spine): the
+    /// drive idled. Zero when the model reports no disk activity.
+    pub disk_idle_s: f64,
     /// Routed-expert bytes and streamed spine bytes read during the step.
     pub expert_bytes: u64,
     pub spine_bytes: u64,
@@ -157,7 +160,9 @@ impl<'m> Batcher<'m> {
         if feeds.is_empty() {
             return Ok(report);
         }
-        let (bytes0, spine0, t0) = (experts.bytes_read(), self.model.spine_bytes_read(), Instant::now());
+        let activity = self.model.run().disk_activity.clone();
+        let idle = || activity.as_ref().map_or(0.0, |a| a.idle().as_secs_f64());
+        let (bytes0, spine0, idle0, t0) = (experts.bytes_read(), self.model.spine_bytes_read(), idle(), Instant::now());
         let (mut distinct, mut layers) = (0, 0);
         let mut counter = Observed {
             inner: &mut *experts,
@@ -202,6 +207,7 @@ impl<'m> Batcher<'m> {
             return Err(StepError { error: e, failed });
         }
         report.seconds = t0.elapsed().as_secs_f64();
+        report.disk_idle_s = idle() - idle0;
         report.expert_bytes = experts.bytes_read() - bytes0;
         report.spine_bytes = self.model.spine_bytes_read() - spine0;
         report.sequences = feeds.len();

@@ -1,0 +1,257 @@
+//! `deltafin generate --streams N`: N sequences decoding together through the continuous
+//! batcher (`deltafin_engine::batch`), each with its own prompt, greedy; what `bench --streams`
+//! runs in a fresh process per run. Stream 0's prompt is the prompt given; stream i's moves
+//! every id by i x 7,919 (mod the vocabulary), so the streams route apart as separate requests
+//! would. With `--join-prompt L`, once the streams have decoded their tokens a new sequence with
+//! an L-token prompt joins while they keep decoding: its prompt goes through in the plan's
+//! chunks beside their tokens, and the longest step meanwhile is the pause a running stream
+//! saw.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use deltafin_engine::batch::{Batcher, Next, SeqId, StepReport};
+use deltafin_engine::generate::argmax;
+use deltafin_engine::plan::{human, peak_rss_bytes};
+use deltafin_engine::session::RunOptions;
+use serde_json::json;
+
+use crate::run::GenerateArgs;
+
+/// Which part of the run a step belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The streams' prompts.
+    Prompts,
+    /// Every stream decoding, nothing else.
+    Decode,
+    /// A new prompt joins while the streams decode.
+    Join,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Prompts => "prompts",
+            Phase::Decode => "decode",
+            Phase::Join => "join",
+        }
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+/// Stream `i`'s prompt: the given one moved by i x 7,919 ids.
+fn stream_prompt(prompt: &[u32], i: usize, vocab: usize) -> Vec<u32> {
+    prompt.iter().map(|&t| ((t as u64 + i as u64 * 7919) % vocab.max(1) as u64) as u32).collect()
+}
+
+pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
+    if n == 0 {
+        bail!("--streams must be at least 1");
+    }
+    if a.trace.is_some() || a.routing_locality.is_some() || a.routing_trace.is_some() || a.state_dir.is_some() {
+        bail!("--streams cannot go with --trace, --routing-locality, --routing-trace or --state-dir");
+    }
+    if a.context_fill > 0 || a.repeat > 1 || a.chat.is_some() {
+        bail!("--streams cannot go with --context-fill, --repeat or --chat");
+    }
+    if a.max_tokens < 2 {
+        bail!("--streams needs --max-tokens of at least 2");
+    }
+    let join = a.join_prompt.unwrap_or(0);
+    let opts = RunOptions {
+        state_copies: n + usize::from(join > 0),
+        log_reads: a.read_log.is_some(),
+        ..a.model.run_options()?
+    };
+    let (store, mut s) = a.model.open_with(&opts)?;
+    let prompt = &match (&a.prompt, &a.prompt_tokens) {
+        (None, Some(ids)) => ids.clone(),
+        (Some(text), None) => match crate::run::load_tokenizer(&store)? {
+            Some(t) => t.encode(text),
+            None => bail!("this store has no tokenizer; pass --prompt-tokens instead of --prompt"),
+        },
+        _ => bail!("--streams takes --prompt or --prompt-tokens"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    // Each stream's context: its prompt, its tokens, and the steps it decodes while a joining
+    // prompt goes through (at most one per prompt token, and one more).
+    let needed = prompt.len() + a.max_tokens + join + 1;
+    if needed > a.model.context {
+        bail!(
+            "{} streams of a {}-token prompt and --max-tokens {}{} need a context of {needed} tokens, more than --context {}",
+            n,
+            prompt.len(),
+            a.max_tokens,
+            if join > 0 { format!(" beside a joining prompt of {join} tokens") } else { String::new() },
+            a.model.context
+        );
+    }
+    let vocab = s.model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..n).map(|i| stream_prompt(prompt, i, vocab)).collect();
+    let mut batcher = Batcher::new(&s.model, n + usize::from(join > 0));
+    let ids: Vec<SeqId> = prompts.iter().map(|p| batcher.join(p.clone())).collect::<Result<_>>()?;
+    let joiner_prompt = stream_prompt(&(0..join as u32).map(|i| i * 7 + 3).collect::<Vec<_>>(), n, vocab);
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut steps: Vec<(Phase, StepReport)> = Vec::new();
+    let mut phase = Phase::Prompts;
+    let mut joiner: Option<SeqId> = None;
+    let mut joiner_done = false;
+    let start = Instant::now();
+    let mut ttft = None;
+    while !batcher.is_empty() {
+        let report = batcher
+            .step(&mut s.experts, &mut |id, logits| {
+                let t = argmax(logits);
+                if Some(id) == joiner {
+                    joiner_done = true;
+                    return Next::Leave;
+                }
+                let i = ids.iter().position(|&x| x == id).unwrap_or(0);
+                tokens[i].push(t);
+                // A stream decodes its tokens, and on while a joining prompt goes through.
+                let decoding_on = join > 0 && !joiner_done;
+                if tokens[i].len() >= a.max_tokens && !decoding_on { Next::Leave } else { Next::Token(t) }
+            })
+            .map_err(|e| anyhow::anyhow!("a step of {} streams failed: {e}", e.failed.len()))?;
+        steps.push((phase, report));
+        if phase == Phase::Prompts && tokens.iter().all(|t| !t.is_empty()) {
+            ttft = Some(start.elapsed().as_secs_f64());
+            phase = Phase::Decode;
+        }
+        if phase == Phase::Decode && tokens.iter().all(|t| t.len() >= a.max_tokens) && join > 0 && joiner.is_none() {
+            joiner = Some(batcher.join(joiner_prompt.clone())?);
+            phase = Phase::Join;
+        }
+    }
+    let total_s = start.elapsed().as_secs_f64();
+    if let Some(path) = &a.read_log {
+        deltafin_engine::stream::replay::write_iolog(&s.take_read_log(), path)?;
+    }
+
+    // Steady state: steps where every stream decoded and nothing else ran, the first left out
+    // (as bench does for one sequence).
+    let steady: Vec<&StepReport> = steps
+        .iter()
+        .filter(|(p, r)| *p == Phase::Decode && r.decode_tokens == n && r.prompt_tokens == 0)
+        .map(|(_, r)| r)
+        .skip(1)
+        .collect();
+    let sum = |f: &dyn Fn(&StepReport) -> f64| steady.iter().map(|r| f(r)).sum::<f64>();
+    let generated = sum(&|r| r.decode_tokens as f64);
+    let secs = sum(&|r| r.seconds);
+    let expert = sum(&|r| r.expert_bytes as f64);
+    let spine = sum(&|r| r.spine_bytes as f64);
+    let mut step_s: Vec<f64> = steady.iter().map(|r| r.seconds).collect();
+    let k = s.model.config.num_experts_per_token;
+    let moe_layers = store.manifest.experts.layers.len().max(1);
+    let distinct = sum(&|r| r.distinct_experts as f64) / (steady.len().max(1) * moe_layers) as f64;
+    let steady_json = json!({
+        "steps": steady.len(),
+        "aggregate_tokens_per_s": generated / secs,
+        "s_per_token_per_sequence": median(&mut step_s),
+        "step_s": { "min": step_s.first(), "max": step_s.last() },
+        "expert_bytes_per_generated_token": expert / generated,
+        "spine_bytes_per_generated_token": spine / generated,
+        "bytes_read_per_generated_token": (expert + spine) / generated,
+        "distinct_experts_per_layer_per_step": distinct,
+        "experts_per_layer_per_step_if_unshared": (n * k) as f64,
+        "disk_idle_fraction": sum(&|r| r.disk_idle_s) / secs,
+    });
+    // The pause a running stream saw while a prompt joined: the longest step that carried a
+    // prompt chunk, against the steady step; without batching the streams would wait for the
+    // whole prompt (`joining_prompt_s`).
+    let join_steps: Vec<&StepReport> =
+        steps.iter().filter(|(p, r)| *p == Phase::Join && r.prompt_tokens > 0).map(|(_, r)| r).collect();
+    let join_json = (join > 0).then(|| {
+        json!({
+            "prompt_tokens": join,
+            "chunk": s.model.run().prefill_chunk,
+            "steps": join_steps.len(),
+            "longest_pause_s": join_steps.iter().map(|r| r.seconds).fold(0.0, f64::max),
+            "joining_prompt_s": join_steps.iter().map(|r| r.seconds).sum::<f64>(),
+            "streams_decoded_meanwhile": join_steps.iter().map(|r| r.decode_tokens).sum::<usize>(),
+        })
+    });
+    // The decode floor's work for one steady step: each stream's token is computed apart (FLOPs
+    // times n), the spine and head are touched once, and the experts of the step's union.
+    let last_context = prompt.len() + a.max_tokens;
+    let one = deltafin_engine::plan::decode_work(&store.manifest, k, last_context, s.model.latent_cache().bytes());
+    let record = store.manifest.experts.record_bytes as f64;
+    let extra_experts = ((distinct - k as f64) * moe_layers as f64 * record).max(0.0);
+    let decode_work = json!({
+        "flops": one.flops * n as f64,
+        "attention_flops": one.attention_flops * n as f64,
+        "bytes_touched": one.bytes_touched as f64 + extra_experts + one.kv_bytes as f64 * (n as f64 - 1.0),
+        "kv_bytes": one.kv_bytes as f64 * n as f64,
+    });
+    let report = s.report();
+    if a.json {
+        let out = json!({
+            "streams": n,
+            "stream_prompts": prompts,
+            "stream_tokens": tokens,
+            "steady": steady_json,
+            "join": join_json,
+            "steps": steps.iter().map(|(p, r)| json!({ "phase": p.name(), "step": r })).collect::<Vec<_>>(),
+            "model": s.variant(),
+            "experts_per_token": k,
+            "modified_top_k": s.modified_top_k(),
+            "spine_dtype": store.manifest.spine.matrix_dtype,
+            "numerics": s.numerics(),
+            "approximate": s.model.run().approx,
+            "kernel_path": deltafin_engine::kernel_path(),
+            "threads": deltafin_engine::threads(),
+            // What `bench` reads of one run, here per steady step (one token of every stream).
+            "timing": {
+                "ttft_s": ttft,
+                "prompt_s": ttft,
+                "decode_step_s": steady.iter().map(|r| r.seconds).collect::<Vec<_>>(),
+                "decode_step_bytes": steady.iter().map(|r| r.expert_bytes).collect::<Vec<_>>(),
+                "decode_step_disk_idle_s": steady.iter().map(|r| r.disk_idle_s).collect::<Vec<_>>(),
+                "decode_work": decode_work,
+                "total_s": total_s,
+                "expert_bytes_read": report.expert_bytes_read,
+            },
+            "plan": s.plan,
+            "stream": report,
+            "spine": s.model.spine_report(),
+            "memory_budget_bytes": s.plan.budget_bytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+        });
+        println!("{out}");
+    } else {
+        for (i, t) in tokens.iter().enumerate() {
+            println!("stream {i}: {}", t.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        }
+        eprintln!(
+            "{n} streams: {:.3} tokens/s together, {:.3} s/token each; {} read per generated token ({} experts, {} spine); {:.1} distinct experts per layer per step (unshared: {})",
+            steady_json["aggregate_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            steady_json["s_per_token_per_sequence"].as_f64().unwrap_or(f64::NAN),
+            human(((expert + spine) / generated) as u64),
+            human((expert / generated) as u64),
+            human((spine / generated) as u64),
+            distinct,
+            n * k,
+        );
+        if let Some(j) = &join_json {
+            eprintln!(
+                "a {join}-token prompt joined in {} steps: the longest pause of a running stream {:.3} s (the whole prompt {:.3} s)",
+                j["steps"],
+                j["longest_pause_s"].as_f64().unwrap_or(f64::NAN),
+                j["joining_prompt_s"].as_f64().unwrap_or(f64::NAN),
+            );
+        }
+    }
+    Ok(())
+}
