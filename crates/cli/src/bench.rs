@@ -61,6 +61,15 @@ pub struct BenchArgs {
     /// `cache-policy=lru,slru`, `prefetch=on,off`, `memory-budget=2G,8G`.
     #[arg(long)]
     pub vary: Option<String>,
+    /// Continuous batching: interleave configurations of N sequences decoding together (e.g.
+    /// `1,2,4,8`), each with its own prompt; reports aggregate tokens/s, per-sequence s/token,
+    /// bytes read per generated token and the experts a step shares, beside one stream's figures.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", conflicts_with_all = ["vary", "warm", "routing_trace", "routing_locality"])]
+    pub streams: Option<Vec<u64>>,
+    /// With --streams: a new sequence with a prompt of this many tokens joins each run once its
+    /// streams have decoded; reports the longest pause it causes them.
+    #[arg(long, value_name = "TOKENS", requires = "streams")]
+    pub join_prompt: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -163,7 +172,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     };
     let prompt_s = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     // The context the runs need, at least --context: the latent cache is reserved for it.
-    let context = m.context.max(a.context_fill + prompt.len() + a.max_tokens);
+    // With --streams, the streams decode on while a joining prompt goes through.
+    let join_room = a.join_prompt.map_or(0, |l| l + 1);
+    let context = m.context.max(a.context_fill + prompt.len() + a.max_tokens + join_room);
     let mut gen_args: Vec<String> = vec![
         "generate".into(),
         "--json".into(),
@@ -235,6 +246,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 
     // Configurations to interleave: the base one, or one per value of --vary.
     let configs: Vec<(String, Vec<String>)> = match &a.vary {
+        None if a.streams.is_some() => {
+            if a.context_fill > 0 {
+                bail!("--streams cannot go with --context-fill");
+            }
+            crate::bench_streams::configs(a.streams.as_deref().unwrap_or_default(), a.join_prompt)?
+        }
         None => vec![("base".to_string(), Vec::new())],
         Some(spec) => {
             let (flag, values) = spec.split_once('=').ok_or_else(|| anyhow::anyhow!("--vary wants FLAG=V1,V2"))?;
@@ -344,8 +361,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
         }
     }
-    let summaries: Vec<Value> =
+    let mut summaries: Vec<Value> =
         configs.iter().zip(&accs).map(|((label, _), acc)| acc.summary(label, &a, &prompt, &store_dir)).collect();
+    if let Some(streams) = &a.streams {
+        for (s, &n) in summaries.iter_mut().zip(streams) {
+            crate::bench_streams::per_generated_token(s, n);
+        }
+        crate::bench_streams::against_solo(&mut summaries);
+        if a.json {
+            println!("{}", json!({ "streams": streams, "join_prompt": a.join_prompt, "configs": summaries }));
+        } else {
+            crate::bench_streams::print_table(&summaries);
+        }
+        return Ok(());
+    }
     if a.json {
         if summaries.len() == 1 {
             println!("{}", summaries[0]);

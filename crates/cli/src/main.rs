@@ -1,6 +1,7 @@
 //! `deltafin`: convert Hugging Face checkpoints into Deltafin stores and run them.
 
 mod bench;
+mod bench_streams;
 mod chat_turn;
 mod drive_limit;
 mod install_cmd;

@@ -141,12 +141,12 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
 
     // Steady state: steps where every stream decoded and nothing else ran, the first left out
     // (as bench does for one sequence).
-    let steady: Vec<&StepReport> = steps
+    let decode: Vec<&StepReport> = steps
         .iter()
         .filter(|(p, r)| *p == Phase::Decode && r.decode_tokens == n && r.prompt_tokens == 0)
         .map(|(_, r)| r)
-        .skip(1)
         .collect();
+    let steady = &decode[1.min(decode.len())..];
     let sum = |f: &dyn Fn(&StepReport) -> f64| steady.iter().map(|r| f(r)).sum::<f64>();
     let generated = sum(&|r| r.decode_tokens as f64);
     let secs = sum(&|r| r.seconds);
@@ -212,13 +212,14 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
             "approximate": s.model.run().approx,
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
-            // What `bench` reads of one run, here per steady step (one token of every stream).
+            // What `bench` reads of one run, here per decode step (one token of every stream),
+            // the first included: bench leaves it out, as it does for one sequence.
             "timing": {
                 "ttft_s": ttft,
                 "prompt_s": ttft,
-                "decode_step_s": steady.iter().map(|r| r.seconds).collect::<Vec<_>>(),
-                "decode_step_bytes": steady.iter().map(|r| r.expert_bytes).collect::<Vec<_>>(),
-                "decode_step_disk_idle_s": steady.iter().map(|r| r.disk_idle_s).collect::<Vec<_>>(),
+                "decode_step_s": decode.iter().map(|r| r.seconds).collect::<Vec<_>>(),
+                "decode_step_bytes": decode.iter().map(|r| r.expert_bytes).collect::<Vec<_>>(),
+                "decode_step_disk_idle_s": decode.iter().map(|r| r.disk_idle_s).collect::<Vec<_>>(),
                 "decode_work": decode_work,
                 "total_s": total_s,
                 "expert_bytes_read": report.expert_bytes_read,

@@ -86,7 +86,8 @@ fn streams_decode_together_as_each_would_alone() {
         } else {
             assert_eq!(spine, 0.0);
         }
-        assert_eq!(v["timing"]["decode_step_s"].as_array().unwrap().len() as u64, s["steps"].as_u64().unwrap());
+        // bench's per-step lists: every decode step, the first too (bench leaves it out).
+        assert_eq!(v["timing"]["decode_step_s"].as_array().unwrap().len() as u64, s["steps"].as_u64().unwrap() + 1);
     }
 }
 
@@ -115,5 +116,89 @@ fn streams_arguments_are_checked() {
         let o = run(&args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// `bench --streams 1,3 --join-prompt L`: each configuration's per-step figures become per
+/// generated token, beside the one-stream configuration of the same run.
+#[test]
+fn bench_streams_reports_per_generated_token_beside_solo() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/hf");
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().to_str().unwrap();
+    let o = run(&["convert", "--from", demo.to_str().unwrap(), "--to", store, "--spine", "bf16"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = ok(&[
+        "bench",
+        "--model",
+        store,
+        "--runs",
+        "1",
+        "--max-tokens",
+        "5",
+        "--probe-reads",
+        "16",
+        "--streams",
+        "1,3",
+        "--join-prompt",
+        "40",
+        "--prefill-chunk",
+        "16",
+        "--resident-spine-layers",
+        "0",
+        "--json",
+    ]);
+    assert_eq!(v["streams"], serde_json::json!([1, 3]));
+    let configs = v["configs"].as_array().unwrap();
+    assert_eq!(configs.len(), 2);
+    let f = |c: &serde_json::Value, k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {c}"));
+    for (c, n) in configs.iter().zip([1.0, 3.0]) {
+        assert_eq!(c["streams"].as_f64().unwrap(), n);
+        // One token of every stream per step.
+        let step = f(c, "s_per_step");
+        assert_eq!(f(c, "s_per_token_per_sequence"), step);
+        assert!((f(c, "aggregate_tokens_per_s") - n / step).abs() < 1e-9 * n / step);
+        let (e, sp) = (f(c, "expert_bytes_per_step"), f(c, "spine_bytes_per_step"));
+        assert!(sp > 0.0, "the spine is streamed: one pass per step");
+        assert!((f(c, "bytes_read_per_generated_token") - (e + sp) / n).abs() < 1.0);
+        assert!((f(c, "spine_bytes_per_generated_token") - sp / n).abs() < 1.0);
+        let distinct = f(c, "distinct_experts_per_layer_per_step");
+        assert!(distinct >= 8.0 && distinct <= 8.0 * n, "{distinct}");
+        assert!(f(c, "floor_s_per_step") > 0.0 && f(c, "step_vs_floor") > 0.0);
+        // The joining prompt: 40 tokens in chunks of 16.
+        assert_eq!(c["join"]["steps"], 3);
+        assert!(f(&c["join"], "longest_pause_s") <= f(&c["join"], "joining_prompt_s"));
+        // No per-step figure is left under a per-token name.
+        assert!(c.get("expert_bytes_per_token").is_none() && c.get("spine_bytes_per_token").is_none());
+    }
+    let (solo, three) = (&configs[0], &configs[1]);
+    assert_eq!(f(solo, "distinct_experts_per_layer_per_step"), 8.0, "one token reads its own 8 experts");
+    assert_eq!(f(&solo["vs_solo"], "aggregate_vs_solo"), 1.0);
+    let ratio = f(&three["vs_solo"], "bytes_per_generated_token_vs_solo");
+    let want = f(three, "bytes_read_per_generated_token") / f(solo, "bytes_read_per_generated_token");
+    assert!((ratio - want).abs() < 1e-12);
+    // Three streams share each pass over the spine: about a third of its bytes per token.
+    let spine_ratio = f(three, "spine_bytes_per_generated_token") / f(solo, "spine_bytes_per_generated_token");
+    assert!((spine_ratio - 1.0 / 3.0).abs() < 0.05, "{spine_ratio}");
+}
+
+#[test]
+fn bench_streams_arguments_are_checked() {
+    for (args, want) in [
+        (&["bench", "--model", "x", "--join-prompt", "4"][..], "--streams"),
+        (&["bench", "--model", "x", "--streams", "1,2", "--vary", "prefetch=on,off"][..], "--vary"),
+    ] {
+        let o = run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/hf");
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().to_str().unwrap();
+    assert!(run(&["convert", "--from", demo.to_str().unwrap(), "--to", store]).status.success());
+    for (list, want) in [("0", "not in 1..=256"), ("2,2", "listed twice"), ("1,300", "not in 1..=256")] {
+        let o = run(&["bench", "--model", store, "--runs", "1", "--streams", list]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{list}: {err}");
     }
 }
