@@ -30,6 +30,12 @@ pub struct ServeArgs {
     /// title and a summary at once); more get HTTP 429. 0: refuse any request while one runs.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
+    /// Generations that share each model step (continuous batching): every spine layer is
+    /// read once for all of them and every expert two of them pick once. Each keeps a sequence
+    /// state of its own (the memory plan counts them at the full context); requests beyond it
+    /// wait in --queue. 1 (the default) runs one at a time.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub max_batch: u64,
     /// Model id clients use (default: the store directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -94,9 +100,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let tokenizer = Tokenizer::load(&store.dir)?;
     let mut run_opts = a.model.run_options()?;
-    // The live state, the prefix snapshot (unless --no-prefix-cache), and the state store's
-    // buffer of one snapshot (--state-dir).
-    run_opts.state_copies = 1 + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
+    // The live states (one per sequence of the batch), the prefix snapshot (unless
+    // --no-prefix-cache), and the state store's buffer of one snapshot (--state-dir).
+    run_opts.state_copies = a.max_batch as usize + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
     run_opts.fetcher = a.model.fetcher_for(&store)?;
     let load_progress = std::sync::Arc::new(deltafin_engine::k3::LoadProgress::default());
     run_opts.load_progress = Some(load_progress.clone());
@@ -150,6 +156,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         port: a.port,
         api_key: a.api_key,
         queue: a.queue,
+        max_batch: a.max_batch as usize,
         max_body_bytes: usize::try_from(a.max_body_bytes).unwrap_or(usize::MAX),
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
         prefix_cache: !a.no_prefix_cache,

@@ -111,7 +111,7 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     let mut ttft = None;
     while !batcher.is_empty() {
         let report = batcher
-            .step(&mut s.experts, &mut |id, logits| {
+            .step(&mut s.experts, &mut |id, _state, logits| {
                 let t = argmax(logits);
                 if Some(id) == joiner {
                     joiner_done = true;

@@ -31,6 +31,8 @@ struct Member {
     next: Option<u32>,
     /// `[vocab]` the logits after its last fed token.
     logits: Vec<f32>,
+    /// A recomputed sequence's token to feed once its tokens are in, without asking.
+    pending: Option<u32>,
 }
 
 /// What one step did.
@@ -106,7 +108,40 @@ impl<'m> Batcher<'m> {
             fed: 0,
             next: None,
             logits: vec![0f32; vocab],
+            pending: None,
         });
+        Ok(id)
+    }
+
+    /// Queue a sequence that resumes from a stored state (a prompt state kept on disk or in
+    /// memory: a shared system prompt, an earlier turn): `state` holds the tokens before
+    /// `rest`, `logits` `[vocab]` are those after its last token. An empty `rest` asks for the
+    /// sequence's next token from `logits` at its first step, before the step computes.
+    pub fn join_from(&mut self, state: K3State, logits: Vec<f32>, rest: Vec<u32>) -> Result<SeqId> {
+        let vocab = self.model.config.vocab_size;
+        anyhow::ensure!(logits.len() == vocab, "{} logits for a vocabulary of {vocab}", logits.len());
+        anyhow::ensure!(!state.is_part_way(), "the state was left part-way by a failed step");
+        anyhow::ensure!(!rest.is_empty() || state.position > 0, "nothing to resume from and nothing to feed");
+        if let Some(&t) = rest.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("token id {t} is outside the vocabulary (size {vocab})");
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.waiting.push_back(Member { id, state, prompt: rest, fed: 0, next: None, logits, pending: None });
+        Ok(id)
+    }
+
+    /// Queue a sequence to be computed again from its tokens (after a failed step left its
+    /// state part-way): `tokens` are all it had fed, `next` the token it was about to feed,
+    /// which it feeds once they are in, without asking. Its state then is bit for bit what
+    /// it was before the failed step (a prompt's arithmetic does not depend on its chunks).
+    pub fn rejoin(&mut self, tokens: Vec<u32>, next: u32) -> Result<SeqId> {
+        let vocab = self.model.config.vocab_size;
+        anyhow::ensure!((next as usize) < vocab, "token id {next} is outside the vocabulary (size {vocab})");
+        let id = self.join(tokens)?;
+        if let Some(m) = self.waiting.back_mut() {
+            m.pending = Some(next);
+        }
         Ok(id)
     }
 
@@ -135,13 +170,22 @@ impl<'m> Batcher<'m> {
     pub fn step(
         &mut self,
         experts: &mut dyn ExpertSource,
-        after: &mut dyn FnMut(SeqId, &[f32]) -> Next,
+        after: &mut dyn FnMut(SeqId, &K3State, &[f32]) -> Next,
     ) -> std::result::Result<StepReport, StepError> {
         while self.running.len() < self.max_batch
             && let Some(m) = self.waiting.pop_front()
         {
             self.running.push(m);
         }
+        // A sequence resumed from a whole stored prompt feeds the token its logits give.
+        let mut leaving = Vec::new();
+        for m in self.running.iter_mut().filter(|m| m.fed >= m.prompt.len() && m.next.is_none()) {
+            match after(m.id, &m.state, &m.logits) {
+                Next::Token(t) => m.next = Some(t),
+                Next::Leave => leaving.push(m.id),
+            }
+        }
+        self.running.retain(|m| !leaving.contains(&m.id));
         // What each running sequence feeds: (index, prompt range or the next token).
         let mut allowance = self.chunk;
         let mut feeds: Vec<(usize, usize, usize)> = Vec::with_capacity(self.running.len());
@@ -211,7 +255,7 @@ impl<'m> Batcher<'m> {
         report.expert_bytes = experts.bytes_read() - bytes0;
         report.spine_bytes = self.model.spine_bytes_read() - spine0;
         report.sequences = feeds.len();
-        let mut leaving = Vec::new();
+        leaving.clear();
         for &(i, a, b) in &feeds {
             let m = &mut self.running[i];
             if b > a {
@@ -221,10 +265,14 @@ impl<'m> Batcher<'m> {
                 if m.fed < m.prompt.len() {
                     continue;
                 }
+                if let Some(t) = m.pending.take() {
+                    m.next = Some(t);
+                    continue;
+                }
             } else {
                 report.decode_tokens += 1;
             }
-            match after(m.id, &m.logits) {
+            match after(m.id, &m.state, &m.logits) {
                 Next::Token(t) => m.next = Some(t),
                 Next::Leave => leaving.push(m.id),
             }

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use deltafin_engine::experts::{ExpertSource, StoreExperts};
 use deltafin_engine::generate::argmax;
-use deltafin_engine::k3::{BatchBuffers, K3Model, RunConfig, SeqStep};
+use deltafin_engine::k3::{BatchBuffers, K3Model, K3State, RunConfig, SeqStep};
 use deltafin_engine::stream::cache::Policy;
 use deltafin_engine::stream::streaming::{StreamOptions, StreamingExperts};
 use deltafin_store::{ExpertLayout, SpineDtype, Store};
@@ -322,7 +322,7 @@ fn the_batcher_gives_each_sequence_its_tokens_alone() {
             b.leave(cancelled);
         }
         let r = b
-            .step(&mut src, &mut |id, logits| {
+            .step(&mut src, &mut |id, _state, logits| {
                 let i = ids.iter().position(|&x| x == id).unwrap();
                 let toks = got.entry(id).or_default();
                 toks.push(argmax(logits));
@@ -389,7 +389,7 @@ fn a_failed_step_fails_its_sequences_and_the_batch_goes_on() {
     let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
     let waiting = b.join(prompts[0].clone()).unwrap();
     let mut tokens = Vec::new();
-    let mut pick = |id, logits: &[f32]| {
+    let mut pick = |id, _: &K3State, logits: &[f32]| {
         assert_eq!(id, waiting, "only the waiting sequence runs after the failure");
         tokens.push(argmax(logits));
         if tokens.len() == 4 { Next::Leave } else { Next::Token(*tokens.last().unwrap()) }
@@ -404,4 +404,92 @@ fn a_failed_step_fails_its_sequences_and_the_batch_goes_on() {
     }
     let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[0], 4, None).unwrap();
     assert_eq!(tokens, alone.tokens);
+}
+
+/// Sequences that resume from stored states (a shared system prompt: one state, copied into
+/// each) give the tokens of their whole prompts alone; a state that holds the whole prompt
+/// feeds the token its logits give without computing the prompt again.
+#[test]
+fn sequences_resume_from_one_stored_prefix_state() {
+    use deltafin_engine::batch::{Batcher, Next};
+    use deltafin_engine::generate::generate_greedy;
+    let name = FIXTURES[1];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 4, ..Default::default() }).unwrap();
+    let vocab = model.config.vocab_size;
+    let base: Vec<u32> = reference(name).prompts.into_iter().map(|p| p.tokens).max_by_key(|t| t.len()).unwrap();
+    assert!(base.len() >= 3, "a prompt of at least 3 tokens: {base:?}");
+    // The shared prefix, computed once.
+    let prefix = &base[..base.len() - 1];
+    let mut src = StoreExperts::new(&store);
+    let mut stored = model.new_state();
+    let mut stored_logits = vec![0f32; vocab];
+    model.forward_chunk(&mut stored, &mut src, prefix, &mut stored_logits).unwrap();
+    // Three requests: the prefix and a token of their own each, and the prefix alone.
+    let prompts: Vec<Vec<u32>> =
+        vec![base.clone(), [prefix, &[(base[base.len() - 1] + 1) % vocab as u32]].concat(), prefix.to_vec()];
+    let mut b = Batcher::new(&model, 3);
+    let mut ids = Vec::new();
+    for p in &prompts {
+        let mut st = model.new_state();
+        st.copy_sequence_from(&stored);
+        ids.push(b.join_from(st, stored_logits.clone(), p[prefix.len()..].to_vec()).unwrap());
+    }
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let mut prompt_tokens = 0;
+    while !b.is_empty() {
+        let r = b
+            .step(&mut src, &mut |id, _: &K3State, logits| {
+                let i = ids.iter().position(|&x| x == id).unwrap();
+                got[i].push(argmax(logits));
+                if got[i].len() >= 5 { Next::Leave } else { Next::Token(*got[i].last().unwrap()) }
+            })
+            .unwrap();
+        prompt_tokens += r.prompt_tokens;
+    }
+    assert_eq!(prompt_tokens, 2, "only the tokens after the stored prefix were computed");
+    for (p, g) in prompts.iter().zip(&got) {
+        let alone = generate_greedy(&model, &mut StoreExperts::new(&store), p, 5, None).unwrap();
+        assert_eq!(g, &alone.tokens, "resumed from the stored prefix against the whole prompt alone");
+    }
+    // Refused: logits of another size, a token outside the vocabulary, nothing at all.
+    assert!(b.join_from(model.new_state(), vec![0.0; vocab - 1], vec![1]).is_err());
+    assert!(b.join_from(model.new_state(), vec![0.0; vocab], vec![vocab as u32]).is_err());
+    assert!(b.join_from(model.new_state(), vec![0.0; vocab], vec![]).is_err());
+    assert!(b.is_empty());
+}
+
+/// A sequence computed again from its tokens (after a failed step) goes on with the token it
+/// was about to feed, without asking for it, and ends with the tokens it has alone.
+#[test]
+fn a_rejoined_sequence_goes_on_as_before() {
+    use deltafin_engine::batch::{Batcher, Next};
+    use deltafin_engine::generate::generate_greedy;
+    let name = FIXTURES[1];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 4, ..Default::default() }).unwrap();
+    let prompt: Vec<u32> = reference(name).prompts.into_iter().map(|p| p.tokens).max_by_key(|t| t.len()).unwrap();
+    let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt, 7, None).unwrap().tokens;
+    // It had fed its prompt and three tokens and was about to feed the fourth.
+    let tokens = [prompt.as_slice(), &alone[..3]].concat();
+    let mut b = Batcher::new(&model, 2);
+    let id = b.rejoin(tokens, alone[3]).unwrap();
+    let other = b.join(prompt.clone()).unwrap();
+    let (mut got, mut got_other) = (alone[..4].to_vec(), Vec::new());
+    let mut src = StoreExperts::new(&store);
+    while !b.is_empty() {
+        b.step(&mut src, &mut |i, _: &K3State, logits| {
+            let v = if i == id { &mut got } else { &mut got_other };
+            assert!(i == id || i == other);
+            v.push(argmax(logits));
+            if v.len() >= 7 { Next::Leave } else { Next::Token(*v.last().unwrap()) }
+        })
+        .unwrap();
+    }
+    assert_eq!(got, alone, "the rejoined sequence");
+    assert_eq!(got_other, alone, "the sequence beside it");
+    assert!(b.rejoin(prompt.clone(), model.config.vocab_size as u32).is_err());
+    assert!(b.is_empty(), "a refused rejoin queues nothing");
 }

@@ -5,6 +5,7 @@
 //! queue in front of it and 429 beyond that.
 
 pub mod anthropic;
+mod batch_worker;
 pub mod blocking;
 pub mod error;
 pub mod generation;
@@ -38,8 +39,10 @@ pub struct ServeOptions {
     pub host: String,
     pub port: u16,
     pub api_key: Option<String>,
-    /// Requests that may wait while one runs.
+    /// Requests that may wait while the batch is full.
     pub queue: usize,
+    /// Generations that share each model step (continuous batching); 1 runs one at a time.
+    pub max_batch: usize,
     pub max_body_bytes: usize,
     pub keep_alive: Duration,
     /// Test instruments (scripted replies, a step delay).
@@ -95,13 +98,14 @@ pub fn serve(
         .with_context(|| format!("listening on {}:{} (is another server using the port?)", opts.host, opts.port))?;
     let local = listener.local_addr()?;
     let metrics = Arc::new(Metrics::default());
-    let admission = Admission::new(opts.queue);
+    let admission = Admission::with_batch(opts.max_batch, opts.queue);
     let (engine, loaded) = worker::spawn(
         open,
         tokenizer.clone(),
         admission.clone(),
         metrics.clone(),
         worker::EngineOptions {
+            max_batch: opts.max_batch.max(1),
             prefix_cache: opts.prefix_cache,
             state: opts.state.clone(),
             #[cfg(feature = "test-instruments")]

@@ -42,6 +42,10 @@ pub struct Metrics {
     /// The prompt-state store on disk: its counters, and the snapshots and bytes it holds.
     states: Mutex<Option<(StoreCounters, (usize, u64))>>,
     health: Mutex<Health>,
+    /// Sequences per model step (continuous batching), and the most a step may carry.
+    batch: Mutex<SumCount>,
+    batch_largest: AtomicU64,
+    max_batch: AtomicU64,
 }
 
 /// How a generation that the engine ran ended, for the health rule.
@@ -116,6 +120,19 @@ impl Metrics {
         }
     }
 
+    /// One model step of the batch, with this many sequences in it.
+    pub fn record_step(&self, sequences: usize) {
+        let mut b = lock(&self.batch);
+        b.sum += sequences as f64;
+        b.count += 1;
+        self.batch_largest.fetch_max(sequences as u64, Ordering::Relaxed);
+    }
+
+    /// The most sequences a step may carry (`serve --max-batch`).
+    pub fn set_max_batch(&self, n: usize) {
+        self.max_batch.store(n as u64, Ordering::Relaxed);
+    }
+
     /// Totals of the expert source since the server started.
     pub fn set_expert_stats(&self, session: &Session) {
         let t = session.experts.total_stats();
@@ -164,7 +181,7 @@ impl Metrics {
         })
     }
 
-    pub fn render(&self, queue_length: usize, running: bool) -> String {
+    pub fn render(&self, queue_length: usize, running: usize) -> String {
         let mut o = String::new();
         let mut metric = |name: &str, kind: &str, help: &str| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -349,7 +366,25 @@ impl Metrics {
             }
         }
         gauge(&mut out, "deltafin_queue_length", "Requests waiting for the engine.", queue_length as f64);
-        gauge(&mut out, "deltafin_running", "Generations running (0 or 1).", running as u8 as f64);
+        gauge(&mut out, "deltafin_running", "Generations running (at most the batch size).", running as f64);
+        summary(
+            &mut out,
+            "deltafin_batch_sequences_per_step",
+            "Sequences in each model step of the continuous batch (serve --max-batch above 1): sum over steps and steps.",
+            &lock(&self.batch),
+        );
+        gauge(
+            &mut out,
+            "deltafin_batch_sequences_largest",
+            "The most sequences one model step carried.",
+            self.batch_largest.load(Ordering::Relaxed) as f64,
+        );
+        gauge(
+            &mut out,
+            "deltafin_max_batch",
+            "The most sequences a model step may carry (serve --max-batch).",
+            self.max_batch.load(Ordering::Relaxed) as f64,
+        );
         out
     }
 }
@@ -381,7 +416,7 @@ mod tests {
             resets: 2,
             io_restarts: 1,
         });
-        let text = m.render(2, true);
+        let text = m.render(2, 1);
         assert!(text.contains("deltafin_expert_read_errors_total 4\n"));
         assert!(text.contains("deltafin_expert_checksum_failures_total 3\n"));
         assert!(text.contains("deltafin_expert_read_retries_total 5\n"));
@@ -419,13 +454,13 @@ mod tests {
         let d = m.degraded().expect("three read faults in a row");
         assert_eq!(d.consecutive_read_faults, 3);
         assert!(d.reason.contains("layer 3 expert 17"), "{}", d.reason);
-        assert!(m.render(0, false).contains("deltafin_degraded 1\n"));
+        assert!(m.render(0, 0).contains("deltafin_degraded 1\n"));
         m.record_outcome(fault());
         assert_eq!(m.degraded().map(|d| d.consecutive_read_faults), Some(4));
         // One completed generation clears it, and the streak starts over.
         m.record_outcome(Outcome::Completed);
         assert_eq!(m.degraded(), None);
-        assert!(m.render(0, false).contains("deltafin_degraded 0\n"));
+        assert!(m.render(0, 0).contains("deltafin_degraded 0\n"));
         m.record_outcome(fault());
         m.record_outcome(fault());
         assert_eq!(m.degraded(), None);

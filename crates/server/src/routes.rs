@@ -325,7 +325,11 @@ async fn health(State(state): State<Shared>) -> Response {
     let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
     let queue_length = state.admission.waiting();
     match state.metrics.degraded() {
-        None => axum::Json(json!({"status": "ok", "running": running, "queue_length": queue_length})).into_response(),
+        None => axum::Json(json!({
+            "status": "ok", "running": running, "running_sequences": state.admission.running_count(),
+            "queue_length": queue_length,
+        }))
+        .into_response(),
         Some(d) => (
             StatusCode::SERVICE_UNAVAILABLE,
             axum::Json(json!({
@@ -338,8 +342,7 @@ async fn health(State(state): State<Shared>) -> Response {
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
-    let running = state.admission.running.load(std::sync::atomic::Ordering::Relaxed);
-    let text = state.metrics.render(state.admission.waiting(), running);
+    let text = state.metrics.render(state.admission.waiting(), state.admission.running_count());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 

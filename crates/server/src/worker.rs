@@ -47,12 +47,41 @@ pub enum Update {
 pub struct Admission {
     limit: usize,
     admitted: AtomicUsize,
+    /// Any generation running.
     pub running: AtomicBool,
+    /// Generations running (up to the batch size).
+    running_count: AtomicUsize,
 }
 
 impl Admission {
+    /// One generation at a time, `queue` more waiting.
     pub fn new(queue: usize) -> Arc<Self> {
-        Arc::new(Admission { limit: 1 + queue, admitted: AtomicUsize::new(0), running: AtomicBool::new(false) })
+        Admission::with_batch(1, queue)
+    }
+
+    /// `max_batch` generations at once (continuous batching), `queue` more waiting.
+    pub fn with_batch(max_batch: usize, queue: usize) -> Arc<Self> {
+        Arc::new(Admission {
+            limit: max_batch.max(1) + queue,
+            admitted: AtomicUsize::new(0),
+            running: AtomicBool::new(false),
+            running_count: AtomicUsize::new(0),
+        })
+    }
+
+    /// Generations running now.
+    pub fn running_count(&self) -> usize {
+        self.running_count.load(Ordering::Acquire)
+    }
+
+    fn start_running(&self) {
+        self.running_count.fetch_add(1, Ordering::AcqRel);
+        self.running.store(true, Ordering::Release);
+    }
+
+    fn stop_running(&self) {
+        let left = self.running_count.fetch_sub(1, Ordering::AcqRel).saturating_sub(1);
+        self.running.store(left > 0, Ordering::Release);
     }
 
     /// A place for one request, or `None` when running + waiting is at the limit.
@@ -66,7 +95,7 @@ impl Admission {
     /// Requests admitted and not yet running.
     pub fn waiting(&self) -> usize {
         let n = self.admitted.load(Ordering::Acquire);
-        n.saturating_sub(self.running.load(Ordering::Acquire) as usize)
+        n.saturating_sub(self.running_count())
     }
 }
 
@@ -203,6 +232,8 @@ pub struct StateStoreOptions {
 }
 
 pub struct EngineOptions {
+    /// Generations that share each model step (continuous batching); 1 runs one at a time.
+    pub max_batch: usize,
     /// Keep the last prompt's state for reuse by a prompt that extends it.
     pub prefix_cache: bool,
     /// And on disk.
@@ -262,6 +293,10 @@ pub fn spawn(
         };
         metrics.set_expert_stats(&session);
         let _ = ready_tx.send(Ok(()));
+        if opts.max_batch > 1 {
+            crate::batch_worker::run(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, &jobs_rx);
+            return;
+        }
         while let Ok(job) = jobs_rx.recv() {
             run_job(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, job);
         }
@@ -278,15 +313,10 @@ fn run_job(
     opts: &EngineOptions,
     job: Job,
 ) {
-    let Job { req, note, updates, ticket } = job;
-    if !ticket.transition(QUEUED, RUNNING) {
-        // The client left while waiting; its place is already free.
-        tracing::info!(target: "deltafin::request", "{}: cancelled while queued (the client left)", note.endpoint);
-        metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if !start_job(admission, metrics, &job) {
         return;
     }
-    admission.running.store(true, Ordering::Release);
-    let _ = updates.send(Update::Started);
+    let Job { req, note, updates, ticket } = job;
     let generator = TextGenerator { model: &session.model, tokenizer, step_delay: opts.step_delay() };
     let mut sink = ChannelSink { updates: &updates };
     let mut cache = cache;
@@ -322,34 +352,7 @@ fn run_job(
         }
     };
     let failed = matches!(outcome, Outcome::ReadFault(_) | Outcome::OtherFailure);
-    if failed {
-        metrics.failed.fetch_add(1, Ordering::Relaxed);
-    }
-    // Health and counters first: a client that reads them right after its answer sees them.
-    metrics.record_outcome(outcome);
-    metrics.set_expert_stats(session);
-    if let Some(disk) = cache.as_deref().and_then(|c| c.disk.as_ref()) {
-        metrics.set_state_stats(disk.counters, disk.held());
-    }
-    // Free the place before the last update, so a client that sends its next request as soon as
-    // this one completes is never refused.
-    admission.running.store(false, Ordering::Release);
-    if ticket.transition(RUNNING, FINISHED) {
-        ticket.release();
-    }
-    let last = match last {
-        Update::Done(s) => {
-            log_request(&note, Ok(&s));
-            Update::Done(s)
-        }
-        Update::Failed(mut e) => {
-            log_request(&note, Err(&e));
-            e.logged = true;
-            Update::Failed(e)
-        }
-        other => other,
-    };
-    let _ = updates.send(last);
+    end_job(session, cache.as_deref(), admission, metrics, &note, &updates, &ticket, last, outcome);
     // The clean-up may wait for reads in flight on a failing drive: the client has its answer
     // already, and the next job, taken by this same thread, only starts after it.
     if failed {
@@ -357,6 +360,63 @@ fn run_job(
         // The reset is counted in the source's fault statistics.
         metrics.set_expert_stats(session);
     }
+}
+
+/// What every generation's end does, alone or in a batch: counters and health, the place freed,
+/// the request logged, and the last update sent.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn end_job(
+    session: &Session,
+    cache: Option<&PrefixCache>,
+    admission: &Admission,
+    metrics: &Metrics,
+    note: &RequestNote,
+    updates: &mpsc::UnboundedSender<Update>,
+    ticket: &Ticket,
+    last: Update,
+    outcome: Outcome,
+) {
+    if matches!(outcome, Outcome::ReadFault(_) | Outcome::OtherFailure) {
+        metrics.failed.fetch_add(1, Ordering::Relaxed);
+    }
+    // Health and counters first: a client that reads them right after its answer sees them.
+    metrics.record_outcome(outcome);
+    metrics.set_expert_stats(session);
+    if let Some(disk) = cache.and_then(|c| c.disk.as_ref()) {
+        metrics.set_state_stats(disk.counters, disk.held());
+    }
+    // Free the place before the last update, so a client that sends its next request as soon as
+    // this one completes is never refused.
+    admission.stop_running();
+    if ticket.transition(RUNNING, FINISHED) {
+        ticket.release();
+    }
+    let last = match last {
+        Update::Done(s) => {
+            log_request(note, Ok(&s));
+            Update::Done(s)
+        }
+        Update::Failed(mut e) => {
+            log_request(note, Err(&e));
+            e.logged = true;
+            Update::Failed(e)
+        }
+        other => other,
+    };
+    let _ = updates.send(last);
+}
+
+/// Take a job off the queue: false when its client left while it waited (its place is free
+/// already); else it is running, and its client is told.
+pub(crate) fn start_job(admission: &Admission, metrics: &Metrics, job: &Job) -> bool {
+    if !job.ticket.transition(QUEUED, RUNNING) {
+        tracing::info!(target: "deltafin::request", "{}: cancelled while queued (the client left)", job.note.endpoint);
+        metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return false;
+    }
+    admission.start_running();
+    let _ = job.updates.send(Update::Started);
+    true
 }
 
 /// Open the prompt-state store for this model, and say what it holds and may hold.
@@ -385,8 +445,8 @@ fn clean_up_after_failure(session: &mut Session, cache: Option<&mut PrefixCache>
     }
 }
 
-struct ChannelSink<'a> {
-    updates: &'a mpsc::UnboundedSender<Update>,
+pub(crate) struct ChannelSink<'a> {
+    pub updates: &'a mpsc::UnboundedSender<Update>,
 }
 
 impl Sink for ChannelSink<'_> {

@@ -67,6 +67,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
         admission.clone(),
         metrics.clone(),
         EngineOptions {
+            max_batch: 1,
             prefix_cache: false,
             state: None,
             #[cfg(feature = "test-instruments")]

@@ -185,50 +185,15 @@ impl TextGenerator<'_> {
         let model = self.model;
         let mut st = model.new_state();
         let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
-        let mut resume = 0;
-        if let Some(c) = cache.as_deref_mut() {
-            if !c.tokens.is_empty() && req.prompt.starts_with(&c.tokens) {
-                st.copy_sequence_from(&c.state);
-                logits.copy_from_slice(&c.logits);
-                resume = c.tokens.len();
-            } else if let Some(disk) = c.disk.as_mut() {
-                // At least one token is left to compute: its logits are the first sample's.
-                match disk.restore_longest(&req.prompt, req.prompt.len() - 1, &mut st, &mut logits) {
-                    Some(n) => resume = n,
-                    // A refused snapshot may have been half restored.
-                    None => st = model.new_state(),
-                }
-            }
-        }
-        let markers = if req.parse_chat { Markers::from_tokenizer(self.tokenizer) } else { None };
+        let resume = cache.as_deref_mut().map_or(0, |c| c.resume(model, &req.prompt, &mut st, &mut logits));
         let mut turn = TextTurn {
-            tokenizer: self.tokenizer,
+            turn: Turn::new(self.tokenizer, req, resume),
             req,
             sink,
             // Kept even when the whole prompt was resumed: the finished turn is stored too.
             cache,
             resumed: resume,
-            fed: Vec::new(),
             step_delay: self.step_delay,
-            start: Instant::now(),
-            summary: Summary {
-                finish: Finish::Length,
-                prompt_tokens: req.prompt.len(),
-                cached_prompt_tokens: resume,
-                completion_tokens: 0,
-                ttft_s: 0.0,
-                decode_s: 0.0,
-                stop_string: None,
-            },
-            markers,
-            parser: markers.map(|m| OutputParser::new(m, req.reasoning_open)),
-            raw_text: Utf8Decoder::default(),
-            stop: StopMatcher::new(&req.stop),
-            sampler: Sampler::new(req.sampling.clone()),
-            parsed: Vec::new(),
-            events: Vec::new(),
-            saw_tool_call: false,
-            decode_start: None,
         };
         let ended = generate::run(
             model,
@@ -240,50 +205,28 @@ impl TextGenerator<'_> {
             &mut turn,
         )?;
         if ended == Ended::Cancelled {
-            turn.summary.finish = Finish::Cancelled;
-            return Ok(turn.summary);
+            return Ok(turn.turn.cancelled());
         }
         // The finished turn's state: the prompt and every token fed back (all generated tokens
         // but the last), for the next turn of this conversation.
-        if let Some(disk) = turn.cache.as_deref_mut().and_then(|c| c.disk.as_mut())
-            && !turn.fed.is_empty()
-        {
-            let mut tokens = req.prompt.clone();
-            tokens.extend_from_slice(&turn.fed);
-            if tokens.len() == st.position
-                && let Err(e) = disk.save(&tokens, &st, &logits)
-            {
-                tracing::warn!("keeping the turn's state on disk failed: {e}");
-            }
+        if let Some(c) = turn.cache.as_deref_mut() {
+            c.keep_turn(&req.prompt, turn.turn.fed(), &st, &logits);
         }
-        Ok(turn.finish())
+        Ok(turn.turn.finish(turn.sink))
     }
 }
 
-/// One request's generation as the loop's [`Driver`]: samples (or takes the forced tokens),
-/// parses, holds text back for stop strings, and reports each token to the sink.
+/// One request's generation as the loop's [`Driver`]: the [`Turn`], reported to the sink, with
+/// the prompt states kept on the way.
 struct TextTurn<'a> {
-    tokenizer: &'a Tokenizer,
+    turn: Turn<'a>,
     req: &'a TextRequest,
     sink: &'a mut dyn Sink,
     /// Where this prompt's state is left for the next request (when it ran new tokens).
     cache: Option<&'a mut PrefixCache>,
     /// Prompt tokens taken from a stored state (the loop sees the rest).
     resumed: usize,
-    /// Generated tokens fed back into the model, in order.
-    fed: Vec<u32>,
     step_delay: Duration,
-    start: Instant,
-    summary: Summary,
-    markers: Option<Markers>,
-    parser: Option<OutputParser>,
-    raw_text: Utf8Decoder,
-    stop: StopMatcher,
-    sampler: Sampler,
-    parsed: Vec<OutputEvent>,
-    events: Vec<OutputEvent>,
-    saw_tool_call: bool,
-    decode_start: Option<Instant>,
 }
 
 impl Driver for TextTurn<'_> {
@@ -302,33 +245,156 @@ impl Driver for TextTurn<'_> {
 
     fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
         if let Some(c) = self.cache.as_deref_mut() {
-            // Tokens last: a cache whose copy did not finish never claims this prompt.
-            c.tokens.clear();
-            c.state.copy_sequence_from(state);
-            c.logits.copy_from_slice(logits);
-            c.tokens.extend_from_slice(&self.req.prompt);
-            if let Some(disk) = c.disk.as_mut()
-                && let Err(e) = disk.save(&self.req.prompt, state, logits)
-            {
-                tracing::warn!("keeping the prompt's state on disk failed: {e}");
-            }
+            c.keep_prompt(&self.req.prompt, state, logits);
         }
     }
 
     fn next(&mut self, logits: &[f32]) -> Result<Option<u32>> {
-        let req = self.req;
+        Ok(self.turn.next(logits, self.sink))
+    }
+
+    fn after_step(&mut self, _expert_bytes_read: u64) {
+        // A test throttle that holds the engine busy deterministically.
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+    }
+}
+
+impl PrefixCache {
+    /// This prompt's state, in memory for a next prompt that extends it, and on disk when
+    /// states are kept there.
+    pub fn keep_prompt(&mut self, prompt: &[u32], state: &K3State, logits: &[f32]) {
+        // Tokens last: a cache whose copy did not finish never claims this prompt.
+        self.tokens.clear();
+        self.state.copy_sequence_from(state);
+        self.logits.copy_from_slice(logits);
+        self.tokens.extend_from_slice(prompt);
+        if let Some(disk) = self.disk.as_mut()
+            && let Err(e) = disk.save(prompt, state, logits)
+        {
+            tracing::warn!("keeping the prompt's state on disk failed: {e}");
+        }
+    }
+
+    /// The longest stored start of `prompt` (in memory, else on disk, leaving at least one token
+    /// to compute when it comes from disk): how many tokens it covers, with its state copied
+    /// into `state` and its logits into `logits`. Zero leaves `state` fresh.
+    pub fn resume(&mut self, model: &K3Model, prompt: &[u32], state: &mut K3State, logits: &mut [f32]) -> usize {
+        if !self.tokens.is_empty() && prompt.starts_with(&self.tokens) {
+            state.copy_sequence_from(&self.state);
+            logits.copy_from_slice(&self.logits);
+            return self.tokens.len();
+        }
+        if let Some(disk) = self.disk.as_mut() {
+            // At least one token is left to compute: its logits are the first sample's.
+            match disk.restore_longest(prompt, prompt.len().saturating_sub(1), state, logits) {
+                Some(n) => return n,
+                // A refused snapshot may have been half restored.
+                None => *state = model.new_state(),
+            }
+        }
+        0
+    }
+
+    /// A finished turn's state (its prompt and every token fed back), on disk for the next turn
+    /// of its conversation.
+    pub fn keep_turn(&mut self, prompt: &[u32], fed: &[u32], state: &K3State, logits: &[f32]) {
+        if let Some(disk) = self.disk.as_mut()
+            && !fed.is_empty()
+            && prompt.len() + fed.len() == state.position
+        {
+            let mut tokens = prompt.to_vec();
+            tokens.extend_from_slice(fed);
+            if let Err(e) = disk.save(&tokens, state, logits) {
+                tracing::warn!("keeping the turn's state on disk failed: {e}");
+            }
+        }
+    }
+}
+
+/// One request's turn, however the model is driven (alone by [`generate::run`], or in a batch
+/// step by step): samples (or takes the forced tokens), parses, holds text back for stop
+/// strings, and reports each token to a [`Sink`].
+pub struct Turn<'a> {
+    tokenizer: &'a Tokenizer,
+    max_tokens: usize,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+    forced: Option<Vec<u32>>,
+    /// Generated tokens fed back into the model, in order.
+    fed: Vec<u32>,
+    start: Instant,
+    summary: Summary,
+    markers: Option<Markers>,
+    parser: Option<OutputParser>,
+    raw_text: Utf8Decoder,
+    stop: StopMatcher,
+    sampler: Sampler,
+    parsed: Vec<OutputEvent>,
+    events: Vec<OutputEvent>,
+    saw_tool_call: bool,
+    decode_start: Option<Instant>,
+}
+
+impl<'a> Turn<'a> {
+    /// `resumed` prompt tokens came from a stored state (reported as cached).
+    pub fn new(tokenizer: &'a Tokenizer, req: &TextRequest, resumed: usize) -> Self {
+        let markers = if req.parse_chat { Markers::from_tokenizer(tokenizer) } else { None };
+        Turn {
+            tokenizer,
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            logprobs: req.logprobs,
+            forced: req.forced.clone(),
+            fed: Vec::new(),
+            start: Instant::now(),
+            summary: Summary {
+                finish: Finish::Length,
+                prompt_tokens: req.prompt.len(),
+                cached_prompt_tokens: resumed,
+                completion_tokens: 0,
+                ttft_s: 0.0,
+                decode_s: 0.0,
+                stop_string: None,
+            },
+            markers,
+            parser: markers.map(|m| OutputParser::new(m, req.reasoning_open)),
+            raw_text: Utf8Decoder::default(),
+            stop: StopMatcher::new(&req.stop),
+            sampler: Sampler::new(req.sampling.clone()),
+            parsed: Vec::new(),
+            events: Vec::new(),
+            saw_tool_call: false,
+            decode_start: None,
+        }
+    }
+
+    /// How the turn ends (so far: `Length` until it ends otherwise).
+    pub fn finish_reason(&self) -> Finish {
+        self.summary.finish
+    }
+
+    /// Generated tokens fed back into the model so far.
+    pub fn fed(&self) -> &[u32] {
+        &self.fed
+    }
+
+    /// The next token from the logits `[vocab]`, reported to the sink: `Some` feeds it back,
+    /// `None` ends the turn (finish with [`Self::finish`]).
+    pub fn next(&mut self, logits: &[f32], sink: &mut dyn Sink) -> Option<u32> {
         let vocab = logits.len();
         let summary = &mut self.summary;
-        if summary.completion_tokens >= req.max_tokens {
-            return Ok(self.end(Finish::Length));
+        if summary.completion_tokens >= self.max_tokens {
+            return self.end(Finish::Length);
         }
-        if !self.sink.keep_going() {
-            return Ok(self.end(Finish::Cancelled));
+        if !sink.keep_going() {
+            return self.end(Finish::Cancelled);
         }
-        let token = match &req.forced {
+        let token = match &self.forced {
             Some(f) => match f.get(summary.completion_tokens) {
                 Some(&t) => t,
-                None => return Ok(self.end(Finish::Stop)),
+                None => return self.end(Finish::Stop),
             },
             None => self.sampler.sample(logits),
         };
@@ -337,10 +403,10 @@ impl Driver for TextTurn<'_> {
             self.decode_start = Some(Instant::now());
         }
         summary.completion_tokens += 1;
-        if Some(token) == self.tokenizer.eos_id && !req.ignore_eos {
-            return Ok(self.end(Finish::Stop));
+        if Some(token) == self.tokenizer.eos_id && !self.ignore_eos {
+            return self.end(Finish::Stop);
         }
-        let lp = req.logprobs.filter(|_| (token as usize) < vocab).map(|n| {
+        let lp = self.logprobs.filter(|_| (token as usize) < vocab).map(|n| {
             let l = logprobs(logits, token, n);
             TokenLogprob { id: token, logprob: l.logprob, top: l.top }
         });
@@ -364,35 +430,33 @@ impl Driver for TextTurn<'_> {
         }
         let stopped = filter_stops(&mut self.stop, &self.parsed, &mut self.events, &mut self.summary);
         self.saw_tool_call |= self.events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
-        if !self.sink.token(&self.events, lp.as_ref()) {
-            return Ok(self.end(Finish::Cancelled));
+        if !sink.token(&self.events, lp.as_ref()) {
+            return self.end(Finish::Cancelled);
         }
         if stopped {
-            return Ok(self.end(Finish::Stop));
+            return self.end(Finish::Stop);
         }
-        if self.summary.completion_tokens >= req.max_tokens {
-            return Ok(self.end(Finish::Length));
+        if self.summary.completion_tokens >= self.max_tokens {
+            return self.end(Finish::Length);
         }
         self.fed.push(token);
-        Ok(Some(token))
+        Some(token)
     }
 
-    fn after_step(&mut self, _expert_bytes_read: u64) {
-        // A test throttle that holds the engine busy deterministically.
-        if !self.step_delay.is_zero() {
-            std::thread::sleep(self.step_delay);
-        }
-    }
-}
-
-impl TextTurn<'_> {
     fn end(&mut self, finish: Finish) -> Option<u32> {
         self.summary.finish = finish;
         None
     }
 
+    /// The turn stopped before its end (the client left, or its prompt was cancelled).
+    pub fn cancelled(mut self) -> Summary {
+        self.summary.finish = Finish::Cancelled;
+        self.summary.decode_s = self.decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        self.summary
+    }
+
     /// Release what the parser and the stop check still hold, and settle the finish reason.
-    fn finish(mut self) -> Summary {
+    pub fn finish(mut self, sink: &mut dyn Sink) -> Summary {
         let summary = &mut self.summary;
         if summary.finish != Finish::Cancelled {
             let (events, parsed) = (&mut self.events, &mut self.parsed);
@@ -418,7 +482,7 @@ impl TextTurn<'_> {
             }
             self.saw_tool_call |= events.iter().any(|e| matches!(e, OutputEvent::ToolCallBegin { .. }));
             if !events.is_empty() {
-                self.sink.token(events, None);
+                sink.token(events, None);
             }
             if summary.finish == Finish::Stop && self.saw_tool_call && summary.stop_string.is_none() {
                 summary.finish = Finish::ToolCalls;

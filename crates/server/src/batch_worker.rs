@@ -1,0 +1,352 @@
+//! The engine thread with continuous batching (`serve --max-batch N`, N > 1): up to N
+//! generations share every model step through [`Batcher`] (each spine layer fetched once, the
+//! union of their experts read once). Jobs join between steps while there is room; the rest
+//! wait in the admission queue as with one at a time. Each generation is the same [`Turn`] as
+//! alone (sampling, parsing, stop strings, log-probabilities), so its tokens are those it would
+//! get alone, bit for bit.
+//!
+//! A client that leaves takes its sequence out before the next step. A failed step fails the
+//! generations it blames and recomputes the others from their tokens (bit-identical, the
+//! prompt path's chunk invariance): a storage fault of a shared step is blamed on every
+//! sequence in it, since each may have needed the record; an injected test fault only on the
+//! request that carries its trigger. A panic fails every generation in the batch and starts a
+//! new one; the expert source is reset and the prefix snapshot dropped as after any failure.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, TryRecvError};
+
+use deltafin_engine::batch::{Batcher, Next, SeqId, StepError};
+use deltafin_engine::experts::ExpertSource;
+use deltafin_engine::session::Session;
+use deltafin_text::textgen::{Finish, PrefixCache, TextRequest, Turn};
+use deltafin_text::tokenizer::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::error::{ApiError, storage_fault};
+use crate::metrics::{Metrics, Outcome};
+use crate::worker::{Admission, ChannelSink, EngineOptions, Job, RequestNote, Ticket, Update, end_job, start_job};
+
+/// A generation in the batch.
+struct Active<'t> {
+    turn: Turn<'t>,
+    req: TextRequest,
+    note: RequestNote,
+    updates: mpsc::UnboundedSender<Update>,
+    ticket: std::sync::Arc<Ticket>,
+    /// Its prompt is in (its state was kept for a next prompt that extends it).
+    prompt_done: bool,
+    /// Its turn ended in the last step.
+    ended: bool,
+    /// Test instrument: the fault its prompt asks for, injected at its first step.
+    #[cfg(feature = "test-instruments")]
+    injected: Option<crate::instruments::Injected>,
+}
+
+/// Serve jobs until the queue's sender is gone.
+pub(crate) fn run(
+    session: &mut Session,
+    mut cache: Option<&mut PrefixCache>,
+    tokenizer: &Tokenizer,
+    admission: &Admission,
+    metrics: &Metrics,
+    opts: &EngineOptions,
+    jobs: &Receiver<Job>,
+) {
+    let max_batch = opts.max_batch.max(1);
+    metrics.set_max_batch(max_batch);
+    let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
+    // A batch for the life of the thread; a new one after a panic.
+    let mut batcher = Batcher::new(&session.model, max_batch);
+    loop {
+        // Jobs join while there is room; with nothing running, wait for one.
+        while active.len() < max_batch {
+            let job = if active.is_empty() {
+                match jobs.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            };
+            if !start_job(admission, metrics, &job) {
+                continue;
+            }
+            admit(session, cache.as_deref_mut(), tokenizer, &mut batcher, &mut active, admission, metrics, job, opts);
+        }
+        // Clients that left: out before the step.
+        let gone: Vec<SeqId> = active.iter().filter(|(_, a)| a.updates.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            batcher.leave(id);
+            if let Some(a) = active.remove(&id) {
+                let summary = a.turn.cancelled();
+                metrics.record_generation(&summary);
+                end_job(
+                    session,
+                    cache.as_deref(),
+                    admission,
+                    metrics,
+                    &a.note,
+                    &a.updates,
+                    &a.ticket,
+                    Update::Done(summary),
+                    Outcome::Cancelled,
+                );
+            }
+        }
+        if batcher.is_empty() {
+            continue;
+        }
+        #[cfg(feature = "test-instruments")]
+        let injected = active.iter_mut().find_map(|(&id, a)| a.injected.take().map(|f| (id, f)));
+        let result = {
+            let experts = &mut session.experts;
+            let cache = &mut cache;
+            let active = &mut active;
+            let mut after = |id: SeqId, state: &deltafin_engine::k3::K3State, logits: &[f32]| -> Next {
+                let Some(a) = active.get_mut(&id) else { return Next::Leave };
+                if !a.prompt_done {
+                    a.prompt_done = true;
+                    if let Some(c) = cache.as_deref_mut() {
+                        c.keep_prompt(&a.req.prompt, state, logits);
+                    }
+                }
+                let mut sink = ChannelSink { updates: &a.updates };
+                match a.turn.next(logits, &mut sink) {
+                    Some(t) => Next::Token(t),
+                    None => {
+                        a.ended = true;
+                        if a.turn.finish_reason() != Finish::Cancelled
+                            && let Some(c) = cache.as_deref_mut()
+                        {
+                            c.keep_turn(&a.req.prompt, a.turn.fed(), state, logits);
+                        }
+                        Next::Leave
+                    }
+                }
+            };
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                #[cfg(feature = "test-instruments")]
+                if let Some((_, fault)) = injected {
+                    let mut faulty = crate::instruments::FaultyExperts { inner: &mut *experts, fault: Some(fault) };
+                    return batcher.step(&mut faulty, &mut after);
+                }
+                batcher.step(experts, &mut after)
+            }))
+        };
+        match result {
+            Ok(Ok(report)) => {
+                metrics.record_step(report.sequences);
+                let ended: Vec<SeqId> = active.iter().filter(|(_, a)| a.ended).map(|(&id, _)| id).collect();
+                for id in ended {
+                    let Some(a) = active.remove(&id) else { continue };
+                    let mut sink = ChannelSink { updates: &a.updates };
+                    let summary = a.turn.finish(&mut sink);
+                    metrics.record_generation(&summary);
+                    let outcome =
+                        if summary.finish == Finish::Cancelled { Outcome::Cancelled } else { Outcome::Completed };
+                    end_job(
+                        session,
+                        cache.as_deref(),
+                        admission,
+                        metrics,
+                        &a.note,
+                        &a.updates,
+                        &a.ticket,
+                        Update::Done(summary),
+                        outcome,
+                    );
+                }
+            }
+            Ok(Err(StepError { error, failed })) => {
+                #[cfg(feature = "test-instruments")]
+                let blamed: Vec<SeqId> = match injected {
+                    Some((id, _)) => vec![id],
+                    None => failed.clone(),
+                };
+                #[cfg(not(feature = "test-instruments"))]
+                let blamed = failed.clone();
+                for id in failed {
+                    if blamed.contains(&id) {
+                        fail(session, cache.as_deref(), admission, metrics, &mut active, id, &error);
+                    } else {
+                        recompute(session, cache.as_deref(), &mut batcher, &mut active, admission, metrics, id);
+                    }
+                }
+                // The batcher reset the expert source; the prefix snapshot may be half written.
+                if let Some(c) = cache.as_deref_mut() {
+                    c.clear();
+                }
+                metrics.set_expert_stats(session);
+            }
+            Err(_) => {
+                tracing::error!("the engine panicked on a batch step; its generations are discarded");
+                let ids: Vec<SeqId> = active.keys().copied().collect();
+                let e = anyhow::anyhow!("internal error in the engine");
+                for id in ids {
+                    if let Some(a) = active.remove(&id) {
+                        end_job(
+                            session,
+                            cache.as_deref(),
+                            admission,
+                            metrics,
+                            &a.note,
+                            &a.updates,
+                            &a.ticket,
+                            Update::Failed(ApiError::internal(format!("{e}"))),
+                            Outcome::OtherFailure,
+                        );
+                    }
+                }
+                batcher = Batcher::new(&session.model, max_batch);
+                if let Some(c) = cache.as_deref_mut() {
+                    c.clear();
+                }
+                // A panic in the reset itself must not take the engine thread down with it.
+                let experts = &mut session.experts;
+                let reset = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ExpertSource::reset(experts)));
+                if reset.is_err() {
+                    tracing::error!("resetting the expert source after a failed step panicked");
+                }
+                metrics.set_expert_stats(session);
+            }
+        }
+        #[cfg(feature = "test-instruments")]
+        if !opts.step_delay.is_zero() {
+            std::thread::sleep(opts.step_delay);
+        }
+    }
+}
+
+/// A started job into the batch: from the longest stored state of its prompt when prompt
+/// states are kept, else from its first token.
+#[allow(clippy::too_many_arguments)]
+fn admit<'t>(
+    session: &Session,
+    cache: Option<&mut PrefixCache>,
+    tokenizer: &'t Tokenizer,
+    batcher: &mut Batcher<'_>,
+    active: &mut HashMap<SeqId, Active<'t>>,
+    admission: &Admission,
+    metrics: &Metrics,
+    job: Job,
+    #[allow(unused_variables)] opts: &EngineOptions,
+) {
+    let Job { req, note, updates, ticket } = job;
+    let model = &session.model;
+    let mut state = model.new_state();
+    let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
+    let resumed = match cache {
+        Some(c) if !req.prompt.is_empty() => c.resume(model, &req.prompt, &mut state, &mut logits),
+        _ => 0,
+    };
+    let joined = if resumed > 0 {
+        batcher.join_from(state, logits, req.prompt[resumed..].to_vec())
+    } else {
+        batcher.join(req.prompt.clone())
+    };
+    match joined {
+        Ok(id) => {
+            #[cfg(feature = "test-instruments")]
+            let injected =
+                opts.inject_faults.then(|| crate::instruments::injected_fault(tokenizer, &req.prompt)).flatten();
+            active.insert(
+                id,
+                Active {
+                    turn: Turn::new(tokenizer, &req, resumed),
+                    prompt_done: resumed == req.prompt.len(),
+                    req,
+                    note,
+                    updates,
+                    ticket,
+                    ended: false,
+                    #[cfg(feature = "test-instruments")]
+                    injected,
+                },
+            );
+        }
+        Err(e) => end_job(
+            session,
+            None,
+            admission,
+            metrics,
+            &note,
+            &updates,
+            &ticket,
+            Update::Failed(ApiError::from_engine(&e)),
+            Outcome::OtherFailure,
+        ),
+    }
+}
+
+/// A generation the failed step blamed: its client gets the error.
+fn fail(
+    session: &Session,
+    cache: Option<&PrefixCache>,
+    admission: &Admission,
+    metrics: &Metrics,
+    active: &mut HashMap<SeqId, Active<'_>>,
+    id: SeqId,
+    error: &anyhow::Error,
+) {
+    let Some(a) = active.remove(&id) else { return };
+    // Routed experts or a streamed spine layer that storage would not give: what the health
+    // rule counts.
+    let outcome = match storage_fault(error) {
+        Some(f) => Outcome::ReadFault(f),
+        None => Outcome::OtherFailure,
+    };
+    end_job(
+        session,
+        cache,
+        admission,
+        metrics,
+        &a.note,
+        &a.updates,
+        &a.ticket,
+        Update::Failed(ApiError::from_engine(error)),
+        outcome,
+    );
+}
+
+/// A generation the failed step did not blame: computed again from its prompt and the tokens
+/// it had fed, then it goes on with the token it was about to feed.
+fn recompute(
+    session: &Session,
+    cache: Option<&PrefixCache>,
+    batcher: &mut Batcher<'_>,
+    active: &mut HashMap<SeqId, Active<'_>>,
+    admission: &Admission,
+    metrics: &Metrics,
+    id: SeqId,
+) {
+    let Some(mut a) = active.remove(&id) else { return };
+    let rejoined = match a.turn.fed().split_last() {
+        Some((&next, before)) => batcher.rejoin([a.req.prompt.as_slice(), before].concat(), next),
+        // Still in its prompt: from the start (its first token is sampled as before).
+        None => {
+            a.prompt_done = false;
+            batcher.join(a.req.prompt.clone())
+        }
+    };
+    match rejoined {
+        Ok(new_id) => {
+            tracing::info!(target: "deltafin::request", "{}: recomputed after a failed step it did not cause", a.note.endpoint);
+            active.insert(new_id, a);
+        }
+        Err(e) => end_job(
+            session,
+            cache,
+            admission,
+            metrics,
+            &a.note,
+            &a.updates,
+            &a.ticket,
+            Update::Failed(ApiError::from_engine(&e)),
+            Outcome::OtherFailure,
+        ),
+    }
+}
