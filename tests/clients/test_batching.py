@@ -49,6 +49,29 @@ def servers(deltafin_bin: Path, tmp_path_factory: pytest.TempPathFactory):
     launcher.stop_all()
 
 
+def test_max_batch_auto_comes_from_the_memory_plan(deltafin_bin: Path, servers, tmp_path: Path):
+    solo, _ = servers
+    store = solo.args[solo.args.index("--model") + 1]
+    launcher = ServerLauncher(deltafin_bin, Path(store), tmp_path)
+    try:
+        # The demo model's states are small: the cap of 8.
+        auto = launcher.start("--max-batch", "auto")
+        assert scrape_metrics(auto)["deltafin_max_batch"] == 8
+        assert "--max-batch auto: 8 sequences per step" in auto.stderr_text()
+        # A budget a little above the model's minimum (about 112 MiB with one state of 1.9 MiB
+        # at a context of 4,096) holds fewer: the plan has to fit every state.
+        small = launcher.start("--max-batch", "auto", "--memory-budget", "120M")
+        n = scrape_metrics(small)["deltafin_max_batch"]
+        assert 1 <= n < 8, n
+        assert f"--max-batch auto: {int(n)} sequences per step" in small.stderr_text()
+    finally:
+        launcher.stop_all()
+    bad = subprocess.run(
+        [str(deltafin_bin), "serve", "--model", store, "--max-batch", "0"], capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode != 0 and "neither a number" in bad.stderr
+
+
 def complete(server, prompt: str, max_tokens: int, sampling: dict):
     client = make_openai(server)
     r = client.completions.create(

@@ -34,8 +34,10 @@ pub struct ServeArgs {
     /// read once for all of them and every expert two of them pick once. Each keeps a sequence
     /// state of its own (the memory plan counts them at the full context); requests beyond it
     /// wait in --queue. 1 (the default) runs one at a time.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
-    pub max_batch: u64,
+    /// `auto`: the most the memory plan holds, up to 8 (their states take at most 12% of the
+    /// budget, the spine and the expert cache keep the rest).
+    #[arg(long, default_value = "1", value_name = "N|auto", value_parser = parse_max_batch)]
+    pub max_batch: MaxBatch,
     /// Model id clients use (default: the store directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -102,7 +104,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut run_opts = a.model.run_options()?;
     // The live states (one per sequence of the batch), the prefix snapshot (unless
     // --no-prefix-cache), and the state store's buffer of one snapshot (--state-dir).
-    run_opts.state_copies = a.max_batch as usize + usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
+    let kept = usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
+    let max_batch = match a.max_batch {
+        MaxBatch::Fixed(n) => n,
+        MaxBatch::Auto => {
+            let probe = deltafin_engine::session::RunOptions { state_copies: 1 + kept, ..a.model.run_options()? };
+            let (n, one) = Session::batch_size(&store, &probe, AUTO_BATCH_CAP);
+            eprintln!(
+                "  --max-batch auto: {n} sequences per step (each keeps {} of state at a context of {}; at most {AUTO_BATCH_CAP}, their states within {}% of the memory budget)",
+                deltafin_engine::plan::human(one),
+                probe.context_tokens,
+                deltafin_engine::plan::BATCH_STATE_SHARE_PERCENT,
+            );
+            n
+        }
+    };
+    run_opts.state_copies = max_batch + kept;
     run_opts.fetcher = a.model.fetcher_for(&store)?;
     let load_progress = std::sync::Arc::new(deltafin_engine::k3::LoadProgress::default());
     run_opts.load_progress = Some(load_progress.clone());
@@ -156,7 +173,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         port: a.port,
         api_key: a.api_key,
         queue: a.queue,
-        max_batch: a.max_batch as usize,
+        max_batch,
         max_body_bytes: usize::try_from(a.max_body_bytes).unwrap_or(usize::MAX),
         keep_alive: Duration::from_secs_f64(a.keep_alive_s),
         prefix_cache: !a.no_prefix_cache,
@@ -178,4 +195,24 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         Ok(session)
     })
+}
+
+/// `serve --max-batch`: a number of sequences, or `auto` (from the memory plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxBatch {
+    Fixed(usize),
+    Auto,
+}
+
+/// The most sequences `--max-batch auto` picks.
+const AUTO_BATCH_CAP: usize = 8;
+
+fn parse_max_batch(s: &str) -> Result<MaxBatch, String> {
+    if s == "auto" {
+        return Ok(MaxBatch::Auto);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if (1..=256).contains(&n) => Ok(MaxBatch::Fixed(n)),
+        _ => Err(format!("'{s}' is neither a number of sequences from 1 to 256 nor 'auto'")),
+    }
 }

@@ -396,6 +396,26 @@ pub fn longest_context(m: &Manifest, budget: &Budget, req: &PlanRequest) -> usiz
     lo
 }
 
+/// The share of the budget (in percent) the sequence states of an automatically sized
+/// continuous batch may take: the spine and the expert cache keep the rest.
+pub const BATCH_STATE_SHARE_PERCENT: u64 = 12;
+
+/// The most sequences a continuous batch may carry under `budget`, at most `cap` and never
+/// below 1: each keeps a state of its own at the full context, beside the `req.state_copies - 1`
+/// others the run keeps (a server's prefix snapshot, the state store's buffer); the batch's
+/// states together take at most [`BATCH_STATE_SHARE_PERCENT`] of the budget, and the plan
+/// must still fit. Also returns one sequence's state in bytes.
+pub fn batch_size(m: &Manifest, budget: &Budget, req: &PlanRequest, cap: usize) -> (usize, u64) {
+    let one = state_bytes(m, req.context, req.latent_cache.bytes());
+    let others = req.state_copies.saturating_sub(1);
+    let share = budget.bytes / 100 * BATCH_STATE_SHARE_PERCENT;
+    let fits = |n: usize| {
+        let r = PlanRequest { state_copies: n + others, ..req.clone() };
+        one.saturating_mul(n as u64) <= share && try_plan(m, budget, &r).is_ok()
+    };
+    ((2..=cap.max(1)).rev().find(|&n| fits(n)).unwrap_or(1), one)
+}
+
 /// Why no plan fits.
 enum Shortfall {
     /// A forced prompt chunk does not fit.

@@ -125,27 +125,22 @@ impl Session {
     /// The memory plan this run would use, without loading anything: a `--context` beyond the
     /// model or a budget that cannot hold it is an error here, before minutes of loading.
     pub fn plan(store: &Store, opts: &RunOptions) -> Result<Plan> {
-        let k = opts.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
-        // Demand reads for one layer, plus as many for the next layer's prefetch.
-        let io_buffers = k + if opts.prefetch { k } else { 0 };
-        let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
-        let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let max = store.manifest.config.max_position_embeddings;
         anyhow::ensure!(
             opts.context_tokens <= max,
             "--context {} is beyond the model's {max} positions (its max_position_embeddings)",
             opts.context_tokens
         );
-        let req = PlanRequest {
-            latent_cache,
-            context: opts.context_tokens,
-            experts_per_token: k,
-            io_buffers,
-            resident_layers: opts.resident_spine_layers,
-            state_copies: opts.state_copies,
-            prefill_chunk: opts.prefill_chunk,
-        };
+        let (budget, req) = plan_request(store, opts);
         make_plan(&store.manifest, &budget, &req)
+    }
+
+    /// The most sequences a continuous batch may carry with these options (at most `cap`;
+    /// `plan::batch_size`), and one sequence's state in bytes. `opts.state_copies` counts one
+    /// live state besides the others the run keeps.
+    pub fn batch_size(store: &Store, opts: &RunOptions, cap: usize) -> (usize, u64) {
+        let (budget, req) = plan_request(store, opts);
+        crate::plan::batch_size(&store.manifest, &budget, &req, cap)
     }
 
     pub fn open(store: &Store, opts: &RunOptions) -> Result<Self> {
@@ -265,4 +260,23 @@ impl Session {
     fn experts_policy(&self) -> Policy {
         self.experts.policy()
     }
+}
+
+/// The budget and what the plan is asked to fit, from the command line's options.
+fn plan_request(store: &Store, opts: &RunOptions) -> (Budget, PlanRequest) {
+    let k = opts.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
+    // Demand reads for one layer, plus as many for the next layer's prefetch.
+    let io_buffers = k + if opts.prefetch { k } else { 0 };
+    let budget = opts.memory_budget.map(Budget::given).unwrap_or_else(default_budget);
+    let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
+    let req = PlanRequest {
+        latent_cache,
+        context: opts.context_tokens,
+        experts_per_token: k,
+        io_buffers,
+        resident_layers: opts.resident_spine_layers,
+        state_copies: opts.state_copies,
+        prefill_chunk: opts.prefill_chunk,
+    };
+    (budget, req)
 }
