@@ -13,6 +13,7 @@ mod serve_cmd;
 mod spine_choice;
 mod streams;
 mod trace_cmd;
+mod trace_streams;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -17,10 +17,29 @@ pub enum TraceCmd {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
+    /// Continuous batching on recorded routing: the traces cut into windows of --window tokens
+    /// (whole sequences' consecutive tokens), N windows of different traces decoding together;
+    /// per step and MoE layer, the distinct experts their tokens picked against N x top-k.
+    Streams {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        streams: Vec<usize>,
+        /// Tokens per window (steps of a batch).
+        #[arg(long, default_value_t = 64)]
+        window: usize,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(c: TraceCmd) -> Result<()> {
-    let TraceCmd::Stats { files } = c;
+    let files = match c {
+        TraceCmd::Stats { files } => files,
+        TraceCmd::Streams { files, streams, window, json } => {
+            return crate::trace_streams::run(&files, &streams, window, json);
+        }
+    };
     let mut merged: Option<Trace> = None;
     for f in &files {
         let t = read_trace(f)?;

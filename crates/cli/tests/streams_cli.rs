@@ -202,3 +202,34 @@ fn bench_streams_arguments_are_checked() {
         assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{list}: {err}");
     }
 }
+
+/// `trace streams` on the demo model's recorded traces: one stream reads its own top-k, more
+/// streams share, never more than N x top-k and never fewer than top-k.
+#[test]
+fn trace_streams_counts_the_union_on_recorded_routing() {
+    let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/traces");
+    let files: Vec<String> =
+        ["chat", "code", "prose"].iter().map(|f| traces.join(format!("{f}.jsonl")).display().to_string()).collect();
+    let mut args = vec!["trace", "streams", "--window", "32", "--streams", "1,2,4", "--json"];
+    args.extend(files.iter().map(String::as_str));
+    let v = ok(&args);
+    let rows = v["rows"].as_array().unwrap();
+    let k = v["experts_per_token"].as_f64().unwrap();
+    assert_eq!(k, 8.0);
+    let distinct: Vec<f64> = rows.iter().map(|r| r["distinct_experts_per_layer_per_step"].as_f64().unwrap()).collect();
+    assert_eq!(distinct[0], k, "one stream reads its own top-k");
+    for (r, n) in rows.iter().zip([1.0, 2.0, 4.0]) {
+        let d = r["distinct_experts_per_layer_per_step"].as_f64().unwrap();
+        assert!(d >= k && d <= n * k, "{r}");
+        assert!((r["expert_reads_per_generated_token_vs_solo"].as_f64().unwrap() - d / (n * k)).abs() < 1e-12);
+    }
+    assert!(distinct[1] > distinct[0] && distinct[2] > distinct[1]);
+    for (extra, want) in [(&["--window", "0"][..], "--window"), (&["--streams", "1000"][..], "windows of")] {
+        let mut args = vec!["trace", "streams"];
+        args.extend(extra);
+        args.push(&files[0]);
+        let o = run(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
