@@ -8,6 +8,7 @@ mod install_cmd;
 mod kernel_bench;
 mod plan_cmd;
 mod plan_speed;
+mod plan_streams;
 mod run;
 mod serve_cmd;
 mod spine_choice;

@@ -58,6 +58,10 @@ pub struct PlanArgs {
     /// Prompt length of the time-to-first-token estimate.
     #[arg(long, default_value_t = 2000)]
     pub prompt_length: usize,
+    /// Sequences decoding together (continuous batching), comma separated (e.g. 1,2,4,8): per
+    /// budget and drive rate, the seconds per step, per generated token and the aggregate rate.
+    #[arg(long, value_delimiter = ',')]
+    pub streams: Vec<usize>,
     #[arg(long)]
     pub json: bool,
 }
@@ -124,6 +128,12 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         );
     }
     let latent_cache: LatentDtype = a.latent_cache.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+    if a.streams.iter().any(|&n| !(1..=256).contains(&n)) {
+        bail!("--streams takes sequence counts from 1 to 256, e.g. 1,2,4,8");
+    }
+    if !a.streams.is_empty() && rates.is_empty() {
+        bail!("--streams needs a drive rate: --disk-gbps or --measure");
+    }
     let mut out = Vec::new();
     for &b in &a.memory_budget {
         let req = PlanRequest {
@@ -179,10 +189,17 @@ pub fn plan(a: PlanArgs) -> Result<()> {
                     }
                 );
             }
+        }
+        let streams = crate::plan_streams::rows(&m, b, &req, &a.streams, &rates, gflops);
+        if !a.json {
+            if !streams.is_empty() {
+                crate::plan_streams::print(&streams);
+            }
             println!();
         }
         out.push(json!({ "plan": plan, "read_bytes_per_token": per_token, "longest_context": longest,
-                         "state_bytes_per_1000_tokens": state_per_1k, "estimates": estimates.iter().map(|e| e.to_json()).collect::<Vec<_>>() }));
+                         "state_bytes_per_1000_tokens": state_per_1k, "estimates": estimates.iter().map(|e| e.to_json()).collect::<Vec<_>>(),
+                         "streams": streams }));
     }
     if a.json {
         println!(

@@ -47,7 +47,7 @@ impl DiskNeed {
 }
 
 /// Expected distinct experts a chunk of `tokens` picks in one layer at uniform routing.
-fn distinct_experts(experts: usize, k: usize, tokens: usize) -> f64 {
+pub fn distinct_experts(experts: usize, k: usize, tokens: usize) -> f64 {
     let e = experts as f64;
     e * (1.0 - (1.0 - k as f64 / e).powf(tokens as f64))
 }

@@ -233,3 +233,67 @@ fn trace_streams_counts_the_union_on_recorded_routing() {
         assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// `plan --streams` on Kimi K3 on paper: one stream is the plan's own estimate; more streams
+/// share the streamed spine (fewer bytes per generated token where it is streamed), keep their
+/// states (fewer resident layers), and a budget that cannot hold them says so.
+#[test]
+fn plan_streams_projects_the_batch_per_budget() {
+    let v = ok(&[
+        "plan",
+        "--preset",
+        "kimi-k3",
+        "--memory-budget",
+        "24G,64G",
+        "--disk-gbps",
+        "3",
+        "--streams",
+        "1,2,8",
+        "--json",
+    ]);
+    let plans = v["plans"].as_array().unwrap();
+    for p in plans {
+        let rows = p["streams"].as_array().unwrap();
+        assert_eq!(rows.len(), 3);
+        let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+        let solo = &rows[0];
+        assert!(
+            (f(solo, "s_per_step") - f(&p["estimates"][0], "s_per_token")).abs() < 1e-9,
+            "one stream is the plan's estimate"
+        );
+        assert!((f(solo, "distinct_experts_per_layer_per_step") - 16.0).abs() < 1e-9);
+        for w in rows.windows(2) {
+            assert!(f(&w[1], "bytes_read_per_generated_token") <= f(&w[0], "bytes_read_per_generated_token"));
+            assert!(f(&w[1], "spine_resident_layers") <= f(&w[0], "spine_resident_layers"), "their states take memory");
+            assert!(f(&w[1], "aggregate_tokens_per_s") >= f(&w[0], "aggregate_tokens_per_s") * 0.99);
+        }
+        let eight = &rows[2];
+        assert!((f(eight, "aggregate_tokens_per_s") - 8.0 / f(eight, "s_per_step")).abs() < 1e-12);
+    }
+    // At 24 GB the spine is streamed: 8 streams read well under half the bytes per token.
+    let r24 = plans[0]["streams"].as_array().unwrap();
+    assert!(
+        r24[2]["bytes_read_per_generated_token"].as_f64().unwrap()
+            < 0.5 * r24[0]["bytes_read_per_generated_token"].as_f64().unwrap()
+    );
+    // A budget just above one state's plan cannot hold 256 states.
+    let v = ok(&[
+        "plan",
+        "--preset",
+        "kimi-k3",
+        "--memory-budget",
+        "24G",
+        "--disk-gbps",
+        "3",
+        "--streams",
+        "256",
+        "--context",
+        "131072",
+        "--json",
+    ]);
+    let row = &v["plans"][0]["streams"][0];
+    assert_eq!(row["fits"], false, "{row}");
+    assert!(row["why"].as_str().unwrap().contains("budget"));
+    let o = run(&["plan", "--preset", "kimi-k3", "--memory-budget", "24G", "--streams", "2"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--disk-gbps"));
+}
