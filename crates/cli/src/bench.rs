@@ -111,7 +111,8 @@ pub fn probe(a: ProbeArgs) -> Result<()> {
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The median (NaN for none), sorting `v`.
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

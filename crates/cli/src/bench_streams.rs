@@ -8,14 +8,10 @@ use anyhow::{Result, bail};
 use deltafin_engine::plan::human;
 use serde_json::{Value, json};
 
+/// The median of the finite values.
 fn median(mut v: Vec<f64>) -> f64 {
     v.retain(|x| x.is_finite());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    crate::bench::median(&mut v)
 }
 
 /// The configurations for `--streams`: a label and the arguments each run of it adds.

@@ -16,6 +16,7 @@ use deltafin_engine::plan::{human, peak_rss_bytes};
 use deltafin_engine::session::RunOptions;
 use serde_json::json;
 
+use crate::bench::median;
 use crate::run::GenerateArgs;
 
 /// Which part of the run a step belongs to.
@@ -37,15 +38,6 @@ impl Phase {
             Phase::Join => "join",
         }
     }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
 /// Stream `i`'s prompt: the given one moved by i x 7,919 ids.

@@ -42,6 +42,22 @@ struct Active<'t> {
     injected: Option<crate::instruments::Injected>,
 }
 
+impl Active<'_> {
+    /// The generation's end: counters and health, its place freed, its log line, its last
+    /// update.
+    fn end(
+        self,
+        session: &Session,
+        cache: Option<&PrefixCache>,
+        admission: &Admission,
+        metrics: &Metrics,
+        last: Update,
+        outcome: Outcome,
+    ) {
+        end_job(session, cache, admission, metrics, &self.note, &self.updates, &self.ticket, last, outcome);
+    }
+}
+
 /// Serve jobs until the queue's sender is gone.
 pub(crate) fn run(
     session: &mut Session,
@@ -53,7 +69,6 @@ pub(crate) fn run(
     jobs: &Receiver<Job>,
 ) {
     let max_batch = opts.max_batch.max(1);
-    metrics.set_max_batch(max_batch);
     let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
     // A batch for the life of the thread; a new one after a panic.
     let mut batcher = Batcher::new(&session.model, max_batch);
@@ -81,20 +96,10 @@ pub(crate) fn run(
         let gone: Vec<SeqId> = active.iter().filter(|(_, a)| a.updates.is_closed()).map(|(&id, _)| id).collect();
         for id in gone {
             batcher.leave(id);
-            if let Some(a) = active.remove(&id) {
+            if let Some(mut a) = active.remove(&id) {
                 let summary = a.turn.cancelled();
                 metrics.record_generation(&summary);
-                end_job(
-                    session,
-                    cache.as_deref(),
-                    admission,
-                    metrics,
-                    &a.note,
-                    &a.updates,
-                    &a.ticket,
-                    Update::Done(summary),
-                    Outcome::Cancelled,
-                );
+                a.end(session, cache.as_deref(), admission, metrics, Update::Done(summary), Outcome::Cancelled);
             }
         }
         if batcher.is_empty() {
@@ -142,23 +147,13 @@ pub(crate) fn run(
                 metrics.record_step(report.sequences);
                 let ended: Vec<SeqId> = active.iter().filter(|(_, a)| a.ended).map(|(&id, _)| id).collect();
                 for id in ended {
-                    let Some(a) = active.remove(&id) else { continue };
+                    let Some(mut a) = active.remove(&id) else { continue };
                     let mut sink = ChannelSink { updates: &a.updates };
                     let summary = a.turn.finish(&mut sink);
                     metrics.record_generation(&summary);
                     let outcome =
                         if summary.finish == Finish::Cancelled { Outcome::Cancelled } else { Outcome::Completed };
-                    end_job(
-                        session,
-                        cache.as_deref(),
-                        admission,
-                        metrics,
-                        &a.note,
-                        &a.updates,
-                        &a.ticket,
-                        Update::Done(summary),
-                        outcome,
-                    );
+                    a.end(session, cache.as_deref(), admission, metrics, Update::Done(summary), outcome);
                 }
             }
             Ok(Err(StepError { error, failed })) => {
@@ -188,14 +183,11 @@ pub(crate) fn run(
                 let e = anyhow::anyhow!("internal error in the engine");
                 for id in ids {
                     if let Some(a) = active.remove(&id) {
-                        end_job(
+                        a.end(
                             session,
                             cache.as_deref(),
                             admission,
                             metrics,
-                            &a.note,
-                            &a.updates,
-                            &a.ticket,
                             Update::Failed(ApiError::internal(format!("{e}"))),
                             Outcome::OtherFailure,
                         );
@@ -299,17 +291,7 @@ fn fail(
         Some(f) => Outcome::ReadFault(f),
         None => Outcome::OtherFailure,
     };
-    end_job(
-        session,
-        cache,
-        admission,
-        metrics,
-        &a.note,
-        &a.updates,
-        &a.ticket,
-        Update::Failed(ApiError::from_engine(error)),
-        outcome,
-    );
+    a.end(session, cache, admission, metrics, Update::Failed(ApiError::from_engine(error)), outcome);
 }
 
 /// A generation the failed step did not blame: computed again from its prompt and the tokens
@@ -337,16 +319,8 @@ fn recompute(
             tracing::info!(target: "deltafin::request", "{}: recomputed after a failed step it did not cause", a.note.endpoint);
             active.insert(new_id, a);
         }
-        Err(e) => end_job(
-            session,
-            cache,
-            admission,
-            metrics,
-            &a.note,
-            &a.updates,
-            &a.ticket,
-            Update::Failed(ApiError::from_engine(&e)),
-            Outcome::OtherFailure,
-        ),
+        Err(e) => {
+            a.end(session, cache, admission, metrics, Update::Failed(ApiError::from_engine(&e)), Outcome::OtherFailure)
+        }
     }
 }

@@ -292,6 +292,7 @@ pub fn spawn(
             }
         };
         metrics.set_expert_stats(&session);
+        metrics.set_max_batch(opts.max_batch.max(1));
         let _ = ready_tx.send(Ok(()));
         if opts.max_batch > 1 {
             crate::batch_worker::run(&mut session, cache.as_mut(), &tokenizer, &admission, &metrics, &opts, &jobs_rx);

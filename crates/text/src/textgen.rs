@@ -449,14 +449,14 @@ impl<'a> Turn<'a> {
     }
 
     /// The turn stopped before its end (the client left, or its prompt was cancelled).
-    pub fn cancelled(mut self) -> Summary {
+    pub fn cancelled(&mut self) -> Summary {
         self.summary.finish = Finish::Cancelled;
         self.summary.decode_s = self.decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
-        self.summary
+        self.summary.clone()
     }
 
     /// Release what the parser and the stop check still hold, and settle the finish reason.
-    pub fn finish(mut self, sink: &mut dyn Sink) -> Summary {
+    pub fn finish(&mut self, sink: &mut dyn Sink) -> Summary {
         let summary = &mut self.summary;
         if summary.finish != Finish::Cancelled {
             let (events, parsed) = (&mut self.events, &mut self.parsed);
@@ -489,7 +489,7 @@ impl<'a> Turn<'a> {
             }
         }
         summary.decode_s = self.decode_start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
-        self.summary
+        self.summary.clone()
     }
 }
 
