@@ -144,23 +144,31 @@ pub(crate) fn run(
         };
         match result {
             Ok(Ok(report)) => {
-                metrics.record_step(report.sequences);
-                let ended: Vec<SeqId> = active.iter().filter(|(_, a)| a.ended).map(|(&id, _)| id).collect();
-                for id in ended {
-                    let Some(mut a) = active.remove(&id) else { continue };
-                    let mut sink = ChannelSink { updates: &a.updates };
-                    let summary = a.turn.finish(&mut sink);
-                    metrics.record_generation(&summary);
-                    let outcome =
-                        if summary.finish == Finish::Cancelled { Outcome::Cancelled } else { Outcome::Completed };
-                    a.end(session, cache.as_deref(), admission, metrics, Update::Done(summary), outcome);
+                if report.sequences > 0 {
+                    metrics.record_step(report.sequences);
                 }
+                // The step never asked for experts: the injected fault waits for the next.
+                #[cfg(feature = "test-instruments")]
+                rearm(&mut active, injected);
             }
             Ok(Err(StepError { error, failed })) => {
+                // A storage fault of a shared step is blamed on every sequence in it. The test
+                // instrument's fault is its request's alone, when that request was in the step;
+                // a step without it is only recomputed, and the fault waits for its request.
                 #[cfg(feature = "test-instruments")]
                 let blamed: Vec<SeqId> = match injected {
-                    Some((id, _)) => vec![id],
-                    None => failed.clone(),
+                    Some((id, f)) if format!("{error:#}").contains(crate::instruments::INJECTED_PATH) => {
+                        if failed.contains(&id) {
+                            vec![id]
+                        } else {
+                            rearm(&mut active, Some((id, f)));
+                            Vec::new()
+                        }
+                    }
+                    _ => {
+                        rearm(&mut active, injected);
+                        failed.clone()
+                    }
                 };
                 #[cfg(not(feature = "test-instruments"))]
                 let blamed = failed.clone();
@@ -206,10 +214,41 @@ pub(crate) fn run(
                 metrics.set_expert_stats(session);
             }
         }
+        // Generations whose turn ended in the step (or before it computed, from a whole stored
+        // prompt): their last output and summary.
+        let ended: Vec<SeqId> = active.iter().filter(|(_, a)| a.ended).map(|(&id, _)| id).collect();
+        for id in ended {
+            let Some(mut a) = active.remove(&id) else { continue };
+            let mut sink = ChannelSink { updates: &a.updates };
+            let finished = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.turn.finish(&mut sink)));
+            let (last, outcome) = match finished {
+                Ok(summary) => {
+                    metrics.record_generation(&summary);
+                    let outcome =
+                        if summary.finish == Finish::Cancelled { Outcome::Cancelled } else { Outcome::Completed };
+                    (Update::Done(summary), outcome)
+                }
+                Err(_) => {
+                    tracing::error!("finishing a generation's output panicked");
+                    (Update::Failed(ApiError::internal("internal error in the engine")), Outcome::OtherFailure)
+                }
+            };
+            a.end(session, cache.as_deref(), admission, metrics, last, outcome);
+        }
         #[cfg(feature = "test-instruments")]
         if !opts.step_delay.is_zero() {
             std::thread::sleep(opts.step_delay);
         }
+    }
+}
+
+/// Test instrument: an injected fault that did not reach its request goes back to it.
+#[cfg(feature = "test-instruments")]
+fn rearm(active: &mut HashMap<SeqId, Active<'_>>, injected: Option<(SeqId, crate::instruments::Injected)>) {
+    if let Some((id, f)) = injected
+        && let Some(a) = active.get_mut(&id)
+    {
+        a.injected = Some(f);
     }
 }
 
@@ -231,8 +270,22 @@ fn admit<'t>(
     let model = &session.model;
     let mut state = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
+    // A stored state that cannot be read fails this request alone, as in the solo path.
     let resumed = match cache {
-        Some(c) if !req.prompt.is_empty() => c.resume(model, &req.prompt, &mut state, &mut logits),
+        Some(c) if !req.prompt.is_empty() => {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                c.resume(model, &req.prompt, &mut state, &mut logits)
+            })) {
+                Ok(n) => n,
+                Err(_) => {
+                    tracing::error!("resuming a prompt state panicked; the request fails and the snapshot is dropped");
+                    c.clear();
+                    let last = Update::Failed(ApiError::internal("internal error in the engine"));
+                    end_job(session, None, admission, metrics, &note, &updates, &ticket, last, Outcome::OtherFailure);
+                    return;
+                }
+            }
+        }
         _ => 0,
     };
     let joined = if resumed > 0 {
