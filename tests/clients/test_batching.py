@@ -178,3 +178,44 @@ def test_a_failing_request_fails_alone_and_the_others_finish(servers):
     assert scrape_metrics(batched)["deltafin_failed_total"] == failed_before + 1
     # The server goes on: the next request is served as alone.
     assert complete(batched, *REQUESTS[2]) == alone(solo)[2]
+
+
+SYSTEM = (
+    "You are a careful assistant for a small library. Answer in one short sentence, and say when "
+    "you do not know. The library opens at nine and closes at five; it lends books for three weeks."
+)
+
+
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_requests_with_one_system_prompt_start_from_one_stored_state(servers, deltafin_bin: Path, tmp_path: Path, batch):
+    solo, _ = servers
+    store = solo.args[solo.args.index("--model") + 1]
+    launcher = ServerLauncher(deltafin_bin, Path(store), tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    try:
+        server = launcher.start("--max-batch", batch, "--state-dir", str(tmp_path / "states"))
+        client = make_openai(server)
+
+        def ask(question: str):
+            r = client.chat.completions.create(
+                model=SERVED_MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                max_tokens=12, temperature=0, timeout=CLIENT_TIMEOUT,
+            )
+            return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+        first = ask("When does the library open?")
+        assert first[2] == 0, "nothing stored yet"
+        # Another question after the same system prompt resumes from the state after it.
+        second = ask("How long can I keep a book?")
+        assert 0 < second[2] < second[1], second
+        third = ask("Do you lend films?")
+        assert third[2] == second[2], "the same shared start"
+        # As a server without stored states answers.
+        for q, got in [("How long can I keep a book?", second), ("Do you lend films?", third)]:
+            r = make_openai(solo).chat.completions.create(
+                model=SERVED_MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                max_tokens=12, temperature=0, timeout=CLIENT_TIMEOUT,
+            )
+            assert r.choices[0].message.content == got[0]
+    finally:
+        launcher.stop_all()

@@ -33,6 +33,8 @@ struct Member {
     logits: Vec<f32>,
     /// A recomputed sequence's token to feed once its tokens are in, without asking.
     pending: Option<u32>,
+    /// A prompt chunk ends here (tokens of `prompt`), so that the state after them can be kept.
+    stop: Option<usize>,
 }
 
 /// What one step did.
@@ -55,6 +57,8 @@ pub struct StepReport {
     /// its tokens' picks), and the MoE layers that ran.
     pub distinct_experts: usize,
     pub moe_layers: usize,
+    /// Sequences whose prompt reached the point [`Batcher::stop_at`] set.
+    pub stopped: Vec<SeqId>,
 }
 
 /// What a caller says of a sequence after a step that ended its prompt or decoded a token.
@@ -109,6 +113,7 @@ impl<'m> Batcher<'m> {
             next: None,
             logits: vec![0f32; vocab],
             pending: None,
+            stop: None,
         });
         Ok(id)
     }
@@ -127,7 +132,16 @@ impl<'m> Batcher<'m> {
         }
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.waiting.push_back(Member { id, state, prompt: rest, fed: 0, next: None, logits, pending: None });
+        self.waiting.push_back(Member {
+            id,
+            state,
+            prompt: rest,
+            fed: 0,
+            next: None,
+            logits,
+            pending: None,
+            stop: None,
+        });
         Ok(id)
     }
 
@@ -143,6 +157,18 @@ impl<'m> Batcher<'m> {
             m.pending = Some(next);
         }
         Ok(id)
+    }
+
+    /// End a prompt chunk of a queued or running sequence after `at` tokens of the prompt it
+    /// was given (a shared start, whose state is worth keeping): the step that reaches it lists
+    /// the sequence in [`StepReport::stopped`], and [`Self::seq`] then gives its state.
+    pub fn stop_at(&mut self, id: SeqId, at: usize) {
+        if let Some(m) = self.running.iter_mut().chain(self.waiting.iter_mut()).find(|m| m.id == id)
+            && at > m.fed
+            && at < m.prompt.len()
+        {
+            m.stop = Some(at);
+        }
     }
 
     /// Take a sequence out (a cancelled request), wherever it is.
@@ -191,7 +217,8 @@ impl<'m> Batcher<'m> {
         let mut feeds: Vec<(usize, usize, usize)> = Vec::with_capacity(self.running.len());
         for (i, m) in self.running.iter().enumerate() {
             if m.fed < m.prompt.len() {
-                let n = (m.prompt.len() - m.fed).min(allowance);
+                let end = m.stop.filter(|&s| s > m.fed).unwrap_or(m.prompt.len());
+                let n = (end - m.fed).min(allowance);
                 if n > 0 {
                     feeds.push((i, m.fed, m.fed + n));
                     allowance -= n;
@@ -262,6 +289,10 @@ impl<'m> Batcher<'m> {
                 report.prompt_sequences += 1;
                 report.prompt_tokens += b - a;
                 m.fed = b;
+                if m.stop == Some(b) {
+                    m.stop = None;
+                    report.stopped.push(m.id);
+                }
                 if m.fed < m.prompt.len() {
                     continue;
                 }
@@ -283,7 +314,12 @@ impl<'m> Batcher<'m> {
 
     /// A running sequence's state (for prompt states on disk and tests).
     pub fn state(&self, id: SeqId) -> Option<&K3State> {
-        self.running.iter().find(|m| m.id == id).map(|m| &m.state)
+        self.seq(id).map(|(s, _)| s)
+    }
+
+    /// A running sequence's state and the logits `[vocab]` after its last fed token.
+    pub fn seq(&self, id: SeqId) -> Option<(&K3State, &[f32])> {
+        self.running.iter().find(|m| m.id == id).map(|m| (&m.state, m.logits.as_slice()))
     }
 }
 

@@ -493,3 +493,45 @@ fn a_rejoined_sequence_goes_on_as_before() {
     assert!(b.rejoin(prompt.clone(), model.config.vocab_size as u32).is_err());
     assert!(b.is_empty(), "a refused rejoin queues nothing");
 }
+
+/// A prompt chunk ends where `stop_at` says (a shared start): the step lists the sequence, its
+/// state then holds exactly those tokens with the logits after them, and its tokens are still
+/// those it has alone.
+#[test]
+fn a_prompt_stops_where_its_shared_start_ends() {
+    use deltafin_engine::batch::{Batcher, Next};
+    use deltafin_engine::generate::generate_greedy;
+    let name = FIXTURES[1];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 8, ..Default::default() }).unwrap();
+    let prompt: Vec<u32> = reference(name).prompts.into_iter().map(|p| p.tokens).max_by_key(|t| t.len()).unwrap();
+    let at = prompt.len() / 2;
+    assert!(at >= 1 && at < prompt.len());
+    let mut src = StoreExperts::new(&store);
+    let mut want_state = model.new_state();
+    let mut want_logits = vec![0f32; model.config.vocab_size];
+    model.forward_chunk(&mut want_state, &mut src, &prompt[..at], &mut want_logits).unwrap();
+    let mut b = Batcher::new(&model, 2);
+    let id = b.join(prompt.clone()).unwrap();
+    b.stop_at(id, at);
+    let mut got = Vec::new();
+    let mut stopped_steps = 0;
+    while !b.is_empty() {
+        let r = b
+            .step(&mut src, &mut |_, _: &K3State, logits| {
+                got.push(argmax(logits));
+                if got.len() >= 4 { Next::Leave } else { Next::Token(*got.last().unwrap()) }
+            })
+            .unwrap();
+        if r.stopped.contains(&id) {
+            stopped_steps += 1;
+            let (state, logits) = b.seq(id).unwrap();
+            assert_eq!(state.position, at);
+            assert_eq!(logits, want_logits.as_slice(), "the logits after the shared start");
+        }
+    }
+    assert_eq!(stopped_steps, 1);
+    let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt, 4, None).unwrap();
+    assert_eq!(got, alone.tokens);
+}

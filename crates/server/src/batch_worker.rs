@@ -147,6 +147,15 @@ pub(crate) fn run(
                 if report.sequences > 0 {
                     metrics.record_step(report.sequences);
                 }
+                // Shared prompt starts reached: their states kept on disk for other requests.
+                for id in &report.stopped {
+                    if let (Some(a), Some((state, logits)), Some(c)) =
+                        (active.get(id), batcher.seq(*id), cache.as_deref_mut())
+                        && let Some(p) = a.req.shared_prefix
+                    {
+                        c.keep_shared(&a.req.prompt[..p], state, logits);
+                    }
+                }
                 // The step never asked for experts: the injected fault waits for the next.
                 #[cfg(feature = "test-instruments")]
                 rearm(&mut active, injected);
@@ -271,6 +280,7 @@ fn admit<'t>(
     let mut state = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
     // A stored state that cannot be read fails this request alone, as in the solo path.
+    let keeps_states = cache.as_ref().is_some_and(|c| c.disk.is_some());
     let resumed = match cache {
         Some(c) if !req.prompt.is_empty() => {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -295,6 +305,13 @@ fn admit<'t>(
     };
     match joined {
         Ok(id) => {
+            // A shared start not stored yet: its chunk ends there, and its state is kept.
+            if let Some(p) = req.shared_prefix
+                && keeps_states
+                && p > resumed
+            {
+                batcher.stop_at(id, p - resumed);
+            }
             #[cfg(feature = "test-instruments")]
             let injected =
                 opts.inject_faults.then(|| crate::instruments::injected_fault(tokenizer, &req.prompt)).flatten();

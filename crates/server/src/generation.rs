@@ -31,7 +31,9 @@ pub struct ChatSettings {
 pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Result<(TextRequest, Grant), ApiError> {
     let prompt = crate::prompt::encode_chat(state, conv)?;
     let grant = state.budget(prompt.len(), s.max_tokens)?;
+    let shared_prefix = crate::prompt::shared_prefix(state, conv, &prompt);
     let req = TextRequest {
+        shared_prefix,
         forced: state.forced(|| {
             // A conversation that ends with tool results is matched on them first (an agent's
             // next step), then on the last user text.

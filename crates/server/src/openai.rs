@@ -379,6 +379,7 @@ pub fn prepare_completion(state: &Shared, body: &Value) -> Result<Prepared, ApiE
     let forced = state.forced(|| vec![text.map_or_else(|| state.tokenizer.decode(&prompt), str::to_owned)]);
     Ok(Prepared {
         req: TextRequest {
+            shared_prefix: None,
             forced,
             prompt,
             max_tokens: grant.tokens,

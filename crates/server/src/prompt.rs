@@ -1,7 +1,7 @@
 //! A conversation into prompt tokens, with K3's chat encoding.
 
 use deltafin_text::chat::encode::{RenderOptions, render, to_tokens};
-use deltafin_text::chat::{Conversation, ToolChoice};
+use deltafin_text::chat::{Conversation, Role, ToolChoice};
 
 use crate::error::ApiError;
 use crate::state::Shared;
@@ -21,6 +21,26 @@ pub fn encode_chat(state: &Shared, conv: &Conversation) -> Result<Vec<u32>, ApiE
     let segs = render(&conv, RenderOptions { thinking, add_generation_prompt: true })
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     to_tokens(&segs, &state.tokenizer).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// How many leading tokens of `prompt` (the conversation's, from [`encode_chat`]) are its tools
+/// and leading system messages: what other requests of the same agent or application share.
+/// `None` when there are none, or they are the whole prompt.
+pub fn shared_prefix(state: &Shared, conv: &Conversation, prompt: &[u32]) -> Option<usize> {
+    let leading = conv.messages.iter().take_while(|m| m.role == Role::System).count();
+    if leading == 0 && conv.tools.is_empty() {
+        return None;
+    }
+    let mut head = narrow_tools(conv).ok()?;
+    let thinking = thinking(&head);
+    if !thinking {
+        head.reasoning_effort = None;
+    }
+    head.messages.truncate(leading);
+    let segs = render(&head, RenderOptions { thinking, add_generation_prompt: false }).ok()?;
+    let tokens = to_tokens(&segs, &state.tokenizer).ok()?;
+    // Rendered alone it must be the start of the whole prompt, token for token.
+    (!tokens.is_empty() && tokens.len() < prompt.len() && prompt.starts_with(&tokens)).then_some(tokens.len())
 }
 
 /// K3's chat format has no "call this function" instruction; naming a function is served as

@@ -35,6 +35,10 @@ pub struct TextRequest {
     /// Test instrument: these tokens replace the sampled ones, one per step (the model still
     /// runs every step); generation ends when they run out.
     pub forced: Option<Vec<u32>>,
+    /// Leading prompt tokens other requests are likely to share (a chat's tools and system
+    /// messages): with prompt states on disk, the state right after them is kept, so that a
+    /// request with the same start and another question resumes from it.
+    pub shared_prefix: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,8 +190,33 @@ impl TextGenerator<'_> {
         let mut st = model.new_state();
         let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
         let resume = cache.as_deref_mut().map_or(0, |c| c.resume(model, &req.prompt, &mut st, &mut logits));
+        let started = Turn::new(self.tokenizer, req, resume);
+        // The shared start first, in a run of its own that keeps its state on disk.
+        let mut resume = resume;
+        if let (Some(p), Some(c)) = (req.shared_prefix, cache.as_deref_mut())
+            && c.disk.is_some()
+            && resume < p
+            && p < req.prompt.len()
+        {
+            let mut head =
+                SharedHead { prompt: &req.prompt[..p], sink: &mut *sink, cache: c, step_delay: self.step_delay };
+            let ended = generate::run(
+                model,
+                experts,
+                &mut st,
+                &mut logits,
+                &req.prompt[resume..p],
+                &mut GenerateHooks::default(),
+                &mut head,
+            )?;
+            if ended == Ended::Cancelled {
+                let mut t = started;
+                return Ok(t.cancelled());
+            }
+            resume = p;
+        }
         let mut turn = TextTurn {
-            turn: Turn::new(self.tokenizer, req, resume),
+            turn: started,
             req,
             sink,
             // Kept even when the whole prompt was resumed: the finished turn is stored too.
@@ -261,7 +290,45 @@ impl Driver for TextTurn<'_> {
     }
 }
 
+/// The run of a request's shared start ([`TextRequest::shared_prefix`]): its state is kept on
+/// disk, and the run ends there (the rest of the prompt follows in the request's own run).
+struct SharedHead<'a> {
+    prompt: &'a [u32],
+    sink: &'a mut dyn Sink,
+    cache: &'a mut PrefixCache,
+    step_delay: Duration,
+}
+
+impl Driver for SharedHead<'_> {
+    fn keep_going(&mut self) -> bool {
+        self.sink.keep_going()
+    }
+
+    fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
+        self.cache.keep_shared(self.prompt, state, logits);
+    }
+
+    fn next(&mut self, _logits: &[f32]) -> Result<Option<u32>> {
+        Ok(None)
+    }
+
+    fn after_step(&mut self, _expert_bytes_read: u64) {
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+    }
+}
+
 impl PrefixCache {
+    /// The state after a shared prompt start, on disk when states are kept there.
+    pub fn keep_shared(&mut self, prefix: &[u32], state: &K3State, logits: &[f32]) {
+        if let Some(disk) = self.disk.as_mut()
+            && let Err(e) = disk.save(prefix, state, logits)
+        {
+            tracing::warn!("keeping the shared prompt start's state on disk failed: {e}");
+        }
+    }
+
     /// This prompt's state, in memory for a next prompt that extends it, and on disk when
     /// states are kept there.
     pub fn keep_prompt(&mut self, prompt: &[u32], state: &K3State, logits: &[f32]) {

@@ -44,6 +44,7 @@ impl Recorder {
 
 fn request(prompt: Vec<u32>, max_tokens: usize, temperature: f32, seed: u64) -> TextRequest {
     TextRequest {
+        shared_prefix: None,
         prompt,
         max_tokens,
         sampling: SamplingParams { temperature, top_p: 1.0, top_k: 0, seed: Some(seed) },
