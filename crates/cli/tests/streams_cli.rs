@@ -17,6 +17,13 @@ fn ok(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).expect("one JSON object")
 }
 
+/// The command fails with an error that names `want`, without a panic.
+fn refused(args: &[&str], want: &str) {
+    let o = run(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+}
+
 fn ids(v: &serde_json::Value) -> Vec<u64> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
@@ -97,9 +104,7 @@ fn streams_arguments_are_checked() {
         (&["generate", "--model", "x", "--prompt-tokens", "1", "--join-prompt", "4"][..], "--streams"),
         (&["generate", "--model", "x", "--prompt-tokens", "1", "--streams", "0"][..], "--streams"),
     ] {
-        let o = run(args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+        refused(args, want);
     }
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/hf");
     let dir = tempfile::tempdir().unwrap();
@@ -113,9 +118,7 @@ fn streams_arguments_are_checked() {
     ] {
         let mut args = vec!["generate", "--model", store, "--prompt-tokens", "1,2,3", "--streams", "2"];
         args.extend(extra);
-        let o = run(&args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+        refused(&args, want);
     }
 }
 
@@ -188,18 +191,14 @@ fn bench_streams_arguments_are_checked() {
         (&["bench", "--model", "x", "--join-prompt", "4"][..], "--streams"),
         (&["bench", "--model", "x", "--streams", "1,2", "--vary", "prefetch=on,off"][..], "--vary"),
     ] {
-        let o = run(args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+        refused(args, want);
     }
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/hf");
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().to_str().unwrap();
     assert!(run(&["convert", "--from", demo.to_str().unwrap(), "--to", store]).status.success());
     for (list, want) in [("0", "not in 1..=256"), ("2,2", "listed twice"), ("1,300", "not in 1..=256")] {
-        let o = run(&["bench", "--model", store, "--runs", "1", "--streams", list]);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{list}: {err}");
+        refused(&["bench", "--model", store, "--runs", "1", "--streams", list], want);
     }
 }
 
@@ -228,9 +227,7 @@ fn trace_streams_counts_the_union_on_recorded_routing() {
         let mut args = vec!["trace", "streams"];
         args.extend(extra);
         args.push(&files[0]);
-        let o = run(&args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+        refused(&args, want);
     }
 }
 
@@ -294,6 +291,5 @@ fn plan_streams_projects_the_batch_per_budget() {
     let row = &v["plans"][0]["streams"][0];
     assert_eq!(row["fits"], false, "{row}");
     assert!(row["why"].as_str().unwrap().contains("budget"));
-    let o = run(&["plan", "--preset", "kimi-k3", "--memory-budget", "24G", "--streams", "2"]);
-    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--disk-gbps"));
+    refused(&["plan", "--preset", "kimi-k3", "--memory-budget", "24G", "--streams", "2"], "--disk-gbps");
 }

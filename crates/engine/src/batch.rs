@@ -100,22 +100,7 @@ impl<'m> Batcher<'m> {
     pub fn join(&mut self, prompt: Vec<u32>) -> Result<SeqId> {
         anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
         let vocab = self.model.config.vocab_size;
-        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            anyhow::bail!("token id {t} is outside the vocabulary (size {vocab})");
-        }
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.waiting.push_back(Member {
-            id,
-            state: self.model.new_state(),
-            prompt,
-            fed: 0,
-            next: None,
-            logits: vec![0f32; vocab],
-            pending: None,
-            stop: None,
-        });
-        Ok(id)
+        self.join_from(self.model.new_state(), vec![0f32; vocab], prompt)
     }
 
     /// Queue a sequence that resumes from a stored state (a prompt state kept on disk or in
