@@ -54,8 +54,8 @@ def test_max_batch_auto_comes_from_the_memory_plan(deltafin_bin: Path, servers, 
     store = solo.args[solo.args.index("--model") + 1]
     launcher = ServerLauncher(deltafin_bin, Path(store), tmp_path)
     try:
-        # The demo model's states are small: the cap of 8.
-        auto = launcher.start("--max-batch", "auto")
+        # The demo model's states are small: the cap of 8. `auto` is the default.
+        auto = launcher.start()
         assert scrape_metrics(auto)["deltafin_max_batch"] == 8
         assert "--max-batch auto: 8 sequences per step" in auto.stderr_text()
         # A budget a little above the model's minimum (about 112 MiB with one state of 1.9 MiB
@@ -64,6 +64,12 @@ def test_max_batch_auto_comes_from_the_memory_plan(deltafin_bin: Path, servers, 
         n = scrape_metrics(small)["deltafin_max_batch"]
         assert 1 <= n < 8, n
         assert f"--max-batch auto: {int(n)} sequences per step" in small.stderr_text()
+        # A number is a cap on what the plan holds, not a demand beyond it.
+        capped = launcher.start("--max-batch", "8", "--memory-budget", "120M")
+        assert scrape_metrics(capped)["deltafin_max_batch"] == n
+        assert f"--max-batch 8: {int(n)} sequences per step" in capped.stderr_text()
+        two = launcher.start("--max-batch", "2")
+        assert scrape_metrics(two)["deltafin_max_batch"] == 2
     finally:
         launcher.stop_all()
     bad = subprocess.run(
@@ -186,14 +192,19 @@ SYSTEM = (
 )
 
 
+@pytest.mark.parametrize("on_disk", [True, False], ids=["state-dir", "memory"])
 @pytest.mark.parametrize("batch", ["1", "3"])
-def test_requests_with_one_system_prompt_start_from_one_stored_state(servers, deltafin_bin: Path, tmp_path: Path, batch):
+def test_requests_with_one_system_prompt_start_from_one_stored_state(
+    servers, deltafin_bin: Path, tmp_path: Path, batch, on_disk
+):
     solo, _ = servers
     store = solo.args[solo.args.index("--model") + 1]
     launcher = ServerLauncher(deltafin_bin, Path(store), tmp_path / "logs")
     (tmp_path / "logs").mkdir()
     try:
-        server = launcher.start("--max-batch", batch, "--state-dir", str(tmp_path / "states"))
+        # Kept on disk with --state-dir; without it, in the prefix cache's memory slot for it.
+        disk = ["--state-dir", str(tmp_path / "states")] if on_disk else []
+        server = launcher.start("--max-batch", batch, *disk)
         client = make_openai(server)
 
         def ask(question: str):
@@ -210,7 +221,7 @@ def test_requests_with_one_system_prompt_start_from_one_stored_state(servers, de
         assert 0 < second[2] < second[1], second
         third = ask("Do you lend films?")
         assert third[2] == second[2], "the same shared start"
-        # As a server without stored states answers.
+        # As the one-at-a-time server answers (bit-identical, whatever it resumed from).
         for q, got in [("How long can I keep a book?", second), ("Do you lend films?", third)]:
             r = make_openai(solo).chat.completions.create(
                 model=SERVED_MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],

@@ -1,4 +1,5 @@
-"""One generation at a time: 429 when busy, FIFO queue with --queue N, disconnect cancels.
+"""One generation at a time (`--max-batch 1`; batching has test_batching.py): 429 when busy, FIFO
+queue with --queue N, disconnect cancels.
 
 The long-running request is the scripted "marathon" reply (never ends before max_tokens) on a
 server with --token-delay-ms, so the engine is busy for a known time whatever the weights.
@@ -41,7 +42,9 @@ def user(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def busy_server(module_launcher, script_file) -> Server:
     # --queue 0: the reference runtime's immediate 429 (the default queues 16).
-    return module_launcher.start("--queue", "0", "--token-delay-ms", str(BUSY_DELAY_MS), "--script", str(script_file))
+    return module_launcher.start(
+        "--max-batch", "1", "--queue", "0", "--token-delay-ms", str(BUSY_DELAY_MS), "--script", str(script_file)
+    )
 
 
 def start_marathon(client, max_tokens: int):
@@ -205,7 +208,7 @@ def _assert_free_within(server: Server, since: float, seconds: float) -> None:
 
 
 def test_queue_of_one_waits_then_rejects(start_server, script_file):
-    server = start_server("--queue", "1", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
+    server = start_server("--max-batch", "1", "--queue", "1", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
     client = make_openai(server)
     assert queue_length(server) == 0
 
@@ -235,7 +238,7 @@ def test_queue_of_one_waits_then_rejects(start_server, script_file):
 
 
 def test_queue_of_two_is_fifo(start_server, script_file):
-    server = start_server("--queue", "2", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
+    server = start_server("--max-batch", "1", "--queue", "2", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
     client = make_openai(server)
 
     stream, it = start_marathon(client, max_tokens=100)
@@ -294,7 +297,7 @@ def test_keep_alive_comments_flow_while_the_prompt_is_processed(start_server):
 
 def test_a_queued_request_whose_client_leaves_frees_its_place(start_server, script_file):
     """--queue 1: A runs, B waits and then disconnects; C must get B's place (wait, not 429)."""
-    server = start_server("--queue", "1", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
+    server = start_server("--max-batch", "1", "--queue", "1", "--token-delay-ms", str(QUEUE_DELAY_MS), "--script", str(script_file))
     client = make_openai(server)
     stream, it = start_marathon(client, max_tokens=100)
     try:

@@ -26,17 +26,18 @@ pub struct ServeArgs {
     /// but /health.
     #[arg(long, env = "DELTAFIN_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Requests that may wait in line (FIFO) while one generates (agents send a follow-up, a
-    /// title and a summary at once); more get HTTP 429. 0: refuse any request while one runs.
+    /// Requests that may wait in line (FIFO) while --max-batch generate (agents send a
+    /// follow-up, a title and a summary at once); more get HTTP 429. 0: refuse any request
+    /// while the batch is full.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
     /// Generations that share each model step (continuous batching): every spine layer is
     /// read once for all of them and every expert two of them pick once. Each keeps a sequence
     /// state of its own (the memory plan counts them at the full context); requests beyond it
-    /// wait in --queue. 1 (the default) runs one at a time.
-    /// `auto`: the most the memory plan holds, up to 8 (their states take at most 12% of the
-    /// budget, the spine and the expert cache keep the rest).
-    #[arg(long, default_value = "1", value_name = "N|auto", value_parser = parse_max_batch)]
+    /// wait in --queue. `auto` (the default): the most the memory plan holds, up to 8 (their
+    /// states take at most 12% of the budget, the spine and the expert cache keep the rest). A
+    /// number caps that: the plan's count if lower (said at start); 1 runs one at a time.
+    #[arg(long, default_value = "auto", value_name = "N|auto", value_parser = parse_max_batch)]
     pub max_batch: MaxBatch,
     /// Model id clients use (default: the store directory's name).
     #[arg(long)]
@@ -103,21 +104,26 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let tokenizer = Tokenizer::load(&store.dir)?;
     let mut run_opts = a.model.run_options()?;
     // The live states (one per sequence of the batch), the prefix snapshot (unless
-    // --no-prefix-cache), and the state store's buffer of one snapshot (--state-dir).
-    let kept = usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some());
-    let max_batch = match a.max_batch {
-        MaxBatch::Fixed(n) => n,
-        MaxBatch::Auto => {
-            let probe = deltafin_engine::session::RunOptions { state_copies: 1 + kept, ..a.model.run_options()? };
-            let (n, one) = Session::batch_size(&store, &probe, AUTO_BATCH_CAP);
-            eprintln!(
-                "  --max-batch auto: {n} sequences per step (each keeps {} of state at a context of {}; at most {AUTO_BATCH_CAP}, their states within {}% of the memory budget)",
-                deltafin_engine::plan::human(one),
-                probe.context_tokens,
-                deltafin_engine::plan::BATCH_STATE_SHARE_PERCENT,
-            );
-            n
-        }
+    // --no-prefix-cache), and either the state store's buffer of one snapshot (--state-dir) or,
+    // without it, the memory slot of the last shared prompt start (tools and system messages).
+    let kept = usize::from(!a.no_prefix_cache) + usize::from(a.state_dir.is_some() || !a.no_prefix_cache);
+    // The most sequences the memory plan holds, up to the cap asked for.
+    let (cap, asked) = match a.max_batch {
+        MaxBatch::Fixed(n) => (n, format!("{n}")),
+        MaxBatch::Auto => (AUTO_BATCH_CAP, "auto".to_string()),
+    };
+    let max_batch = if cap == 1 {
+        1
+    } else {
+        let probe = deltafin_engine::session::RunOptions { state_copies: 1 + kept, ..a.model.run_options()? };
+        let (n, one) = Session::batch_size(&store, &probe, cap);
+        eprintln!(
+            "  --max-batch {asked}: {n} sequences per step (each keeps {} of state at a context of {}; at most {cap}, their states within {}% of the memory budget)",
+            deltafin_engine::plan::human(one),
+            probe.context_tokens,
+            deltafin_engine::plan::BATCH_STATE_SHARE_PERCENT,
+        );
+        n
     };
     run_opts.state_copies = max_batch + kept;
     run_opts.fetcher = a.model.fetcher_for(&store)?;

@@ -15,6 +15,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::experts::{ExpertSource, Observed};
+use crate::fault::ReadFault;
 use crate::k3::{BatchBuffers, K3Model, K3State, SeqStep};
 
 /// A sequence's handle in a [`Batcher`].
@@ -59,6 +60,13 @@ pub struct StepReport {
     pub moe_layers: usize,
     /// Sequences whose prompt reached the point [`Batcher::stop_at`] set.
     pub stopped: Vec<SeqId>,
+    /// Sequences that fed a chunk of the prompt they joined with and are still inside it (not
+    /// those computed again by [`Batcher::rejoin`]), with how many of its tokens are now in: the
+    /// state after a prompt chunk, which a prompt-state store keeps.
+    pub chunked: Vec<(SeqId, usize)>,
+    /// Sequences let go between the layers of the step ([`Batcher::step_while`]): they left the
+    /// batch, their states part-way.
+    pub dropped: Vec<SeqId>,
 }
 
 /// What a caller says of a sequence after a step that ended its prompt or decoded a token.
@@ -177,11 +185,25 @@ impl<'m> Batcher<'m> {
     /// step `after(id, logits)` is asked, for each sequence whose prompt is now in or that
     /// decoded, what it feeds next. A failed step fails every sequence in it: they are taken
     /// out (their states are part-way), the expert source is reset, and [`StepError`] names
-    /// them; the sequences that were waiting stay queued.
+    /// them and those the error is theirs (for a routed expert's read fault, the sequences that
+    /// chose it); the sequences that were waiting stay queued.
     pub fn step(
         &mut self,
         experts: &mut dyn ExpertSource,
         after: &mut dyn FnMut(SeqId, &K3State, &[f32]) -> Next,
+    ) -> std::result::Result<StepReport, StepError> {
+        self.step_while(experts, after, &mut |_| true)
+    }
+
+    /// [`Self::step`], asking `keep(id)` of the step's sequences between its layers: once none
+    /// of them is to be kept (their clients all left), the step stops there, as a prompt alone
+    /// stops between the layers of a chunk, and they leave the batch (their states part-way),
+    /// listed in [`StepReport::dropped`].
+    pub fn step_while(
+        &mut self,
+        experts: &mut dyn ExpertSource,
+        after: &mut dyn FnMut(SeqId, &K3State, &[f32]) -> Next,
+        keep: &mut dyn FnMut(SeqId) -> bool,
     ) -> std::result::Result<StepReport, StepError> {
         while self.running.len() < self.max_batch
             && let Some(m) = self.waiting.pop_front()
@@ -227,6 +249,7 @@ impl<'m> Batcher<'m> {
                 layers += 1;
             },
         };
+        let ids: Vec<SeqId> = feeds.iter().map(|&(i, _, _)| self.running[i].id).collect();
         let result = {
             // Disjoint borrows of the running members, in feed order.
             let mut members: Vec<&mut Member> = Vec::with_capacity(feeds.len());
@@ -251,22 +274,26 @@ impl<'m> Batcher<'m> {
                     SeqStep { state: &mut m.state, tokens, logits: &mut m.logits }
                 })
                 .collect();
-            self.model.forward_batch(&mut steps, &mut counter, &mut self.bufs)
+            let mut on_layer = |_: usize| ids.iter().any(|&id| keep(id));
+            self.model.forward_batch_with(&mut steps, &mut counter, &mut self.bufs, &mut on_layer)
         };
         report.distinct_experts = distinct;
         report.moe_layers = layers;
-        if let Err(e) = result {
-            // No half-served read or unverified record reaches the next step.
-            experts.reset();
-            let failed: Vec<SeqId> = feeds.iter().map(|&(i, _, _)| self.running[i].id).collect();
-            self.running.retain(|m| !failed.contains(&m.id));
-            return Err(StepError { error: e, failed });
-        }
+        let completed = match result {
+            Ok(completed) => completed,
+            Err(e) => return Err(self.fail_step(experts, e, &feeds)),
+        };
         report.seconds = t0.elapsed().as_secs_f64();
         report.disk_idle_s = idle() - idle0;
         report.expert_bytes = experts.bytes_read() - bytes0;
         report.spine_bytes = self.model.spine_bytes_read() - spine0;
         report.sequences = feeds.len();
+        if !completed {
+            // Stopped between layers: every sequence of the step was let go.
+            report.dropped = feeds.iter().map(|&(i, _, _)| self.running[i].id).collect();
+            self.running.retain(|m| !report.dropped.contains(&m.id));
+            return Ok(report);
+        }
         leaving.clear();
         for &(i, a, b) in &feeds {
             let m = &mut self.running[i];
@@ -279,6 +306,9 @@ impl<'m> Batcher<'m> {
                     report.stopped.push(m.id);
                 }
                 if m.fed < m.prompt.len() {
+                    if m.pending.is_none() {
+                        report.chunked.push((m.id, m.fed));
+                    }
                     continue;
                 }
                 if let Some(t) = m.pending.take() {
@@ -297,6 +327,23 @@ impl<'m> Batcher<'m> {
         Ok(report)
     }
 
+    /// A failed step: the source reset (no half-served read or unverified record reaches the
+    /// next step), its sequences out of the batch, and which of them the error is theirs.
+    fn fail_step(
+        &mut self,
+        experts: &mut dyn ExpertSource,
+        e: anyhow::Error,
+        feeds: &[(usize, usize, usize)],
+    ) -> StepError {
+        experts.reset();
+        let spans: Vec<(SeqId, usize)> =
+            feeds.iter().map(|&(i, a, b)| (self.running[i].id, if b > a { b - a } else { 1 })).collect();
+        let failed: Vec<SeqId> = spans.iter().map(|&(id, _)| id).collect();
+        let blamed = blame(&e, &self.bufs, &spans).unwrap_or_else(|| failed.clone());
+        self.running.retain(|m| !failed.contains(&m.id));
+        StepError { error: e, failed, blamed }
+    }
+
     /// A running sequence's state (for prompt states on disk and tests).
     pub fn state(&self, id: SeqId) -> Option<&K3State> {
         self.seq(id).map(|(s, _)| s)
@@ -313,6 +360,32 @@ impl<'m> Batcher<'m> {
 pub struct StepError {
     pub error: anyhow::Error,
     pub failed: Vec<SeqId>,
+    /// Those of `failed` that the error is theirs: for a routed expert that could not be read,
+    /// the sequences with a token that chose it; for anything else (a spine layer, which every
+    /// sequence reads, or an error with no record), all of them. The others may be computed
+    /// again from their tokens ([`Batcher::rejoin`]) and go on as if nothing happened.
+    pub blamed: Vec<SeqId>,
+}
+
+/// The sequences whose tokens chose the expert a [`ReadFault`] names, at the layer whose routing
+/// the step's buffers hold; `None` when the error is no such fault (or no token chose it, which
+/// would mean the fault is not where the routing says: then nobody is cleared).
+/// `spans`: each sequence of the step in feed order with its number of tokens.
+fn blame(e: &anyhow::Error, bufs: &BatchBuffers, spans: &[(SeqId, usize)]) -> Option<Vec<SeqId>> {
+    let fault = e.chain().find_map(|c| c.downcast_ref::<ReadFault>())?;
+    if bufs.routed_layer != Some(fault.layer) {
+        return None;
+    }
+    let mut blamed = Vec::new();
+    let mut t0 = 0;
+    for &(id, n) in spans {
+        let routes = bufs.routing.get(t0..t0 + n)?;
+        if routes.iter().any(|r| r.experts.contains(&fault.expert)) {
+            blamed.push(id);
+        }
+        t0 += n;
+    }
+    (!blamed.is_empty()).then_some(blamed)
 }
 
 impl std::fmt::Display for StepError {

@@ -396,6 +396,7 @@ fn a_failed_step_fails_its_sequences_and_the_batch_goes_on() {
     };
     let e = b.step(&mut src, &mut pick).unwrap_err();
     assert_eq!(e.failed, vec![a, c]);
+    assert_eq!(e.blamed, vec![a, c], "an error that names no expert record is everybody's");
     assert!(format!("{e}").contains("injected read fault"));
     assert_eq!(src.resets, 1, "the source is reset after a failed step");
     assert_eq!(b.len(), (0, 1), "the failed sequences left; the waiting one stays queued");
@@ -404,6 +405,112 @@ fn a_failed_step_fails_its_sequences_and_the_batch_goes_on() {
     }
     let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[0], 4, None).unwrap();
     assert_eq!(tokens, alone.tokens);
+}
+
+/// Records the experts each `begin` asks for, by layer.
+struct Record<'a> {
+    inner: StoreExperts<'a>,
+    begins: Vec<(usize, Vec<usize>)>,
+}
+
+impl ExpertSource for Record<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.begins.push((layer, experts.to_vec()));
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.inner.drain(f)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+}
+
+/// A source whose record of `expert` in `layer` fails its checksum once (a real [`ReadFault`],
+/// as the store's reads report one after their retry), then reads as usual.
+struct CorruptOnce<'a> {
+    inner: StoreExperts<'a>,
+    target: (usize, usize),
+    asked: Vec<usize>,
+    layer: usize,
+    armed: bool,
+}
+
+impl ExpertSource for CorruptOnce<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        (self.layer, self.asked) = (layer, experts.to_vec());
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let (asked, layer, target, armed) = (&self.asked, self.layer, self.target, &mut self.armed);
+        self.inner.drain(&mut |u, record| {
+            if *armed && (layer, asked[u]) == target {
+                *armed = false;
+                return Err(deltafin_engine::fault::ReadFault {
+                    layer,
+                    expert: asked[u],
+                    kind: deltafin_engine::fault::FaultKind::Checksum,
+                    detail: "injected by the test".into(),
+                }
+                .into());
+            }
+            f(u, record)
+        })
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+}
+
+/// A routed expert's read fault in a shared step is the fault of the sequences that chose that
+/// expert only: the step names them apart from the others it took out, and those others,
+/// computed again from their tokens, end with the tokens they have alone. A fault that is not
+/// a routed expert's is everybody's.
+#[test]
+fn a_read_fault_is_blamed_on_the_sequences_that_chose_the_expert() {
+    use deltafin_engine::batch::{Batcher, Next};
+    use deltafin_engine::generate::generate_greedy;
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    // Chunks large enough that each prompt goes in one, and both in the first step.
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 256, ..Default::default() }).unwrap();
+    // A whole prompt beside a one-token one (a handful of picks per layer).
+    let mut prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    prompts[1].truncate(1);
+    // Each prompt's picks at the first MoE layer, alone (one chunk each).
+    let picks = |p: &[u32]| {
+        let mut rec = Record { inner: StoreExperts::new(&store), begins: Vec::new() };
+        generate_greedy(&model, &mut rec, p, 1, None).unwrap();
+        rec.begins.swap_remove(0)
+    };
+    let ((layer, pa), (_, pc)) = (picks(&prompts[0]), picks(&prompts[1]));
+    let only_a = *pa.iter().find(|e| !pc.contains(e)).expect("an expert the first prompt picks and the second not");
+    let mut src = CorruptOnce {
+        inner: StoreExperts::new(&store),
+        target: (layer, only_a),
+        asked: Vec::new(),
+        layer: 0,
+        armed: true,
+    };
+    let mut b = Batcher::new(&model, 2);
+    let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
+    let e = b.step(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!("the step failed")).unwrap_err();
+    assert_eq!(e.failed, vec![a, c], "both were in the failed step");
+    assert_eq!(e.blamed, vec![a], "only the first chose layer {layer} expert {only_a}: {e}");
+    assert!(!src.armed, "the fault was injected");
+    // The other is computed again from its prompt and goes on as alone.
+    let again = b.join(prompts[1].clone()).unwrap();
+    let mut tokens = Vec::new();
+    while !b.is_empty() {
+        b.step(&mut src, &mut |id, _: &K3State, logits: &[f32]| {
+            assert_eq!(id, again);
+            tokens.push(argmax(logits));
+            if tokens.len() == 4 { Next::Leave } else { Next::Token(*tokens.last().unwrap()) }
+        })
+        .unwrap();
+    }
+    assert_eq!(tokens, generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[1], 4, None).unwrap().tokens);
 }
 
 /// Sequences that resume from stored states (a shared system prompt: one state, copied into
@@ -479,16 +586,23 @@ fn a_rejoined_sequence_goes_on_as_before() {
     let other = b.join(prompt.clone()).unwrap();
     let (mut got, mut got_other) = (alone[..4].to_vec(), Vec::new());
     let mut src = StoreExperts::new(&store);
+    let mut chunked = Vec::new();
     while !b.is_empty() {
-        b.step(&mut src, &mut |i, _: &K3State, logits| {
-            let v = if i == id { &mut got } else { &mut got_other };
-            assert!(i == id || i == other);
-            v.push(argmax(logits));
-            if v.len() >= 7 { Next::Leave } else { Next::Token(*v.last().unwrap()) }
-        })
-        .unwrap();
+        let report = b
+            .step(&mut src, &mut |i, _: &K3State, logits| {
+                let v = if i == id { &mut got } else { &mut got_other };
+                assert!(i == id || i == other);
+                v.push(argmax(logits));
+                if v.len() >= 7 { Next::Leave } else { Next::Token(*v.last().unwrap()) }
+            })
+            .unwrap();
+        chunked.extend(report.chunked);
     }
     assert_eq!(got, alone, "the rejoined sequence");
+    // The joined prompt's chunks are reported as it goes (a prompt-state store keeps each); the
+    // rejoined sequence's are not (its tokens are not a prompt).
+    let fed: Vec<usize> = chunked.iter().map(|&(i, n)| if i == other { n } else { usize::MAX }).collect();
+    assert!(!fed.is_empty() && fed.windows(2).all(|w| w[0] < w[1]) && *fed.last().unwrap() < prompt.len(), "{fed:?}");
     assert_eq!(got_other, alone, "the sequence beside it");
     assert!(b.rejoin(prompt.clone(), model.config.vocab_size as u32).is_err());
     assert!(b.is_empty(), "a refused rejoin queues nothing");
@@ -534,4 +648,45 @@ fn a_prompt_stops_where_its_shared_start_ends() {
     assert_eq!(stopped_steps, 1);
     let alone = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt, 4, None).unwrap();
     assert_eq!(got, alone.tokens);
+}
+
+/// A step whose sequences are all let go stops between layers (as a prompt alone does when its
+/// client leaves): they leave the batch unasked; one sequence still wanted keeps the step going.
+#[test]
+fn a_step_nobody_wants_stops_between_layers() {
+    use deltafin_engine::batch::{Batcher, Next};
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig { prefill_chunk: 256, ..Default::default() }).unwrap();
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let mut src = StoreExperts::new(&store);
+    let mut b = Batcher::new(&model, 2);
+    let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
+    assert!(model.config.num_hidden_layers > 1);
+    let mut asked = 0;
+    let report = b
+        .step_while(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!("nobody is asked"), &mut |_| {
+            asked += 1;
+            false
+        })
+        .unwrap();
+    assert_eq!(asked, 2, "asked of each sequence after the first layer, then stopped");
+    assert_eq!(report.dropped, vec![a, c]);
+    assert!(b.is_empty(), "both left the batch");
+    // One still wanted: the step completes for both.
+    let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
+    let mut got = Vec::new();
+    let report = b
+        .step_while(
+            &mut src,
+            &mut |id, _: &K3State, _: &[f32]| {
+                got.push(id);
+                Next::Leave
+            },
+            &mut |id| id == c,
+        )
+        .unwrap();
+    assert!(report.dropped.is_empty());
+    assert_eq!(got, vec![a, c]);
 }

@@ -7,9 +7,9 @@
 //!
 //! A client that leaves takes its sequence out before the next step. A failed step fails the
 //! generations it blames and recomputes the others from their tokens (bit-identical, the
-//! prompt path's chunk invariance): a storage fault of a shared step is blamed on every
-//! sequence in it, since each may have needed the record; an injected test fault only on the
-//! request that carries its trigger. A panic fails every generation in the batch and starts a
+//! prompt path's chunk invariance): a routed expert's read fault is blamed on the sequences
+//! whose tokens chose that expert, a spine layer's on every sequence in the step; an injected
+//! test fault only on the request that carries its trigger. A panic fails every generation in the batch and starts a
 //! new one; the expert source is reset and the prefix snapshot dropped as after any failure.
 
 use std::collections::HashMap;
@@ -35,6 +35,8 @@ struct Active<'t> {
     ticket: std::sync::Arc<Ticket>,
     /// Its prompt is in (its state was kept for a next prompt that extends it).
     prompt_done: bool,
+    /// Tokens of its prompt before those its batch member feeds (from a stored state).
+    prompt_offset: usize,
     /// Its turn ended in the last step.
     ended: bool,
     /// Test instrument: the fault its prompt asks for, injected at its first step.
@@ -107,6 +109,11 @@ pub(crate) fn run(
         }
         #[cfg(feature = "test-instruments")]
         let injected = active.iter_mut().find_map(|(&id, a)| a.injected.take().map(|f| (id, f)));
+        // Between the layers of the step: whether a client is still there (a step whose
+        // clients all left stops at the next layer, as a prompt alone does).
+        let listening: Vec<(SeqId, mpsc::UnboundedSender<Update>)> =
+            active.iter().map(|(&id, a)| (id, a.updates.clone())).collect();
+        let mut keep = |id: SeqId| listening.iter().any(|(i, u)| *i == id && !u.is_closed());
         let result = {
             let experts = &mut session.experts;
             let cache = &mut cache;
@@ -137,9 +144,9 @@ pub(crate) fn run(
                 #[cfg(feature = "test-instruments")]
                 if let Some((_, fault)) = injected {
                     let mut faulty = crate::instruments::FaultyExperts { inner: &mut *experts, fault: Some(fault) };
-                    return batcher.step(&mut faulty, &mut after);
+                    return batcher.step_while(&mut faulty, &mut after, &mut keep);
                 }
-                batcher.step(experts, &mut after)
+                batcher.step_while(experts, &mut after, &mut keep)
             }))
         };
         match result {
@@ -147,23 +154,35 @@ pub(crate) fn run(
                 if report.sequences > 0 {
                     metrics.record_step(report.sequences);
                 }
-                // Shared prompt starts reached: their states kept on disk for other requests.
+                // With states on disk, the state after each prompt chunk, as alone.
+                for &(id, fed) in &report.chunked {
+                    if let (Some(a), Some((state, logits)), Some(disk)) =
+                        (active.get(&id), batcher.seq(id), cache.as_deref_mut().and_then(|c| c.disk.as_mut()))
+                        && !report.stopped.contains(&id)
+                        && let Some(done) = a.req.prompt.get(..a.prompt_offset + fed)
+                        && let Err(e) = disk.save(done, state, logits)
+                    {
+                        tracing::warn!("keeping a prompt chunk's state on disk failed: {e}");
+                    }
+                }
+                // Shared prompt starts reached: their states kept for other requests.
                 for id in &report.stopped {
                     if let (Some(a), Some((state, logits)), Some(c)) =
                         (active.get(id), batcher.seq(*id), cache.as_deref_mut())
                         && let Some(p) = a.req.shared_prefix
                     {
-                        c.keep_shared(&a.req.prompt[..p], state, logits);
+                        c.keep_shared(&session.model, &a.req.prompt[..p], state, logits);
                     }
                 }
                 // The step never asked for experts: the injected fault waits for the next.
                 #[cfg(feature = "test-instruments")]
                 rearm(&mut active, injected);
             }
-            Ok(Err(StepError { error, failed })) => {
-                // A storage fault of a shared step is blamed on every sequence in it. The test
-                // instrument's fault is its request's alone, when that request was in the step;
-                // a step without it is only recomputed, and the fault waits for its request.
+            Ok(Err(StepError { error, failed, blamed })) => {
+                // A routed expert's read fault is blamed on the sequences that chose the expert,
+                // anything else of a shared step (a spine layer's fault) on every sequence in it.
+                // The test instrument's fault is its request's alone, when that request was in
+                // the step; a step without it is only recomputed, and the fault waits for it.
                 #[cfg(feature = "test-instruments")]
                 let blamed: Vec<SeqId> = match injected {
                     Some((id, f)) if format!("{error:#}").contains(crate::instruments::INJECTED_PATH) => {
@@ -176,11 +195,9 @@ pub(crate) fn run(
                     }
                     _ => {
                         rearm(&mut active, injected);
-                        failed.clone()
+                        blamed
                     }
                 };
-                #[cfg(not(feature = "test-instruments"))]
-                let blamed = failed.clone();
                 for id in failed {
                     if blamed.contains(&id) {
                         fail(session, cache.as_deref(), admission, metrics, &mut active, id, &error);
@@ -279,8 +296,9 @@ fn admit<'t>(
     let model = &session.model;
     let mut state = model.new_state();
     let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
+    // With a prefix cache, a shared start's state is kept (on disk, or in its memory slot).
+    let cache_on = cache.is_some();
     // A stored state that cannot be read fails this request alone, as in the solo path.
-    let keeps_states = cache.as_ref().is_some_and(|c| c.disk.is_some());
     let resumed = match cache {
         Some(c) if !req.prompt.is_empty() => {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -307,7 +325,7 @@ fn admit<'t>(
         Ok(id) => {
             // A shared start not stored yet: its chunk ends there, and its state is kept.
             if let Some(p) = req.shared_prefix
-                && keeps_states
+                && cache_on
                 && p > resumed
             {
                 batcher.stop_at(id, p - resumed);
@@ -320,6 +338,7 @@ fn admit<'t>(
                 Active {
                     turn: Turn::new(tokenizer, &req, resumed),
                     prompt_done: resumed == req.prompt.len(),
+                    prompt_offset: resumed,
                     req,
                     note,
                     updates,
@@ -381,6 +400,7 @@ fn recompute(
         // Still in its prompt: from the start (its first token is sampled as before).
         None => {
             a.prompt_done = false;
+            a.prompt_offset = 0;
             batcher.join(a.req.prompt.clone())
         }
     };

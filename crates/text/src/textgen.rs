@@ -134,32 +134,58 @@ impl StopMatcher {
 /// conversations, across restarts. Reuse is exact: a prompt processed in pieces gives
 /// bit-identical logits and state to processing it whole.
 pub struct PrefixCache {
-    tokens: Vec<u32>,
-    state: K3State,
-    /// Logits after the last cached token `[vocab]`.
-    logits: Vec<f32>,
+    last: Slot,
+    /// Without a store on disk: the state after the last shared prompt start (tools and system
+    /// messages, [`TextRequest::shared_prefix`]), so that the requests of one agent or
+    /// application start from it whatever their own messages. Made on first use.
+    shared: Option<Slot>,
     /// Snapshots on disk, when the server keeps them (`--state-dir`).
     pub disk: Option<PrefixStore>,
 }
 
-impl PrefixCache {
-    pub fn new(model: &K3Model) -> Self {
-        PrefixCache {
-            tokens: Vec::new(),
-            state: model.new_state(),
-            logits: vec![0f32; model.config.vocab_size],
-            disk: None,
-        }
+/// One state kept in memory: the tokens it is the state after (empty: nothing kept).
+struct Slot {
+    tokens: Vec<u32>,
+    state: K3State,
+    /// Logits after the last kept token `[vocab]`.
+    logits: Vec<f32>,
+}
+
+impl Slot {
+    fn new(model_state: K3State, vocab: usize) -> Self {
+        Slot { tokens: Vec::new(), state: model_state, logits: vec![0f32; vocab] }
     }
 
-    /// With prompt states kept on disk too.
+    fn keep(&mut self, tokens: &[u32], state: &K3State, logits: &[f32]) {
+        // Tokens last: a slot whose copy did not finish never claims these tokens.
+        self.tokens.clear();
+        self.state.copy_sequence_from(state);
+        self.logits.copy_from_slice(logits);
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// How many tokens of `prompt` this slot covers (0 if it is not a start of it).
+    fn covers(&self, prompt: &[u32]) -> usize {
+        if !self.tokens.is_empty() && prompt.starts_with(&self.tokens) { self.tokens.len() } else { 0 }
+    }
+}
+
+impl PrefixCache {
+    pub fn new(model: &K3Model) -> Self {
+        PrefixCache { last: Slot::new(model.new_state(), model.config.vocab_size), shared: None, disk: None }
+    }
+
+    /// With prompt states kept on disk too (shared starts among them).
     pub fn with_disk(model: &K3Model, disk: PrefixStore) -> Self {
         PrefixCache { disk: Some(disk), ..PrefixCache::new(model) }
     }
 
-    /// Forget the snapshot (after a failure that may have left it half written).
+    /// Forget the snapshots in memory (after a failure that may have left one half written).
     pub fn clear(&mut self) {
-        self.tokens.clear();
+        self.last.tokens.clear();
+        if let Some(s) = self.shared.as_mut() {
+            s.tokens.clear();
+        }
     }
 }
 
@@ -191,15 +217,15 @@ impl TextGenerator<'_> {
         let mut logits = vec![0f32; model.config.vocab_size]; // [vocab]
         let resume = cache.as_deref_mut().map_or(0, |c| c.resume(model, &req.prompt, &mut st, &mut logits));
         let started = Turn::new(self.tokenizer, req, resume);
-        // The shared start first, in a run of its own that keeps its state on disk.
+        // The shared start first, in a run of its own that keeps its state (on disk, or in the
+        // cache's memory slot for it).
         let mut resume = resume;
         if let (Some(p), Some(c)) = (req.shared_prefix, cache.as_deref_mut())
-            && c.disk.is_some()
             && resume < p
             && p < req.prompt.len()
         {
             let mut head =
-                SharedHead { prompt: &req.prompt[..p], sink: &mut *sink, cache: c, step_delay: self.step_delay };
+                SharedHead { model, prompt: &req.prompt[..p], sink: &mut *sink, cache: c, step_delay: self.step_delay };
             let ended = generate::run(
                 model,
                 experts,
@@ -290,9 +316,11 @@ impl Driver for TextTurn<'_> {
     }
 }
 
-/// The run of a request's shared start ([`TextRequest::shared_prefix`]): its state is kept on
-/// disk, and the run ends there (the rest of the prompt follows in the request's own run).
+/// The run of a request's shared start ([`TextRequest::shared_prefix`]): its state is kept (on
+/// disk, or in memory), and the run ends there (the rest of the prompt follows in the request's
+/// own run).
 struct SharedHead<'a> {
+    model: &'a K3Model,
     prompt: &'a [u32],
     sink: &'a mut dyn Sink,
     cache: &'a mut PrefixCache,
@@ -305,7 +333,7 @@ impl Driver for SharedHead<'_> {
     }
 
     fn prompt_done(&mut self, state: &K3State, logits: &[f32]) {
-        self.cache.keep_shared(self.prompt, state, logits);
+        self.cache.keep_shared(self.model, self.prompt, state, logits);
     }
 
     fn next(&mut self, _logits: &[f32]) -> Result<Option<u32>> {
@@ -321,22 +349,24 @@ impl Driver for SharedHead<'_> {
 
 impl PrefixCache {
     /// The state after a shared prompt start, on disk when states are kept there.
-    pub fn keep_shared(&mut self, prefix: &[u32], state: &K3State, logits: &[f32]) {
-        if let Some(disk) = self.disk.as_mut()
-            && let Err(e) = disk.save(prefix, state, logits)
-        {
-            tracing::warn!("keeping the shared prompt start's state on disk failed: {e}");
+    pub fn keep_shared(&mut self, model: &K3Model, prefix: &[u32], state: &K3State, logits: &[f32]) {
+        match self.disk.as_mut() {
+            Some(disk) => {
+                if let Err(e) = disk.save(prefix, state, logits) {
+                    tracing::warn!("keeping the shared prompt start's state on disk failed: {e}");
+                }
+            }
+            None => {
+                let slot = self.shared.get_or_insert_with(|| Slot::new(model.new_state(), model.config.vocab_size));
+                slot.keep(prefix, state, logits);
+            }
         }
     }
 
     /// This prompt's state, in memory for a next prompt that extends it, and on disk when
     /// states are kept there.
     pub fn keep_prompt(&mut self, prompt: &[u32], state: &K3State, logits: &[f32]) {
-        // Tokens last: a cache whose copy did not finish never claims this prompt.
-        self.tokens.clear();
-        self.state.copy_sequence_from(state);
-        self.logits.copy_from_slice(logits);
-        self.tokens.extend_from_slice(prompt);
+        self.last.keep(prompt, state, logits);
         if let Some(disk) = self.disk.as_mut()
             && let Err(e) = disk.save(prompt, state, logits)
         {
@@ -348,10 +378,13 @@ impl PrefixCache {
     /// to compute when it comes from disk): how many tokens it covers, with its state copied
     /// into `state` and its logits into `logits`. Zero leaves `state` fresh.
     pub fn resume(&mut self, model: &K3Model, prompt: &[u32], state: &mut K3State, logits: &mut [f32]) -> usize {
-        if !self.tokens.is_empty() && prompt.starts_with(&self.tokens) {
-            state.copy_sequence_from(&self.state);
-            logits.copy_from_slice(&self.logits);
-            return self.tokens.len();
+        // The longer of the two memory slots that starts the prompt.
+        let (last, shared) = (self.last.covers(prompt), self.shared.as_ref().map_or(0, |s| s.covers(prompt)));
+        let slot = if shared > last { self.shared.as_ref() } else { (last > 0).then_some(&self.last) };
+        if let Some(slot) = slot {
+            state.copy_sequence_from(&slot.state);
+            logits.copy_from_slice(&slot.logits);
+            return slot.tokens.len();
         }
         if let Some(disk) = self.disk.as_mut() {
             // At least one token is left to compute: its logits are the first sample's.

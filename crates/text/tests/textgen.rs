@@ -154,3 +154,49 @@ fn generation_loop_matches_the_reference_and_its_own_rules() {
         assert_eq!((s.finish, rec.tokens), (Finish::Cancelled, 3));
     }
 }
+
+/// Without a store on disk, a request's shared start (its tools and system messages) is kept in
+/// the prefix cache's second memory slot: requests with the same start and each its own tail
+/// resume from it, with the tokens and log-probabilities of a fresh run, bit for bit; the slot
+/// of the last prompt still wins where it covers more.
+#[test]
+fn a_shared_start_is_kept_in_memory_and_resumed_exactly() {
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::InPlace);
+    let store = Store::open(dir.path(), None).unwrap();
+    let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+    let tok = Tokenizer::load(&store.dir).unwrap();
+    let generator = TextGenerator { model: &model, tokenizer: &tok, step_delay: Default::default() };
+    let base = reference(name).prompts.iter().map(|p| p.tokens.clone()).max_by_key(|t| t.len()).unwrap();
+    // A 35-token start (past the 32-token chunk boundary) and two different tails.
+    let head = base[..35].to_vec();
+    let with_tail = |tail: &[u32]| -> Vec<u32> { head.iter().chain(tail).copied().collect() };
+    let (a, b) = (with_tail(&base[..6]), with_tail(&base[10..19]));
+    let shared = |prompt: Vec<u32>| TextRequest { shared_prefix: Some(head.len()), ..request(prompt, 8, 0.0, 1) };
+    let lps =
+        |rec: &Recorder| -> Vec<(u32, u32)> { rec.logprobs.iter().map(|l| (l.id, l.logprob.to_bits())).collect() };
+    let fresh = |prompt: &[u32]| {
+        let mut rec = Recorder::default();
+        generator.run(&mut StoreExperts::new(&store), &request(prompt.to_vec(), 8, 0.0, 1), &mut rec).unwrap();
+        lps(&rec)
+    };
+    let mut cache = PrefixCache::new(&model);
+    let mut src = StoreExperts::new(&store);
+    let mut run = |req: &TextRequest| {
+        let mut rec = Recorder::default();
+        let s = generator.run_cached(&mut src, req, &mut rec, Some(&mut cache)).unwrap();
+        (s.cached_prompt_tokens, lps(&rec))
+    };
+    let first = run(&shared(a.clone()));
+    assert_eq!(first, (0, fresh(&a)), "nothing kept yet; the split run equals a fresh one");
+    // Another tail after the same start resumes from the state after the start.
+    assert_eq!(run(&shared(b.clone())), (head.len(), fresh(&b)));
+    // A prompt extending the last one resumes from the last prompt's slot (longer).
+    let longer: Vec<u32> = b.iter().chain(&base[..3]).copied().collect();
+    assert_eq!(run(&shared(longer.clone())), (b.len(), fresh(&longer)));
+    // After a failure both slots are forgotten.
+    cache.clear();
+    let mut src = StoreExperts::new(&store);
+    let s = generator.run_cached(&mut src, &shared(a.clone()), &mut Recorder::default(), Some(&mut cache)).unwrap();
+    assert_eq!(s.cached_prompt_tokens, 0);
+}

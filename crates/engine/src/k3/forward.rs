@@ -32,6 +32,10 @@ pub struct BatchBuffers {
     pub scratch: Scratch,
     pub blocks: Vec<ResidualBlocks>,
     pub routing: Vec<Routing>,
+    /// The MoE layer (the store's numbering, as in [`crate::fault::ReadFault::layer`]) whose
+    /// routing `routing` holds: set before that layer's experts are read, so that after a read
+    /// fault the tokens that chose the failed expert are known.
+    pub routed_layer: Option<usize>,
 }
 
 /// A chunk reads ahead when its tokens' picks number at least this many times the layer's
@@ -82,6 +86,7 @@ impl K3Model {
             scratch: std::mem::take(&mut st.scratch),
             blocks: std::mem::take(&mut st.blocks),
             routing: std::mem::take(&mut st.chunk_routing),
+            routed_layer: None,
         };
         let mut one = [SeqStep { state: &mut *st, tokens, logits }];
         let r = self.forward_batch_with(&mut one, experts, &mut bufs, on_layer);
@@ -140,7 +145,8 @@ impl K3Model {
         }
         // Sequence i's tokens are rows starts[i]..starts[i + 1] of every [T, ..] buffer.
         let t_n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let BatchBuffers { scratch: sc, blocks, routing: chunk_routing } = bufs;
+        let BatchBuffers { scratch: sc, blocks, routing: chunk_routing, routed_layer } = bufs;
+        *routed_layer = None;
         while blocks.len() < t_n {
             blocks.push(ResidualBlocks::new(c.rms_norm_eps));
         }
@@ -206,6 +212,7 @@ impl K3Model {
                     // whole at its layer.
                     let next = if t_n == 1 { self.next_moe(l) } else { None };
                     let run = MoeRun { next, hint: self.run.prefetch, approx: self.run.approx };
+                    *routed_layer = Some(m.layer);
                     m.forward(&normed, experts, run, chunk_routing, &mut ys, sc)?;
                     let mut t0 = 0;
                     for s in seqs.iter_mut() {
