@@ -248,9 +248,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // Configurations to interleave: the base one, or one per value of --vary.
     let configs: Vec<(String, Vec<String>)> = match &a.vary {
         None if a.streams.is_some() => {
-            if a.context_fill > 0 {
-                bail!("--streams cannot go with --context-fill");
-            }
             crate::bench_streams::configs(a.streams.as_deref().unwrap_or_default(), a.join_prompt)?
         }
         None => vec![("base".to_string(), Vec::new())],

@@ -52,8 +52,8 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     if a.trace.is_some() || a.routing_locality.is_some() || a.routing_trace.is_some() || a.state_dir.is_some() {
         bail!("--streams cannot go with --trace, --routing-locality, --routing-trace or --state-dir");
     }
-    if a.context_fill > 0 || a.repeat > 1 || a.chat.is_some() {
-        bail!("--streams cannot go with --context-fill, --repeat or --chat");
+    if a.repeat > 1 || a.chat.is_some() {
+        bail!("--streams cannot go with --repeat or --chat");
     }
     if a.max_tokens < 2 {
         bail!("--streams needs --max-tokens of at least 2");
@@ -76,14 +76,17 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    // Each stream's context: its prompt, its tokens, and the steps it decodes while a joining
-    // prompt goes through (at most one per prompt token, and one more).
-    let needed = prompt.len() + a.max_tokens + join + 1;
+    // Each stream's context: the synthetic fill, its prompt, its tokens, and the steps it
+    // decodes while a joining prompt goes through (at most one per prompt token, and one more;
+    // `bench` sizes --context the same way).
+    let fill = a.context_fill;
+    let needed = fill + prompt.len() + a.max_tokens + if join > 0 { join + 1 } else { 0 };
     if needed > a.model.context {
         bail!(
-            "{} streams of a {}-token prompt and --max-tokens {}{} need a context of {needed} tokens, more than --context {}",
+            "{} streams of a {}-token prompt{} and --max-tokens {}{} need a context of {needed} tokens, more than --context {}",
             n,
             prompt.len(),
+            if fill > 0 { format!(" after --context-fill {fill}") } else { String::new() },
             a.max_tokens,
             if join > 0 { format!(" beside a joining prompt of {join} tokens") } else { String::new() },
             a.model.context
@@ -92,7 +95,18 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     let vocab = s.model.config.vocab_size;
     let prompts: Vec<Vec<u32>> = (0..n).map(|i| stream_prompt(prompt, i, vocab)).collect();
     let mut batcher = Batcher::new(&s.model, n + usize::from(join > 0));
-    let ids: Vec<SeqId> = prompts.iter().map(|p| batcher.join(p.clone())).collect::<Result<_>>()?;
+    // With --context-fill, each stream (and the joining prompt) starts at a context of that many
+    // synthetic positions, as `generate --context-fill` does for one sequence.
+    let model = &s.model;
+    let enter = |batcher: &mut Batcher<'_>, p: &[u32]| -> Result<SeqId> {
+        if fill == 0 {
+            return batcher.join(p.to_vec());
+        }
+        let mut state = model.new_state();
+        model.fill_context_synthetic(&mut state, fill)?;
+        batcher.join_from(state, vec![0f32; vocab], p.to_vec())
+    };
+    let ids: Vec<SeqId> = prompts.iter().map(|p| enter(&mut batcher, p)).collect::<Result<_>>()?;
     let joiner_prompt = stream_prompt(&(0..join as u32).map(|i| i * 7 + 3).collect::<Vec<_>>(), n, vocab);
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut steps: Vec<(Phase, StepReport)> = Vec::new();
@@ -122,7 +136,7 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
             phase = Phase::Decode;
         }
         if phase == Phase::Decode && tokens.iter().all(|t| t.len() >= a.max_tokens) && join > 0 && joiner.is_none() {
-            joiner = Some(batcher.join(joiner_prompt.clone())?);
+            joiner = Some(enter(&mut batcher, &joiner_prompt)?);
             phase = Phase::Join;
         }
     }
@@ -177,7 +191,7 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     });
     // The decode floor's work for one steady step: each stream's token is computed apart (FLOPs
     // times n), the spine and head are touched once, and the experts of the step's union.
-    let last_context = prompt.len() + a.max_tokens;
+    let last_context = fill + prompt.len() + a.max_tokens;
     let one = deltafin_engine::plan::decode_work(&store.manifest, k, last_context, s.model.latent_cache().bytes());
     let record = store.manifest.experts.record_bytes as f64;
     let extra_experts = ((distinct - k as f64) * moe_layers as f64 * record).max(0.0);
@@ -191,6 +205,7 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     if a.json {
         let out = json!({
             "streams": n,
+            "context_fill": fill,
             "stream_prompts": prompts,
             "stream_tokens": tokens,
             "steady": steady_json,

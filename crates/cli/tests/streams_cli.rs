@@ -98,6 +98,36 @@ fn streams_decode_together_as_each_would_alone() {
     }
 }
 
+/// `--streams N --context-fill F`: every stream starts at a context of F synthetic positions (as
+/// `generate --context-fill F` does alone), so the streams are timed at a long context; each
+/// stream's tokens are those of its prompt alone at the same fill.
+#[test]
+fn streams_at_a_filled_context_decode_as_each_would_alone() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-demo/hf");
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().to_str().unwrap();
+    let o = run(&["convert", "--from", demo.to_str().unwrap(), "--to", store, "--spine", "bf16"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let common = ["--model", store, "--context-fill", "300", "--context", "400", "--json"];
+    let mut args = vec!["generate", "--prompt-tokens", "5,6,7,8", "--max-tokens", "4", "--streams", "2"];
+    args.extend(common);
+    let v = ok(&args);
+    assert_eq!(v["context_fill"], 300);
+    let tokens: Vec<Vec<u64>> = v["stream_tokens"].as_array().unwrap().iter().map(ids).collect();
+    let prompts: Vec<String> = v["stream_prompts"].as_array().unwrap().iter().map(|p| csv(&ids(p))).collect();
+    for (i, (p, t)) in prompts.iter().zip(&tokens).enumerate() {
+        let m = t.len().to_string();
+        let mut solo = vec!["generate", "--prompt-tokens", p, "--max-tokens", &m, "--ignore-eos"];
+        solo.extend(common);
+        assert_eq!(&ids(&ok(&solo)["tokens"]), t, "stream {i} at a filled context against alone");
+    }
+    // Unfilled, the same streams decode otherwise: the fill is in the attention.
+    let mut plain = vec!["generate", "--prompt-tokens", "5,6,7,8", "--max-tokens", "4", "--streams", "2"];
+    plain.extend(["--model", store, "--json"]);
+    let unfilled: Vec<Vec<u64>> = ok(&plain)["stream_tokens"].as_array().unwrap().iter().map(ids).collect();
+    assert_ne!(unfilled, tokens, "the filled context changed nothing");
+}
+
 #[test]
 fn streams_arguments_are_checked() {
     for (args, want) in [
@@ -112,7 +142,8 @@ fn streams_arguments_are_checked() {
     assert!(run(&["convert", "--from", demo.to_str().unwrap(), "--to", store]).status.success());
     for (extra, want) in [
         (&["--trace", "t.jsonl"][..], "--streams cannot go with"),
-        (&["--context-fill", "8"][..], "--streams cannot go with"),
+        (&["--repeat", "2"][..], "--streams cannot go with"),
+        (&["--context-fill", "8", "--context", "12"][..], "after --context-fill 8"),
         (&["--max-tokens", "1"][..], "--max-tokens"),
         (&["--context", "8"][..], "need a context of"),
     ] {
