@@ -287,13 +287,14 @@ impl<'m> Batcher<'m> {
         report.disk_idle_s = idle() - idle0;
         report.expert_bytes = experts.bytes_read() - bytes0;
         report.spine_bytes = self.model.spine_bytes_read() - spine0;
-        report.sequences = feeds.len();
         if !completed {
-            // Stopped between layers: every sequence of the step was let go.
+            // Stopped between layers: every sequence of the step was let go (no sequence counts
+            // as served by the step).
             report.dropped = feeds.iter().map(|&(i, _, _)| self.running[i].id).collect();
             self.running.retain(|m| !report.dropped.contains(&m.id));
             return Ok(report);
         }
+        report.sequences = feeds.len();
         leaving.clear();
         for &(i, a, b) in &feeds {
             let m = &mut self.running[i];

@@ -154,24 +154,33 @@ pub(crate) fn run(
                 if report.sequences > 0 {
                     metrics.record_step(report.sequences);
                 }
-                // With states on disk, the state after each prompt chunk, as alone.
-                for &(id, fed) in &report.chunked {
-                    if let (Some(a), Some((state, logits)), Some(disk)) =
-                        (active.get(&id), batcher.seq(id), cache.as_deref_mut().and_then(|c| c.disk.as_mut()))
-                        && !report.stopped.contains(&id)
+                // States kept for other requests: a prompt chunk's (with states on disk, as
+                // alone; at most one a step, so that several prompts chunking at once do not make
+                // the running streams wait for one state write after another) and the shared
+                // starts reached. A panic while keeping one loses the kept states, not the engine.
+                let kept = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let chunk = report.chunked.iter().find(|(id, _)| !report.stopped.contains(id));
+                    if let Some(&(id, fed)) = chunk
+                        && let (Some(a), Some((state, logits)), Some(disk)) =
+                            (active.get(&id), batcher.seq(id), cache.as_deref_mut().and_then(|c| c.disk.as_mut()))
                         && let Some(done) = a.req.prompt.get(..a.prompt_offset + fed)
                         && let Err(e) = disk.save(done, state, logits)
                     {
                         tracing::warn!("keeping a prompt chunk's state on disk failed: {e}");
                     }
-                }
-                // Shared prompt starts reached: their states kept for other requests.
-                for id in &report.stopped {
-                    if let (Some(a), Some((state, logits)), Some(c)) =
-                        (active.get(id), batcher.seq(*id), cache.as_deref_mut())
-                        && let Some(p) = a.req.shared_prefix
-                    {
-                        c.keep_shared(&session.model, &a.req.prompt[..p], state, logits);
+                    for id in &report.stopped {
+                        if let (Some(a), Some((state, logits)), Some(c)) =
+                            (active.get(id), batcher.seq(*id), cache.as_deref_mut())
+                            && let Some(p) = a.req.shared_prefix
+                        {
+                            c.keep_shared(&session.model, &a.req.prompt[..p], state, logits);
+                        }
+                    }
+                }));
+                if kept.is_err() {
+                    tracing::error!("keeping a prompt state panicked; the kept states are dropped");
+                    if let Some(c) = cache.as_deref_mut() {
+                        c.clear();
                     }
                 }
                 // The step never asked for experts: the injected fault waits for the next.
@@ -401,11 +410,18 @@ fn recompute(
         None => {
             a.prompt_done = false;
             a.prompt_offset = 0;
+            a.turn.set_cached_prompt_tokens(0);
             batcher.join(a.req.prompt.clone())
         }
     };
     match rejoined {
         Ok(new_id) => {
+            // From the start: its shared start, if any, is kept on the way as when it joined.
+            if let (Some(p), Some(_), 0) = (a.req.shared_prefix, cache, a.turn.fed().len())
+                && p < a.req.prompt.len()
+            {
+                batcher.stop_at(new_id, p);
+            }
             tracing::info!(target: "deltafin::request", "{}: recomputed after a failed step it did not cause", a.note.endpoint);
             active.insert(new_id, a);
         }

@@ -475,6 +475,12 @@ impl<'a> Turn<'a> {
         self.summary.finish
     }
 
+    /// Prompt tokens reported as taken from a stored state: a turn whose prompt is computed
+    /// again from its start (after a failed step) took none.
+    pub fn set_cached_prompt_tokens(&mut self, n: usize) {
+        self.summary.cached_prompt_tokens = n;
+    }
+
     /// Generated tokens fed back into the model so far.
     pub fn fed(&self) -> &[u32] {
         &self.fed
