@@ -35,8 +35,8 @@ pub struct ServeArgs {
     /// read once for all of them and every expert two of them pick once. Each keeps a sequence
     /// state of its own (the memory plan counts them at the full context); requests beyond it
     /// wait in --queue. 1 (the default) runs one at a time: a long prompt alone borrows the
-    /// expert cache for larger chunks, which a batch does not yet (a 30,000-token prompt took
-    /// 2.3x longer batched). `auto`: the most the memory plan holds, up to 8 (their states take
+    /// expert cache for larger chunks, which a batch does not yet. `auto`: the most the memory
+    /// plan holds, up to 8 (their states take
     /// at most 12% of the budget, the spine and the expert cache keep the rest). A number above
     /// 1 is a cap on that: the plan's count if lower (said at start).
     #[arg(long, default_value = "1", value_name = "N|auto", value_parser = parse_max_batch)]
