@@ -9,8 +9,9 @@
 //! generations it blames and recomputes the others from their tokens (bit-identical, the
 //! prompt path's chunk invariance): a routed expert's read fault is blamed on the sequences
 //! whose tokens chose that expert, a spine layer's on every sequence in the step; an injected
-//! test fault only on the request that carries its trigger. A panic fails every generation in the batch and starts a
-//! new one; the expert source is reset and the prefix snapshot dropped as after any failure.
+//! test fault only on the request that carries its trigger. A panic fails every generation in
+//! the batch and starts a new one; the expert source is reset and the prefix snapshot dropped as
+//! after any failure.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, TryRecvError};
