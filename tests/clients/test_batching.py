@@ -54,8 +54,8 @@ def test_max_batch_auto_comes_from_the_memory_plan(deltafin_bin: Path, servers, 
     store = solo.args[solo.args.index("--model") + 1]
     launcher = ServerLauncher(deltafin_bin, Path(store), tmp_path)
     try:
-        # The demo model's states are small: the cap of 8.
-        auto = launcher.start("--max-batch", "auto")
+        # The demo model's states are small: the cap of 8. `auto` is the default.
+        auto = launcher.start()
         assert scrape_metrics(auto)["deltafin_max_batch"] == 8
         assert "--max-batch auto: 8 sequences per step" in auto.stderr_text()
         # A budget a little above the model's minimum (about 112 MiB with one state of 1.9 MiB

@@ -34,12 +34,12 @@ pub struct ServeArgs {
     /// Generations that share each model step (continuous batching): every spine layer is
     /// read once for all of them and every expert two of them pick once. Each keeps a sequence
     /// state of its own (the memory plan counts them at the full context); requests beyond it
-    /// wait in --queue. 1 (the default) runs one at a time: a long prompt alone borrows the
-    /// expert cache for larger chunks, which a batch does not yet. `auto`: the most the memory
-    /// plan holds, up to 8 (their states take
-    /// at most 12% of the budget, the spine and the expert cache keep the rest). A number above
-    /// 1 is a cap on that: the plan's count if lower (said at start).
-    #[arg(long, default_value = "1", value_name = "N|auto", value_parser = parse_max_batch)]
+    /// wait in --queue. `auto` (the default): the most the memory plan holds, up to 8 (their
+    /// states take at most 12% of the budget, the spine and the expert cache keep the rest). A
+    /// number is a cap on that: the plan's count if lower (said at start); 1 runs one request
+    /// at a time. A long prompt that no other request decodes beside borrows the expert cache
+    /// for larger chunks either way.
+    #[arg(long, default_value = "auto", value_name = "N|auto", value_parser = parse_max_batch)]
     pub max_batch: MaxBatch,
     /// Model id clients use (default: the store directory's name).
     #[arg(long)]

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use deltafin_engine::batch::{Batcher, Next, SeqId, StepReport};
+use deltafin_engine::experts::{ExpertSource, Observed};
 use deltafin_engine::generate::argmax;
 use deltafin_engine::plan::{human, peak_rss_bytes};
 use deltafin_engine::session::RunOptions;
@@ -115,9 +116,21 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
     let mut joiner_done = false;
     let start = Instant::now();
     let mut ttft = None;
+    // The streams' prompts' distinct (layer, expert) records: the disk side of their floor.
+    let mut seen = std::collections::HashSet::new();
     while !batcher.is_empty() {
+        let mut observed;
+        let src: &mut dyn ExpertSource = if phase == Phase::Prompts {
+            observed = Observed {
+                inner: &mut s.experts,
+                on_begin: |l: usize, e: &[usize]| seen.extend(e.iter().map(|&e| (l, e))),
+            };
+            &mut observed
+        } else {
+            &mut s.experts
+        };
         let report = batcher
-            .step(&mut s.experts, &mut |id, _state, logits| {
+            .step(src, &mut |id, _state, logits| {
                 let t = argmax(logits);
                 if Some(id) == joiner {
                     joiner_done = true;
@@ -201,6 +214,26 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
         "bytes_touched": one.bytes_touched as f64 + extra_experts + one.kv_bytes as f64 * (n as f64 - 1.0),
         "kv_bytes": one.kv_bytes as f64 * n as f64,
     });
+    // The streams' prompts as `generate --json` reports one prompt: what bench's time-to-first-
+    // token floor is made of.
+    let prompt_steps: Vec<&StepReport> =
+        steps.iter().filter(|(p, r)| *p == Phase::Prompts && r.prompt_tokens > 0).map(|(_, r)| r).collect();
+    let prompt_json = json!({
+        "tokens": n * prompt.len(),
+        "chunk": prompt_steps.iter().map(|r| r.prompt_tokens).max().unwrap_or(0),
+        "chunks": prompt_steps.len(),
+        "expert_bytes_read": prompt_steps.iter().map(|r| r.expert_bytes).sum::<u64>(),
+        "distinct_experts": seen.len(),
+        "spine_bytes_read": prompt_steps.iter().map(|r| r.spine_bytes).sum::<u64>(),
+        "borrowed_bytes": prompt_steps.iter().map(|r| r.borrowed_bytes).max().unwrap_or(0),
+    });
+    let (flops, attention_flops) = deltafin_engine::plan::prompt_flops(&store.manifest, k, fill, prompt.len(), 1);
+    // Each stream's prompt apart (with its head once), and the head again for every further
+    // prompt step a sequence was in.
+    let heads = prompt_steps.iter().map(|r| r.sequences).sum::<usize>().saturating_sub(n);
+    let cfg = &store.manifest.config;
+    let head = (heads * 2 * cfg.vocab_size * cfg.hidden_size) as f64;
+    let (prompt_flops, prompt_attention_flops) = (flops * n as f64 + head, attention_flops * n as f64);
     let report = s.report();
     if a.json {
         let out = json!({
@@ -224,6 +257,9 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
             "timing": {
                 "ttft_s": ttft,
                 "prompt_s": ttft,
+                "prompt": prompt_json,
+                "prompt_flops": prompt_flops,
+                "prompt_attention_flops": prompt_attention_flops,
                 "decode_step_s": decode.iter().map(|r| r.seconds).collect::<Vec<_>>(),
                 "decode_step_bytes": decode.iter().map(|r| r.expert_bytes).collect::<Vec<_>>(),
                 "decode_step_disk_idle_s": decode.iter().map(|r| r.disk_idle_s).collect::<Vec<_>>(),

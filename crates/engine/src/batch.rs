@@ -15,7 +15,8 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::experts::{ExpertSource, Observed};
-use crate::fault::ReadFault;
+use crate::fault::{FetchFault, ReadFault};
+use crate::generate::balanced_chunk;
 use crate::k3::{BatchBuffers, K3Model, K3State, SeqStep};
 
 /// A sequence's handle in a [`Batcher`].
@@ -67,6 +68,35 @@ pub struct StepReport {
     /// Sequences let go between the layers of the step ([`Batcher::step_while`]): they left the
     /// batch, their states part-way.
     pub dropped: Vec<SeqId>,
+    /// Expert cache memory a long prompt's chunk borrowed for the step (given back at its end):
+    /// only in a step where no sequence decodes.
+    pub borrowed_bytes: u64,
+}
+
+impl Member {
+    /// Where the prompt's next chunk ends at the latest: a stop the caller set, or its end.
+    fn prompt_end(&self) -> usize {
+        self.stop.filter(|&s| s > self.fed).unwrap_or(self.prompt.len())
+    }
+}
+
+/// The expert cache's memory lent to a step's large prompt chunk, given back when this is
+/// dropped: the step's activations leave the process, then the cache may fill again. A guard,
+/// so that an error or a panic inside the step cannot leave the cache lent for good.
+struct LentCache<'a> {
+    experts: &'a mut dyn ExpertSource,
+    bufs: &'a mut BatchBuffers,
+    active: bool,
+}
+
+impl Drop for LentCache<'_> {
+    fn drop(&mut self) {
+        if self.active {
+            self.bufs.release();
+            crate::os::memory::return_free_heap();
+            self.experts.take_back();
+        }
+    }
 }
 
 /// What a caller says of a sequence after a step that ended its prompt or decoded a token.
@@ -219,13 +249,36 @@ impl<'m> Batcher<'m> {
             }
         }
         self.running.retain(|m| !leaving.contains(&m.id));
-        // What each running sequence feeds: (index, prompt range or the next token).
+        // While no sequence decodes, a long prompt borrows the expert cache for larger chunks,
+        // as it does alone (`generate::run`): fewer chunks, each re-reading the streamed spine
+        // and most experts once. A decoding sequence beside it keeps the plan's chunk, so that
+        // its pauses stay one chunk's compute long.
+        let mut lent = LentCache { experts: &mut *experts, bufs: &mut self.bufs, active: false };
         let mut allowance = self.chunk;
+        let mut borrowed = 0;
+        let decoding = self.running.iter().any(|m| m.fed >= m.prompt.len() && m.next.is_some());
+        if let Some(b) = self.model.run().prompt_borrowing
+            && !decoding
+        {
+            let left: usize = self.running.iter().map(|m| m.prompt_end() - m.fed.min(m.prompt_end())).sum();
+            if left > self.chunk {
+                let chunk = balanced_chunk(left, b.max_chunk.max(self.chunk));
+                let borrow = (chunk - self.chunk) as u64 * b.token_bytes;
+                lent.active = true;
+                borrowed = lent.experts.lend(borrow);
+                allowance = if borrowed < borrow {
+                    // Part of the cache could not be lent: chunks as large as what was.
+                    balanced_chunk(left, self.chunk + (borrowed / b.token_bytes.max(1)) as usize)
+                } else {
+                    chunk
+                };
+            }
+        }
+        // What each running sequence feeds: (index, prompt range or the next token).
         let mut feeds: Vec<(usize, usize, usize)> = Vec::with_capacity(self.running.len());
         for (i, m) in self.running.iter().enumerate() {
             if m.fed < m.prompt.len() {
-                let end = m.stop.filter(|&s| s > m.fed).unwrap_or(m.prompt.len());
-                let n = (end - m.fed).min(allowance);
+                let n = (m.prompt_end() - m.fed).min(allowance);
                 if n > 0 {
                     feeds.push((i, m.fed, m.fed + n));
                     allowance -= n;
@@ -234,16 +287,17 @@ impl<'m> Batcher<'m> {
                 feeds.push((i, 0, 0));
             }
         }
-        let mut report = StepReport::default();
+        let mut report = StepReport { borrowed_bytes: borrowed, ..StepReport::default() };
         if feeds.is_empty() {
             return Ok(report);
         }
         let activity = self.model.run().disk_activity.clone();
         let idle = || activity.as_ref().map_or(0.0, |a| a.idle().as_secs_f64());
-        let (bytes0, spine0, idle0, t0) = (experts.bytes_read(), self.model.spine_bytes_read(), idle(), Instant::now());
+        let (bytes0, spine0, idle0, t0) =
+            (lent.experts.bytes_read(), self.model.spine_bytes_read(), idle(), Instant::now());
         let (mut distinct, mut layers) = (0, 0);
         let mut counter = Observed {
-            inner: &mut *experts,
+            inner: &mut *lent.experts,
             on_begin: |_: usize, e: &[usize]| {
                 distinct += e.len();
                 layers += 1;
@@ -275,8 +329,10 @@ impl<'m> Batcher<'m> {
                 })
                 .collect();
             let mut on_layer = |_: usize| ids.iter().any(|&id| keep(id));
-            self.model.forward_batch_with(&mut steps, &mut counter, &mut self.bufs, &mut on_layer)
+            self.model.forward_batch_with(&mut steps, &mut counter, &mut *lent.bufs, &mut on_layer)
         };
+        // The borrowed memory goes back before anything else (on a panic, the guard's drop).
+        drop(lent);
         report.distinct_experts = distinct;
         report.moe_layers = layers;
         let completed = match result {
@@ -361,27 +417,34 @@ impl<'m> Batcher<'m> {
 pub struct StepError {
     pub error: anyhow::Error,
     pub failed: Vec<SeqId>,
-    /// Those of `failed` that the error is theirs: for a routed expert that could not be read,
-    /// the sequences with a token that chose it; for anything else (a spine layer, which every
+    /// Those of `failed` that the error is theirs: for a routed expert that could not be read
+    /// (or fetched, in a streaming store), the sequences with a token that chose it; for anything else (a spine layer, which every
     /// sequence reads, or an error with no record), all of them. The others may be computed
     /// again from their tokens ([`Batcher::rejoin`]) and go on as if nothing happened.
     pub blamed: Vec<SeqId>,
 }
 
-/// The sequences whose tokens chose the expert a [`ReadFault`] names, at the layer whose routing
-/// the step's buffers hold; `None` when the error is no such fault (or no token chose it, which
-/// would mean the fault is not where the routing says: then nobody is cleared).
+/// The sequences whose tokens chose an expert a [`ReadFault`] (a record that could not be read)
+/// or a [`FetchFault`] (records a streaming store could not fetch) names, at the layer whose
+/// routing the step's buffers hold; `None` when the error is no such fault (or no token chose
+/// one, which would mean the fault is not where the routing says: then nobody is cleared).
 /// `spans`: each sequence of the step in feed order with its number of tokens.
 fn blame(e: &anyhow::Error, bufs: &BatchBuffers, spans: &[(SeqId, usize)]) -> Option<Vec<SeqId>> {
-    let fault = e.chain().find_map(|c| c.downcast_ref::<ReadFault>())?;
-    if bufs.routed_layer != Some(fault.layer) {
+    let (layer, experts): (usize, &[usize]) = e.chain().find_map(|c| {
+        if let Some(f) = c.downcast_ref::<ReadFault>() {
+            Some((f.layer, std::slice::from_ref(&f.expert)))
+        } else {
+            c.downcast_ref::<FetchFault>().map(|f| (f.layer, f.experts.as_slice()))
+        }
+    })?;
+    if bufs.routed_layer != Some(layer) {
         return None;
     }
     let mut blamed = Vec::new();
     let mut t0 = 0;
     for &(id, n) in spans {
         let routes = bufs.routing.get(t0..t0 + n)?;
-        if routes.iter().any(|r| r.experts.contains(&fault.expert)) {
+        if routes.iter().any(|r| r.experts.iter().any(|e| experts.contains(e))) {
             blamed.push(id);
         }
         t0 += n;

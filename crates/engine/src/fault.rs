@@ -74,6 +74,9 @@ pub struct FetchFault {
     /// The first expert concerned.
     pub expert: usize,
     pub count: usize,
+    /// Every expert concerned (`count` of them): the sequences of a batched step that chose
+    /// none of them are not to blame.
+    pub experts: Vec<usize>,
     pub offline: bool,
     pub detail: String,
 }

@@ -182,7 +182,7 @@ fn prompt_chunking(run: &RunConfig, len: usize, per_token: bool) -> (usize, u64)
 }
 
 /// The equal chunk size for `len` tokens in as few chunks of at most `max` as possible.
-fn balanced_chunk(len: usize, max: usize) -> usize {
+pub(crate) fn balanced_chunk(len: usize, max: usize) -> usize {
     let chunks = len.div_ceil(max.max(1)).max(1);
     len.div_ceil(chunks).max(1)
 }

@@ -427,18 +427,32 @@ impl ExpertSource for Record<'_> {
 }
 
 /// A source whose record of `expert` in `layer` fails its checksum once (a real [`ReadFault`],
-/// as the store's reads report one after their retry), then reads as usual.
+/// as the store's reads report one after their retry), or with `fetch` cannot be fetched once
+/// (a [`FetchFault`], as a streaming store offline reports one), then reads as usual.
 struct CorruptOnce<'a> {
     inner: StoreExperts<'a>,
     target: (usize, usize),
     asked: Vec<usize>,
     layer: usize,
     armed: bool,
+    fetch: bool,
 }
 
 impl ExpertSource for CorruptOnce<'_> {
     fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
         (self.layer, self.asked) = (layer, experts.to_vec());
+        if self.armed && self.fetch && (layer, true) == (self.target.0, experts.contains(&self.target.1)) {
+            self.armed = false;
+            return Err(deltafin_engine::fault::FetchFault {
+                layer,
+                expert: self.target.1,
+                count: 1,
+                experts: vec![self.target.1],
+                offline: true,
+                detail: "injected by the test".into(),
+            }
+            .into());
+        }
         self.inner.begin(layer, experts)
     }
     fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
@@ -462,10 +476,10 @@ impl ExpertSource for CorruptOnce<'_> {
     }
 }
 
-/// A routed expert's read fault in a shared step is the fault of the sequences that chose that
-/// expert only: the step names them apart from the others it took out, and those others,
-/// computed again from their tokens, end with the tokens they have alone. A fault that is not
-/// a routed expert's is everybody's.
+/// A routed expert's read fault (or fetch fault) in a shared step is the fault of the sequences
+/// that chose that expert only: the step names them apart from the others it took out, and
+/// those others, computed again from their tokens, end with the tokens they have alone. A fault
+/// that is not a routed expert's is everybody's.
 #[test]
 fn a_read_fault_is_blamed_on_the_sequences_that_chose_the_expert() {
     use deltafin_engine::batch::{Batcher, Next};
@@ -486,31 +500,37 @@ fn a_read_fault_is_blamed_on_the_sequences_that_chose_the_expert() {
     };
     let ((layer, pa), (_, pc)) = (picks(&prompts[0]), picks(&prompts[1]));
     let only_a = *pa.iter().find(|e| !pc.contains(e)).expect("an expert the first prompt picks and the second not");
-    let mut src = CorruptOnce {
-        inner: StoreExperts::new(&store),
-        target: (layer, only_a),
-        asked: Vec::new(),
-        layer: 0,
-        armed: true,
-    };
-    let mut b = Batcher::new(&model, 2);
-    let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
-    let e = b.step(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!("the step failed")).unwrap_err();
-    assert_eq!(e.failed, vec![a, c], "both were in the failed step");
-    assert_eq!(e.blamed, vec![a], "only the first chose layer {layer} expert {only_a}: {e}");
-    assert!(!src.armed, "the fault was injected");
-    // The other is computed again from its prompt and goes on as alone.
-    let again = b.join(prompts[1].clone()).unwrap();
-    let mut tokens = Vec::new();
-    while !b.is_empty() {
-        b.step(&mut src, &mut |id, _: &K3State, logits: &[f32]| {
-            assert_eq!(id, again);
-            tokens.push(argmax(logits));
-            if tokens.len() == 4 { Next::Leave } else { Next::Token(*tokens.last().unwrap()) }
-        })
-        .unwrap();
+    for fetch in [false, true] {
+        let mut src = CorruptOnce {
+            inner: StoreExperts::new(&store),
+            target: (layer, only_a),
+            asked: Vec::new(),
+            layer: 0,
+            armed: true,
+            fetch,
+        };
+        let mut b = Batcher::new(&model, 2);
+        let (a, c) = (b.join(prompts[0].clone()).unwrap(), b.join(prompts[1].clone()).unwrap());
+        let e = b.step(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!("the step failed")).unwrap_err();
+        assert_eq!(e.failed, vec![a, c], "both were in the failed step");
+        assert_eq!(e.blamed, vec![a], "only the first chose layer {layer} expert {only_a}: {e}");
+        assert!(!src.armed, "the fault was injected");
+        // The other is computed again from its prompt and goes on as alone.
+        let again = b.join(prompts[1].clone()).unwrap();
+        let mut tokens = Vec::new();
+        while !b.is_empty() {
+            b.step(&mut src, &mut |id, _: &K3State, logits: &[f32]| {
+                assert_eq!(id, again);
+                tokens.push(argmax(logits));
+                if tokens.len() == 4 { Next::Leave } else { Next::Token(*tokens.last().unwrap()) }
+            })
+            .unwrap();
+        }
+        assert_eq!(
+            tokens,
+            generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[1], 4, None).unwrap().tokens
+        );
     }
-    assert_eq!(tokens, generate_greedy(&model, &mut StoreExperts::new(&store), &prompts[1], 4, None).unwrap().tokens);
 }
 
 /// Sequences that resume from stored states (a shared system prompt: one state, copied into
@@ -689,4 +709,193 @@ fn a_step_nobody_wants_stops_between_layers() {
         .unwrap();
     assert!(report.dropped.is_empty());
     assert_eq!(got, vec![a, c]);
+}
+
+/// An expert source that lends at most `cap` bytes of what is asked (the cache's memory for a
+/// long prompt's chunk), counts the lending and the giving back, and can fail its `fail_at`-th
+/// `begin` or panic at its `panic_at`-th.
+struct Lender<'a> {
+    inner: StoreExperts<'a>,
+    cap: u64,
+    asked: Vec<u64>,
+    lent: Vec<u64>,
+    taken_back: usize,
+    begins: usize,
+    fail_at: usize,
+    panic_at: usize,
+}
+
+impl<'a> Lender<'a> {
+    fn new(store: &'a Store, cap: u64) -> Self {
+        Lender {
+            inner: StoreExperts::new(store),
+            cap,
+            asked: Vec::new(),
+            lent: Vec::new(),
+            taken_back: 0,
+            begins: 0,
+            fail_at: 0,
+            panic_at: 0,
+        }
+    }
+}
+
+impl ExpertSource for Lender<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.begins += 1;
+        assert!(self.begins != self.panic_at, "injected panic");
+        anyhow::ensure!(self.begins != self.fail_at, "injected read fault");
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.inner.drain(f)
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn lend(&mut self, bytes: u64) -> u64 {
+        assert_eq!(self.lent.len(), self.taken_back, "lent again before the last loan came back");
+        self.asked.push(bytes);
+        self.lent.push(bytes.min(self.cap));
+        bytes.min(self.cap)
+    }
+    fn take_back(&mut self) {
+        self.taken_back += 1;
+    }
+}
+
+/// A long prompt that no decoding sequence waits on borrows the expert cache for larger chunks,
+/// as it does alone: as few chunks of one size as the loan allows, each step's loan given back
+/// at its end. While a sequence decodes, a joining prompt keeps the plan's chunk (its
+/// neighbour's pauses stay one chunk long) and borrows nothing; once it is alone again, it
+/// borrows. Part of a loan refused: chunks as large as what was lent. Tokens are those of each
+/// sequence alone. A step that fails or panics with the cache lent gives it back.
+#[test]
+fn a_long_prompt_with_nobody_decoding_borrows_the_cache() {
+    use deltafin_engine::batch::{Batcher, Next, SeqId};
+    use deltafin_engine::generate::generate_greedy;
+    use deltafin_engine::k3::PromptBorrowing;
+    let name = FIXTURES[0];
+    let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let per = 1000;
+    let run = RunConfig {
+        prefill_chunk: 2,
+        prompt_borrowing: Some(PromptBorrowing { max_chunk: 8, token_bytes: per }),
+        ..Default::default()
+    };
+    let model = K3Model::load(&store, &run).unwrap();
+    let prompts: Vec<Vec<u32>> = reference(name).prompts.into_iter().map(|p| p.tokens).collect();
+    let long: Vec<u32> = prompts.iter().flatten().copied().take(20).collect();
+    assert_eq!(long.len(), 20, "the fixture's prompts make a 20-token prompt");
+    let second: Vec<u32> = long.iter().rev().copied().take(12).collect();
+    // (cap on a loan, the first prompt's chunks, the bytes each of its steps asks for)
+    let cases = [(u64::MAX, vec![7usize, 7, 6], vec![5000u64, 5000, 4000]), (2000, vec![4; 5], vec![])];
+    for (cap, chunks, asked) in cases {
+        let what = format!("loans capped at {cap} bytes");
+        let mut src = Lender::new(&store, cap);
+        let mut b = Batcher::new(&model, 2);
+        let first = b.join(long.clone()).unwrap();
+        let mut got: Vec<(SeqId, Vec<u32>)> = vec![(first, Vec::new())];
+        let mut second_id = None;
+        // (prompt tokens, decode tokens, bytes borrowed) of every step
+        let mut steps: Vec<(usize, usize, u64)> = Vec::new();
+        while !b.is_empty() {
+            let r = b
+                .step(&mut src, &mut |id, _: &K3State, logits: &[f32]| {
+                    let t = argmax(logits);
+                    let toks = &mut got.iter_mut().find(|(i, _)| *i == id).unwrap().1;
+                    toks.push(t);
+                    if toks.len() >= 6 { Next::Leave } else { Next::Token(t) }
+                })
+                .unwrap();
+            assert_eq!(src.lent.len(), src.taken_back, "{what}: step {}'s loan was not given back", steps.len());
+            if r.decode_tokens > 0 {
+                assert_eq!(r.borrowed_bytes, 0, "{what}: a step with a decoding sequence borrows nothing");
+                assert!(r.prompt_tokens <= 2, "{what}: beside a decoding sequence, the plan's chunk");
+            } else if r.prompt_tokens > 2 {
+                assert_eq!(r.borrowed_bytes, *src.lent.last().unwrap(), "{what}: the report says what was lent");
+            }
+            steps.push((r.prompt_tokens, r.decode_tokens, r.borrowed_bytes));
+            // The second prompt joins once the first decodes.
+            if r.decode_tokens == 1 && second_id.is_none() {
+                let id = b.join(second.clone()).unwrap();
+                got.push((id, Vec::new()));
+                second_id = Some(id);
+            }
+            assert!(steps.len() < 100);
+        }
+        let firsts: Vec<usize> = steps[..chunks.len()].iter().map(|s| s.0).collect();
+        assert_eq!(firsts, chunks, "{what}: the long prompt's chunks");
+        assert!(steps[..chunks.len()].iter().all(|s| s.1 == 0 && s.2 > 0), "{what}: each borrowed");
+        if !asked.is_empty() {
+            assert_eq!(src.asked[..asked.len()], asked[..], "{what}: each step asks for its chunk's memory");
+        }
+        assert!(src.lent.iter().all(|&l| l <= cap));
+        let beside = steps.iter().filter(|s| s.0 > 0 && s.1 > 0).count();
+        assert_eq!(beside, 4, "{what}: the second prompt rode in chunks of 2 beside the first's tokens");
+        let after = steps.iter().position(|s| s.0 > 0 && s.1 > 0).unwrap() + beside;
+        assert_eq!(steps[after], (4, 0, 2000), "{what}: the second's last 4 tokens borrowed once alone");
+        for (id, prompt) in [(first, &long), (second_id.unwrap(), &second)] {
+            let alone = generate_greedy(&model, &mut StoreExperts::new(&store), prompt, 6, None).unwrap();
+            let toks = &got.iter().find(|(i, _)| *i == id).unwrap().1;
+            assert_eq!(toks, &alone.tokens, "{what}: tokens differ from the sequence alone");
+        }
+    }
+    // The streaming source lends real cache slots: the long prompt's tokens are still those
+    // alone, and afterwards every layer holds its slots again.
+    let o = StreamOptions {
+        cache_slots_per_layer: 4,
+        // Plain LRU: four experts read last are the four cached (SLRU would keep reused ones).
+        policy: Policy::Lru,
+        backend: None,
+        direct: true,
+        queue_depth: 8,
+        io_buffers: 6,
+        prefetch_buffers: 0,
+    };
+    let mut src = StreamingExperts::new(&store, o).unwrap();
+    let slot = src.slot_bytes as u64;
+    let lending = RunConfig {
+        prefill_chunk: 2,
+        prompt_borrowing: Some(PromptBorrowing { max_chunk: 8, token_bytes: slot }),
+        ..Default::default()
+    };
+    let model_lending = K3Model::load(&store, &lending).unwrap();
+    let mut b = Batcher::new(&model_lending, 2);
+    let id = b.join(long.clone()).unwrap();
+    let (mut toks, mut borrowed) = (Vec::new(), 0);
+    while !b.is_empty() {
+        let r = b
+            .step(&mut src, &mut |_, _: &K3State, logits: &[f32]| {
+                toks.push(argmax(logits));
+                if toks.len() >= 6 { Next::Leave } else { Next::Token(*toks.last().unwrap()) }
+            })
+            .unwrap();
+        borrowed = borrowed.max(r.borrowed_bytes);
+    }
+    assert!(borrowed >= slot, "the streaming source lent no slot");
+    let alone = generate_greedy(&model_lending, &mut StoreExperts::new(&store), &long, 6, None).unwrap();
+    assert_eq!(toks, alone.tokens, "{id:?}: tokens with real cache slots lent differ from alone");
+    let layer = model.config.moe_layers()[0];
+    src.begin(layer, &[0, 1, 2, 3]).unwrap();
+    src.drain(&mut |_, _| Ok(())).unwrap();
+    assert!((0..4).all(|e| src.is_cached(layer, e)), "the cache did not get its slots back");
+
+    let mut src = Lender::new(&store, u64::MAX);
+    src.fail_at = 1;
+    let mut b = Batcher::new(&model, 2);
+    b.join(long.clone()).unwrap();
+    let e = b.step(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!()).unwrap_err();
+    assert!(format!("{e}").contains("injected read fault"));
+    assert_eq!((src.lent.len(), src.taken_back), (1, 1), "a failed step gives the loan back");
+    let mut src = Lender::new(&store, u64::MAX);
+    src.panic_at = 1;
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut b = Batcher::new(&model, 2);
+        b.join(long.clone()).unwrap();
+        let _ = b.step(&mut src, &mut |_, _: &K3State, _: &[f32]| unreachable!());
+    }));
+    assert!(outcome.is_err(), "the injected panic did not happen");
+    assert_eq!((src.lent.len(), src.taken_back), (1, 1), "a panic inside the step gives the loan back");
 }

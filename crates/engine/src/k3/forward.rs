@@ -38,6 +38,16 @@ pub struct BatchBuffers {
     pub routed_layer: Option<usize>,
 }
 
+impl BatchBuffers {
+    /// Free a large step's activations (its scratch and residual blocks), so that memory
+    /// borrowed from the expert cache for a long prompt's chunk can go back to it. The routing
+    /// stays: it is small, and a failed step's read fault is blamed from it.
+    pub fn release(&mut self) {
+        self.scratch.release();
+        self.blocks = Vec::new();
+    }
+}
+
 /// A chunk reads ahead when its tokens' picks number at least this many times the layer's
 /// experts: under uniform routing each expert is then missed with probability below e^-4 (2%).
 const READ_AHEAD_COVERAGE: usize = 4;

@@ -53,6 +53,7 @@ impl StreamingExperts {
             layer,
             expert: absent[0],
             count: absent.len(),
+            experts: absent.clone(),
             offline,
             detail,
         };
