@@ -216,6 +216,11 @@ pub fn mla_attend_chunk_on(
 #[derive(Clone, Copy)]
 enum AttendPath {
     Scalar,
+    /// The scalar kernels compiled with AVX2 + FMA (the same bits: their fused multiply-adds in
+    /// hardware instead of libm's software `fmaf`), for widths no vector divides on a CPU with
+    /// AVX2 (the tiny test models: 20 channels; K3's 576 take the vector paths).
+    #[cfg(target_arch = "x86_64")]
+    ScalarFma,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     #[cfg(target_arch = "x86_64")]
@@ -233,6 +238,8 @@ impl AttendPath {
             Path::Avx512 if fits(16) => AttendPath::Avx512,
             #[cfg(target_arch = "x86_64")]
             Path::Avx512 | Path::Avx2 if fits(8) => AttendPath::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512 | Path::Avx2 => AttendPath::ScalarFma,
             #[cfg(target_arch = "aarch64")]
             Path::Neon if fits(4) => AttendPath::Neon,
             _ => AttendPath::Scalar,
@@ -244,7 +251,7 @@ impl AttendPath {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 present (chosen only on an available AVX2 or AVX-512 path); dst is as
             // long as src.
-            AttendPath::Avx2 | AttendPath::Avx512 => unsafe { avx2::widen_bf16(src, dst) },
+            AttendPath::Avx2 | AttendPath::Avx512 | AttendPath::ScalarFma => unsafe { avx2::widen_bf16(src, dst) },
             _ => scalar::widen_bf16(src, dst),
         }
     }
@@ -264,6 +271,11 @@ impl AttendPath {
             #[cfg(target_arch = "aarch64")]
             // SAFETY: NEON present; width a multiple of 4 (`pick`); shapes checked.
             AttendPath::Neon => unsafe { neon::mla_block_scores(q, q_stride, nq, rows, nb, width, s, MLA_BLOCK) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 + FMA present (chosen only on an available AVX2 or AVX-512 path).
+            AttendPath::ScalarFma => unsafe {
+                avx2::mla_block_scores_scalar(q, q_stride, nq, rows, nb, width, s, MLA_BLOCK)
+            },
             AttendPath::Scalar => scalar::mla_block_scores(q, q_stride, nq, rows, nb, width, s, MLA_BLOCK),
         }
     }
@@ -279,7 +291,7 @@ impl AttendPath {
             #[cfg(target_arch = "aarch64")]
             // SAFETY: NEON present.
             AttendPath::Neon => unsafe { neon::exp_shifted(x, shift) },
-            AttendPath::Scalar => scalar::exp_shifted(x, shift),
+            _ => scalar::exp_shifted(x, shift),
         }
     }
 
@@ -314,6 +326,11 @@ impl AttendPath {
             #[cfg(target_arch = "aarch64")]
             // SAFETY: NEON present; kvl a multiple of 4 (`pick`); shapes checked.
             AttendPath::Neon => unsafe { neon::mla_block_mix(p, MLA_BLOCK, alpha, rows, nb, width, kvl, out, os) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 + FMA present (chosen only on an available AVX2 or AVX-512 path).
+            AttendPath::ScalarFma => unsafe {
+                avx2::mla_block_mix_scalar(p, MLA_BLOCK, alpha, rows, nb, width, kvl, out, os)
+            },
             AttendPath::Scalar => scalar::mla_block_mix(p, MLA_BLOCK, alpha, rows, nb, width, kvl, out, os),
         }
     }
@@ -553,6 +570,36 @@ mod tests {
             assert_eq!(k.exp(f32::NEG_INFINITY), 0.0, "{path:?}");
             assert_eq!(k.exp(0.0), 1.0, "{path:?}");
             assert!(k.exp(f32::NAN).is_nan(), "{path:?}");
+        }
+    }
+
+    /// At widths no vector divides, an AVX path's attention is the scalar path's, bit for bit
+    /// (the scalar kernels compiled with FMA: hardware fused multiply-adds, the same bits as
+    /// libm's software ones).
+    #[test]
+    fn odd_widths_on_an_avx_path_are_the_scalar_paths_bits() {
+        let mut tested = false;
+        for path in Path::ALL.into_iter().filter(|p| *p != Path::Scalar) {
+            if !path.available() {
+                println!("SKIPPED: path {path:?} not available on this CPU");
+                continue;
+            }
+            for &(width, kvl, nq, len) in &[(20, 16, 4, 77), (9, 5, 2, 33)] {
+                let (bf, _) = cache(len, width, 8);
+                let q: Vec<f32> = vals(nq * width, 9).iter().map(|v| v * 0.3).collect();
+                let run = |p: Path| {
+                    let mut out = vec![f32::NAN; nq * kvl];
+                    let mut sc = vec![f32::NAN; item_scratch(nq, width)];
+                    mla_attend_on(p, &q, width, nq, LatentRows::Bf16(&bf), width, kvl, len, &mut out, kvl, &mut sc);
+                    out
+                };
+                let (a, b) = (run(path), run(Path::Scalar));
+                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{path:?} width {width}");
+                tested = true;
+            }
+        }
+        if !tested {
+            println!("SKIPPED: no vector path on this CPU");
         }
     }
 

@@ -48,7 +48,9 @@ pub fn situ(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: 
     }
 }
 
-/// Dot product with f32 accumulation over several lanes.
+/// Dot product with f32 accumulation over several lanes. Inlined, so that a caller compiled
+/// for a wider ISA (`isa::avx2`'s instantiations) compiles it so too.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];
@@ -414,6 +416,7 @@ pub fn widen_bf16(src: &[u16], dst: &mut [f32]) {
 /// The scores of one block of the one-pass MLA attention: `s[i * s_stride + j] = q_i . row_j`
 /// for `nq` queries (`q_stride` apart) and `nb` rows of `width` values, each a plain dot product
 /// ([`dot`]). The scalar path's kernel (the SIMD paths sum in their own lanes).
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn mla_block_scores(
     q: &[f32],
@@ -443,6 +446,7 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) {
 /// The read-out of one block: `out_i[d] = out_i[d] * alpha_i + sum_{j < nb} p[i, j] row_j[d]` for
 /// `d < kvl`, per element a multiply then fused multiply-adds in row order (every path's
 /// arithmetic). Shapes: p `[nq, p_stride]`, alpha `[nq]`, rows `[nb, width]`, out `[nq, o_stride]`.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn mla_block_mix(
     p: &[f32],
@@ -455,14 +459,17 @@ pub fn mla_block_mix(
     out: &mut [f32],
     o_stride: usize,
 ) {
+    // Rows outer, elements inner: each element's chain is the same (a multiply, then the rows
+    // in order), and the inner loop runs over contiguous elements (vectorised where the caller
+    // is compiled with FMA, as `isa::avx2::mla_block_mix_scalar` is).
     for (i, &a) in alpha.iter().enumerate() {
         let o = &mut out[i * o_stride..i * o_stride + kvl];
-        for (d, od) in o.iter_mut().enumerate() {
-            let mut acc = *od * a;
-            for j in 0..nb {
-                acc = p[i * p_stride + j].mul_add(rows[j * width + d], acc);
+        o.iter_mut().for_each(|od| *od *= a);
+        for j in 0..nb {
+            let pj = p[i * p_stride + j];
+            for (od, &r) in o.iter_mut().zip(&rows[j * width..j * width + kvl]) {
+                *od = pj.mul_add(r, *od);
             }
-            *od = acc;
         }
     }
 }

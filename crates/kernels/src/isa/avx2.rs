@@ -69,6 +69,46 @@ pub unsafe fn kda_head_step(
     scalar::kda_head_step(s, q, k, v, g, beta, delta, y)
 }
 
+/// [`scalar::mla_block_scores`] compiled with AVX2 + FMA (any width; the same bits).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn mla_block_scores_scalar(
+    q: &[f32],
+    q_stride: usize,
+    nq: usize,
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    scalar::mla_block_scores(q, q_stride, nq, rows, nb, width, s, s_stride)
+}
+
+/// [`scalar::mla_block_mix`] compiled with AVX2 + FMA (any width; its fused multiply-adds in
+/// hardware, the same bits as libm's `fmaf`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn mla_block_mix_scalar(
+    p: &[f32],
+    p_stride: usize,
+    alpha: &[f32],
+    rows: &[f32],
+    nb: usize,
+    width: usize,
+    kvl: usize,
+    out: &mut [f32],
+    o_stride: usize,
+) {
+    scalar::mla_block_mix(p, p_stride, alpha, rows, nb, width, kvl, out, o_stride)
+}
+
 /// [`scalar::mla_scores`] compiled with AVX2 + FMA.
 ///
 /// # Safety
