@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use crate::experts::{ExpertSource, Observed};
 use crate::fault::{FetchFault, ReadFault};
-use crate::generate::balanced_chunk;
+use crate::generate::{LentCache, balanced_chunk};
 use crate::k3::{BatchBuffers, K3Model, K3State, SeqStep};
 
 /// A sequence's handle in a [`Batcher`].
@@ -77,25 +77,6 @@ impl Member {
     /// Where the prompt's next chunk ends at the latest: a stop the caller set, or its end.
     fn prompt_end(&self) -> usize {
         self.stop.filter(|&s| s > self.fed).unwrap_or(self.prompt.len())
-    }
-}
-
-/// The expert cache's memory lent to a step's large prompt chunk, given back when this is
-/// dropped: the step's activations leave the process, then the cache may fill again. A guard,
-/// so that an error or a panic inside the step cannot leave the cache lent for good.
-struct LentCache<'a> {
-    experts: &'a mut dyn ExpertSource,
-    bufs: &'a mut BatchBuffers,
-    active: bool,
-}
-
-impl Drop for LentCache<'_> {
-    fn drop(&mut self) {
-        if self.active {
-            self.bufs.release();
-            crate::os::memory::return_free_heap();
-            self.experts.take_back();
-        }
     }
 }
 

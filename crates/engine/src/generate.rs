@@ -113,7 +113,7 @@ pub fn run(
     let fed = {
         // Gives the memory back when the prompt is through, on every way out of it (an error,
         // a cancellation, a panic that a server catches): the next request has the whole cache.
-        let lent = LentCache { experts: &mut *experts, st: &mut *st, active: borrow > 0 };
+        let lent = LentCache { experts: &mut *experts, bufs: &mut *st, active: borrow > 0 };
         if borrow > 0 {
             borrowed = lent.experts.lend(borrow);
             if borrowed < borrow {
@@ -127,7 +127,7 @@ pub fn run(
                 prompt.len()
             );
         }
-        feed_prompt(model, &mut *lent.experts, &mut *lent.st, logits, prompt, chunk, hooks, driver)
+        feed_prompt(model, &mut *lent.experts, &mut *lent.bufs, logits, prompt, chunk, hooks, driver)
     };
     let Some(seen) = fed? else { return Ok(Ended::Cancelled) };
     driver.prompt_done(st, logits);
@@ -147,19 +147,34 @@ pub fn run(
     Ok(Ended::Done)
 }
 
-/// The expert cache's memory lent to a long prompt's chunk, given back when this is dropped:
-/// the chunk's buffers leave the process, then the cache may fill again. A guard, so that an
-/// error or a panic inside the prompt cannot leave the cache lent for good.
-struct LentCache<'a, 'b> {
-    experts: &'a mut dyn ExpertSource,
-    st: &'b mut K3State,
-    active: bool,
+/// What holds a prompt chunk's activations: a sequence's state alone, a batch's buffers in the
+/// batcher (`batch.rs`).
+pub(crate) trait ChunkBuffers {
+    /// Free the chunk's buffers (the next token allocates its own small ones again).
+    fn release(&mut self);
 }
 
-impl Drop for LentCache<'_, '_> {
+impl ChunkBuffers for K3State {
+    fn release(&mut self) {
+        self.release_chunk_buffers();
+    }
+}
+
+/// The expert cache's memory lent to a long prompt's chunk, given back when this is dropped:
+/// the chunk's buffers leave the process, then the cache may fill again. A guard, so that an
+/// error or a panic inside the prompt cannot leave the cache lent for good. The one mechanism
+/// for a prompt alone (`run`) and for a batch's step (`batch::Batcher::step_while`).
+pub(crate) struct LentCache<'a, B: ChunkBuffers> {
+    pub experts: &'a mut dyn ExpertSource,
+    pub bufs: &'a mut B,
+    /// Whether the cache was lent (and so goes back).
+    pub active: bool,
+}
+
+impl<B: ChunkBuffers> Drop for LentCache<'_, B> {
     fn drop(&mut self) {
         if self.active {
-            self.st.release_chunk_buffers();
+            self.bufs.release();
             crate::os::memory::return_free_heap();
             self.experts.take_back();
         }

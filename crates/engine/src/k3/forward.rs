@@ -38,11 +38,11 @@ pub struct BatchBuffers {
     pub routed_layer: Option<usize>,
 }
 
-impl BatchBuffers {
+impl crate::generate::ChunkBuffers for BatchBuffers {
     /// Free a large step's activations (its scratch and residual blocks), so that memory
     /// borrowed from the expert cache for a long prompt's chunk can go back to it. The routing
     /// stays: it is small, and a failed step's read fault is blamed from it.
-    pub fn release(&mut self) {
+    fn release(&mut self) {
         self.scratch.release();
         self.blocks = Vec::new();
     }
