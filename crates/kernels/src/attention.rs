@@ -579,7 +579,9 @@ mod tests {
     #[test]
     fn odd_widths_on_an_avx_path_are_the_scalar_paths_bits() {
         let mut tested = false;
-        for path in Path::ALL.into_iter().filter(|p| *p != Path::Scalar) {
+        // The AVX paths only: NEON's vector kernels take widths of 4 (20 here) and sum in
+        // their own lanes.
+        for path in [Path::Avx2, Path::Avx512] {
             if !path.available() {
                 println!("SKIPPED: path {path:?} not available on this CPU");
                 continue;
@@ -599,7 +601,7 @@ mod tests {
             }
         }
         if !tested {
-            println!("SKIPPED: no vector path on this CPU");
+            println!("SKIPPED: no AVX path on this CPU");
         }
     }
 
