@@ -1,8 +1,9 @@
 //! Layer 3, the register-blocked AVX2 + FMA products (x86_64): the exact MXFP4 products (one
-//! input and a prompt chunk's) and the int8 spine product for CPUs without AVX-512. A tile of
+//! input and a few) and the int8 spine product for CPUs without AVX-512; from
+//! [`avx2_gemm::MIN_INPUTS`] inputs on, they hand over to the cache-blocked [`avx2_gemm`]. A tile of
 //! `R` weight rows against `N` inputs keeps `R x N` accumulators in registers, so each decoded
 //! weight vector is used `N` times and each input load `R` times. Imports only `format`,
-//! `scalar`, `staging` and `avx2`; the scalar twins are the oracles.
+//! `scalar`, `staging`, `avx2` and `avx2_gemm`; the scalar twins are the oracles.
 //!
 //! Why: the scalar twins compiled with AVX2 (what this path ran before) convert and accumulate
 //! one chain of eight lanes at a time, bound by the FMA latency and a horizontal sum per scale
@@ -28,6 +29,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::avx2::hsum;
+use super::avx2_gemm;
 use super::staging::{SAFE_SCALE, interleave_back, scale_of, tile_dispatch, tile_rows};
 use crate::format::{BLOCK, E2M1_X2_I8, Mxfp4};
 use crate::scalar;
@@ -73,6 +75,11 @@ pub unsafe fn mxfp4_rows(
     let groups = n.div_ceil(MX_INPUTS);
     let step = if n == 1 { MX_ROWS_SINGLE } else { MX_ROWS_MULTI };
     let all_safe = scales[..rows * cols / BLOCK].iter().fold(0u8, |m, &s| m.max(s)) <= SAFE_SCALE;
+    if all_safe && n >= avx2_gemm::MIN_INPUTS {
+        // SAFETY: AVX2 and FMA available (this function's contract); shapes asserted above and
+        // every scale at most SAFE_SCALE.
+        return unsafe { avx2_gemm::mxfp4_rows(packed, scales, rows, cols, xd, n, out) };
+    }
     let m = Mx { packed, scales, cols, xd, n, all_safe, out: out.as_mut_ptr() };
     for rb in (0..rows).step_by(MX_ROW_BLOCK) {
         let re = (rb + MX_ROW_BLOCK).min(rows);
@@ -270,6 +277,10 @@ pub unsafe fn int8_rows(
     assert!(group != 0 && group.is_multiple_of(8) && cols.is_multiple_of(group) && stride >= rows);
     assert!(q.len() >= rows * cols && scales.len() >= rows * (cols / group) && xs.len() >= n * cols);
     assert!(n == 0 || out.len() >= (n - 1) * stride + rows);
+    if n >= avx2_gemm::MIN_INPUTS {
+        // SAFETY: AVX2 and FMA available (this function's contract); shapes asserted above.
+        return unsafe { avx2_gemm::int8_rows(q, scales, group, rows, cols, xs, n, out, stride) };
+    }
     let op = I8 { q, scales, group, cols, xs, stride, out: out.as_mut_ptr() };
     let step = if n == 1 { I8_ROWS_SINGLE } else { I8_ROWS_MULTI };
     let mut t = 0;
