@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::avx2::hsum;
-use super::staging::{SAFE_SCALE, scale_of};
+use super::staging::{HALF_SCALE, SAFE_SCALE};
 use crate::format::{BLOCK, E2M1_X2_I8};
 
 /// Below this many inputs the register tiles of [`super::avx2_tile`] run: blocking pays for its
@@ -159,7 +159,7 @@ impl Weights for Mx<'_> {
                 // 8-15, then odd 0-7, 8-15: the deinterleaved input's order.
                 let even = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
                 let odd = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-                let half_scale = _mm256_set1_ps(0.5 * scale_of(e));
+                let half_scale = _mm256_set1_ps(HALF_SCALE[e as usize]);
                 let widen = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), half_scale);
                 let w = [widen(even), widen(_mm_srli_si128(even, 8)), widen(odd), widen(_mm_srli_si128(odd, 8))];
                 for (v, wv) in w.iter().enumerate() {

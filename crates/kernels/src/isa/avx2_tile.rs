@@ -30,7 +30,7 @@ use std::cell::RefCell;
 
 use super::avx2::hsum;
 use super::avx2_gemm;
-use super::staging::{SAFE_SCALE, interleave_back, scale_of, tile_dispatch, tile_rows};
+use super::staging::{HALF_SCALE, SAFE_SCALE, interleave_back, tile_dispatch, tile_rows};
 use crate::format::{BLOCK, E2M1_X2_I8, Mxfp4};
 use crate::scalar;
 
@@ -208,7 +208,7 @@ fn decode_block(lut: __m128i, bytes: __m128i, e: u8) -> [__m256; 4] {
     let low4 = _mm_set1_epi8(0x0F);
     let even = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
     let odd = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    let half_scale = _mm256_set1_ps(0.5 * scale_of(e));
+    let half_scale = _mm256_set1_ps(HALF_SCALE[e as usize]);
     let widen = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), half_scale);
     [widen(even), widen(_mm_srli_si128(even, 8)), widen(odd), widen(_mm_srli_si128(odd, 8))]
 }
