@@ -22,14 +22,18 @@ phase "nginx and fio"
 . scripts/ensure-nginx.sh
 # fio, for the disk limit of `bench` (a replay of each run's own reads).
 . scripts/ensure-fio.sh
+# The client tests' Python (installed with python3 itself where the machine has none), here
+# already: the io_uring probe below runs on it, so a bare machine cannot turn the probe into
+# "refused" for want of a python3 and let the io_uring tests skip.
+. scripts/ensure-client-venv.sh
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # One probe: where this kernel grants an io_uring ring, the tests below must exercise io_uring,
 # and a test that would skip its io_uring part fails instead (DELTAFIN_REQUIRE_IO_URING).
 uring=0
-if [ "$(uname -s)" = Linux ] && command -v python3 >/dev/null 2>&1; then
+if [ "$(uname -s)" = Linux ]; then
   # io_uring_setup(4, &params) is syscall 425 on every Linux architecture.
-  uring=$(python3 -c 'import ctypes, os
+  uring=$("$CLIENT_PY" -c 'import ctypes, os
 p = ctypes.create_string_buffer(120)
 fd = ctypes.CDLL(None, use_errno=True).syscall(425, 4, p)
 print(1 if fd >= 0 else 0)
@@ -53,8 +57,7 @@ phase "valgrind"
 . scripts/test-valgrind.sh
 phase "client tests"
 # The server against the official openai and anthropic clients (and raw HTTP), on loopback,
-# using the binary cargo test just built (with the test instruments).
-. scripts/ensure-client-venv.sh
+# using the binary cargo test just built (with the test instruments), from the venv set up above.
 # OpenAI's Codex CLI (npm), for one real agent's tool-call round trip over /v1/responses.
 . scripts/ensure-agent-clis.sh
 DELTAFIN_BIN=${CARGO_TARGET_DIR:-target}/debug/deltafin "$CLIENT_PY" -m pytest tests/clients -q -p no:cacheprovider 2>&1 | tee -a "$log"
