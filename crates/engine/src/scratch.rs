@@ -84,13 +84,16 @@ mod tests {
         let mut sc = Scratch::default();
         let mut v = sc.take(8);
         assert_eq!(v.len(), 8);
-        assert!(v.iter().all(|x| x.is_nan()), "debug builds poison a taken buffer");
+        // Poisoning is a debug-build check (release builds leave the bytes as they are).
+        assert!(!cfg!(debug_assertions) || v.iter().all(|x| x.is_nan()), "debug builds poison a taken buffer");
         v.fill(3.0);
         let p = v.as_ptr();
         sc.give(v);
         let v = sc.take(5);
         assert_eq!((v.len(), v.as_ptr()), (5, p), "the pooled buffer is reused");
-        assert!(v.iter().all(|x| x.is_nan()));
+        // Not cleared: debug builds poison it, release builds leave the last user's values.
+        let stale = if cfg!(debug_assertions) { v.iter().all(|x| x.is_nan()) } else { v.iter().all(|&x| x == 3.0) };
+        assert!(stale, "{v:?}");
         sc.give(v);
         let v = sc.take(8);
         assert_eq!((v.len(), v.as_ptr()), (8, p));

@@ -10,13 +10,13 @@ use crate::cpu::Path;
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx512, avx512_math};
+use crate::isa::{avx2_math, avx512, avx512_math};
 use crate::scalar;
 pub use crate::scalar::{axpy, dot, inv_rms, sigmoid, silu, softplus};
 
 /// SiTU, Kimi K3's gated activation: `beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)`.
-/// AVX-512 lane math when the CPU has it (the same bits for an element wherever it sits in the
-/// slice); `scalar::situ` (libm) is the oracle. Shapes: gate, up, out `[n]`.
+/// AVX-512 or AVX2 lane math when the CPU has it (the same bits for an element wherever it sits
+/// in the slice); `scalar::situ` (libm) is the oracle. Shapes: gate, up, out `[n]`.
 pub fn situ(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>, out: &mut [f32]) {
     situ_on(Path::best(), gate, up, beta, linear_beta, out);
 }
@@ -28,6 +28,9 @@ pub fn situ_on(path: Path, gate: &[f32], up: &[f32], beta: f32, linear_beta: Opt
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (an available path); lengths asserted above.
         Path::Avx512 => unsafe { avx512_math::situ(gate, up, beta, linear_beta, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (an available path); lengths asserted above.
+        Path::Avx2 => unsafe { avx2_math::situ(gate, up, beta, linear_beta, out) },
         _ => scalar::situ(gate, up, beta, linear_beta, out),
     }
 }

@@ -3,7 +3,7 @@
 //! [`avx2_gemm::MIN_INPUTS`] inputs on, they hand over to the cache-blocked [`avx2_gemm`]. A tile of
 //! `R` weight rows against `N` inputs keeps `R x N` accumulators in registers, so each decoded
 //! weight vector is used `N` times and each input load `R` times. Imports only `format`,
-//! `scalar`, `staging`, `avx2` and `avx2_gemm`; the scalar twins are the oracles.
+//! `scalar`, `staging`, `avx2`, `avx2_math` and `avx2_gemm`; the scalar twins are the oracles.
 //!
 //! Why: the scalar twins compiled with AVX2 (what this path ran before) convert and accumulate
 //! one chain of eight lanes at a time, bound by the FMA latency and a horizontal sum per scale
@@ -30,6 +30,7 @@ use std::cell::RefCell;
 
 use super::avx2::hsum;
 use super::avx2_gemm;
+use super::avx2_math;
 use super::staging::{HALF_SCALE, SAFE_SCALE, interleave_back, tile_dispatch, tile_rows};
 use crate::format::{BLOCK, E2M1_X2_I8, Mxfp4};
 use crate::scalar;
@@ -215,8 +216,9 @@ fn decode_block(lut: __m128i, bytes: __m128i, e: u8) -> [__m256; 4] {
 
 /// Gate (w1) and up (w3) rows `r0..r0 + act.len() / n` against `n` inputs, then SiTU:
 /// `act[i * n + t] = situ(w1[r0 + i] . x[t], w3[r0 + i] . x[t])`. The two products run as
-/// [`mxfp4_rows`] into per-thread buffers (reused: no allocation once warm), and SiTU is the
-/// scalar twin's per element, so one input or a prompt chunk's give the same bits per input.
+/// [`mxfp4_rows`] into per-thread buffers (reused: no allocation once warm), and SiTU is
+/// [`avx2_math::situ`]'s per element, so one input or a prompt chunk's give the same bits per
+/// input.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; `w1`/`w3` hold `[rows, latent]` MXFP4 with `latent` a
@@ -250,7 +252,8 @@ pub unsafe fn gate_up_situ(
             // SAFETY: forwarded from the caller; the slices hold exactly these rows.
             unsafe { mxfp4_rows(p, s, rows, latent, xd, n, out) };
         }
-        scalar::situ(g, u, beta, linear_beta, act);
+        // SAFETY: AVX2 and FMA available (this function's contract); g, u and act all hold rows x n.
+        unsafe { avx2_math::situ(g, u, beta, linear_beta, act) };
     });
 }
 

@@ -1,6 +1,6 @@
 //! Layer 3, one module per instruction set, each holding all of that instruction set's kernels
 //! (approximate-mode ones included). They may import only `format`, `cpu`, `scalar`, `par` and
-//! their own instruction set's lane math (`avx512_math`);
+//! their own instruction set's lane math (`avx512_math`, `avx2_math`);
 //! the operation modules above choose among them in their `op_on(path, ..)`.
 
 /// The roofline's FMA loop over one instruction set's vector type: twelve independent chains
@@ -32,6 +32,8 @@ use fma_loop_body;
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_gemm;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2_math;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_tile;
 #[cfg(target_arch = "x86_64")]
