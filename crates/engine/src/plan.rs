@@ -27,7 +27,8 @@ pub struct Plan {
     pub spine_bytes: u64,
     pub spine_resident_layers: usize,
     pub spine_streamed_layers: usize,
-    /// Memory for streaming the other layers (the layer image computed on, and the one being read).
+    /// Memory for streaming the other layers (the layer image computed on, the one being read,
+    /// and each streamed layer's vectors and structures, kept by the loader between reads).
     pub spine_stream_buffer_bytes: u64,
     /// Spine bytes read from disk per token (the streamed layers).
     pub spine_bytes_per_token: u64,
@@ -91,6 +92,22 @@ pub fn state_bytes(m: &Manifest, context: usize, latent_bytes: usize) -> u64 {
             AttnKind::Mla => context.saturating_mul((c.kv_lora_rank + c.qk_rope_head_dim) * latent_bytes),
         })
         .fold(0u64, |a, b| a.saturating_add(b as u64))
+}
+
+/// Bytes of a streamed layer the spine loader keeps between reads, beyond its image: a layer is
+/// decoded once and kept, its matrices views into the image and its vectors (norms, conv taps,
+/// biases) f32 copies, plus its names and block structures.
+pub fn kept_layer_bytes(m: &Manifest) -> Vec<u64> {
+    const STRUCTURES: u64 = 16 << 10;
+    let mut per = vec![STRUCTURES; m.config.num_hidden_layers];
+    for t in &m.spine.tensors {
+        let elems: usize = t.shape.iter().product();
+        let vector = t.shape.len() <= 1 || t.shape[..t.shape.len() - 1].iter().all(|&d| d == 1);
+        if let Some(l) = t.layer.filter(|&l| l < per.len() && vector) {
+            per[l] += 4 * elems as u64;
+        }
+    }
+    per
 }
 
 /// Spine bytes of each decoder layer, and of everything outside the layers (embeddings, final
@@ -334,12 +351,20 @@ pub fn mla_working_bytes(m: &Manifest) -> u64 {
 }
 
 /// How many leading decoder layers keep their spine in memory, and the memory the streamed rest
-/// needs (two layer images: the one computed on, the one being read).
-fn choose_resident(per: &[u64], other: u64, rest: u64, budget: u64, forced: Option<usize>) -> Option<(usize, u64)> {
+/// needs (two layer images: the one computed on, the one being read; and each streamed layer
+/// as the loader keeps it between reads, `kept`).
+fn choose_resident(
+    per: &[u64],
+    kept: &[u64],
+    other: u64,
+    rest: u64,
+    budget: u64,
+    forced: Option<usize>,
+) -> Option<(usize, u64)> {
     let n = per.len();
     let cost = |r: usize| {
         let streamed_max = per[r..].iter().copied().max().unwrap_or(0);
-        let reserve = if r < n { STREAM_LAYER_COPIES * streamed_max } else { 0 };
+        let reserve = if r < n { STREAM_LAYER_COPIES * streamed_max + kept[r..].iter().sum::<u64>() } else { 0 };
         (other + per[..r].iter().sum::<u64>() + reserve + rest, reserve)
     };
     if let Some(r) = forced {
@@ -446,7 +471,10 @@ fn try_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan, Sh
     // Prompt chunks get their memory before resident spine layers: one more chunk of a long
     // prompt re-reads every streamed layer and most experts (tens of GB on K3), while one
     // resident layer less costs one layer's bytes per token.
-    let minimum = other_spine + STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0);
+    let kept = kept_layer_bytes(m);
+    let stream_minimum =
+        STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0) + kept.iter().sum::<u64>();
+    let minimum = other_spine + stream_minimum;
     let per_token = prefill_token_bytes(m, experts_per_token);
     // What no plan can do without: the process' own overhead and MLA's attention working set.
     let overhead = FIXED_OVERHEAD + mla_working_bytes(m);
@@ -455,7 +483,8 @@ fn try_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan, Sh
     let prefill = per_token.saturating_mul(chunk as u64);
     let rest = state.saturating_add(io + overhead + prefill);
     let (resident, stream_reserve) =
-        choose_resident(&per_layer_spine, other_spine, rest, budget, resident_layers).unwrap_or((0, u64::MAX / 4));
+        choose_resident(&per_layer_spine, &kept, other_spine, rest, budget, resident_layers)
+            .unwrap_or((0, u64::MAX / 4));
     let streamed_bytes: u64 = per_layer_spine[resident..].iter().sum();
     let spine = other_spine + per_layer_spine[..resident].iter().sum::<u64>();
     let fixed = spine.saturating_add(stream_reserve).saturating_add(rest);
@@ -474,7 +503,7 @@ fn try_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan, Sh
             human(budget),
             human(minimum.saturating_add(rest)),
             human(other_spine),
-            human(STREAM_LAYER_COPIES * per_layer_spine.iter().copied().max().unwrap_or(0)),
+            human(stream_minimum),
             human(state),
             human(io),
             human(overhead)
@@ -543,7 +572,7 @@ fn try_plan(m: &Manifest, budget: &Budget, req: &PlanRequest) -> Result<Plan, Sh
 impl Plan {
     pub fn describe(&self) -> String {
         format!(
-            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} of buffers)\n  state + KV       {} ({} tokens of context, {} latent cache{})\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
+            "memory plan (budget {}: {}):\n  spine            {} ({} layers resident, {} streamed: {} read per token, {} for their images and kept layers)\n  state + KV       {} ({} tokens of context, {} latent cache{})\n  I/O buffers      {} ({} x {})\n  expert cache     {} ({} slots per layer x {} MoE layers, of {} experts)\n  prompt chunks    {} ({} tokens per chunk, {}{})\n  overhead         {}\n  expected expert reads per token at uniform routing: {} ({} experts x {} layers x {} x {:.1}% miss)",
             human(self.budget_bytes),
             self.budget_source,
             human(self.spine_bytes),
@@ -707,13 +736,18 @@ mod tests {
     #[test]
     fn spine_gets_memory_before_cache_and_streams_what_does_not_fit() {
         let per = [100; 8];
+        let none = [0; 8];
         // Everything fits (50 + 800 + 10): all resident, no streaming buffers.
-        assert_eq!(choose_resident(&per, 50, 10, 860, None), Some((8, 0)));
+        assert_eq!(choose_resident(&per, &none, 50, 10, 860, None), Some((8, 0)));
         // 50 + 10 + 2*100 (stream reserve: two layer images) + r*100 <= 700 -> r = 4.
-        assert_eq!(choose_resident(&per, 50, 10, 700, None), Some((4, 200)));
+        assert_eq!(choose_resident(&per, &none, 50, 10, 700, None), Some((4, 200)));
         // Not even the streaming reserve fits.
-        assert_eq!(choose_resident(&per, 50, 10, 250, None), None);
-        assert_eq!(choose_resident(&per, 50, 10, 10_000, Some(1)), Some((1, 200)));
+        assert_eq!(choose_resident(&per, &none, 50, 10, 250, None), None);
+        assert_eq!(choose_resident(&per, &none, 50, 10, 10_000, Some(1)), Some((1, 200)));
+        // The loader keeps each streamed layer (5 each): with r = 4, 2*100 + 4*5 reserved, so
+        // 50 + 10 + 220 + 400 = 680 fits 700 and r = 5 (60 + 215 + 500 = 775) does not.
+        assert_eq!(choose_resident(&per, &[5; 8], 50, 10, 700, None), Some((4, 220)));
+        assert_eq!(choose_resident(&per, &[5; 8], 50, 10, 675, None), Some((3, 225)));
     }
 
     const GIB: u64 = 1 << 30;

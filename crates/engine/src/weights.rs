@@ -44,6 +44,11 @@ impl Linear {
         }
     }
 
+    /// Point the views of a streamed layer's matrix at `to` ([`SpineData::rebind`]).
+    pub fn rebind(&mut self, to: &std::sync::Arc<dyn deltafin_store::ImageBytes>) {
+        self.data.rebind(to);
+    }
+
     /// `out = W x`. Shapes: x `[cols]`, out `[rows]`.
     pub fn forward(&self, x: &[f32], out: &mut [f32]) {
         self.forward_rows(0, self.rows, x, out);

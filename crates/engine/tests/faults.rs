@@ -650,7 +650,6 @@ fn read_ahead_fills_free_cache_room_and_serves_the_demand() {
 #[test]
 fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
     use deltafin_engine::stream::spine::SpineStreamer;
-    use deltafin_store::SpineImage;
     let f = fixture(false);
     let layers: Vec<usize> = (0..f.model.config.num_hidden_layers).collect();
     for backend in backends() {
@@ -662,11 +661,11 @@ fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
             layers.clone(),
             Some(backend),
             None,
-            Box::new(|img: &SpineImage<'_>, _l: usize| Ok(img.len)),
+            image_len(),
             Box::new(move |inner| Box::new(Faulty { inner, rules: r.clone(), doomed: Vec::new() })),
         )
         .unwrap();
-        let lens: Vec<usize> = layers.iter().map(|&l| s.get(l).unwrap()).collect();
+        let lens: Vec<usize> = layers.iter().map(|&l| s.get(l).unwrap().0).collect();
         for restarts in 1..=2u64 {
             rules.lock().unwrap().fail_waits = 1;
             // A step (one pass over the layers) fails where the loader's next wait failed ...
@@ -674,7 +673,7 @@ fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
             for _ in 0..3 {
                 for &l in &layers {
                     match s.get(l) {
-                        Ok(n) => assert_eq!(n, lens[l], "{backend:?}: layer {l}"),
+                        Ok(n) => assert_eq!(n.0, lens[l], "{backend:?}: layer {l}"),
                         Err(e) => {
                             let f = e.chain().find_map(|c| c.downcast_ref::<SpineFault>());
                             let f = f.unwrap_or_else(|| panic!("{backend:?}: not a spine fault: {e:#}"));
@@ -694,11 +693,44 @@ fn a_failed_spine_back_end_fails_one_step_and_is_replaced() {
             for _ in 0..2 {
                 for &l in &layers {
                     let n = s.get(l).unwrap_or_else(|e| panic!("{backend:?}: after the failure, layer {l}: {e:#}"));
-                    assert_eq!(n, lens[l]);
+                    assert_eq!(n.0, lens[l]);
                 }
             }
             assert_eq!(s.counters.restarts.load(Ordering::Relaxed), restarts, "{backend:?}");
         }
+    }
+}
+
+/// A decoded layer that keeps a view of its image through [`ImageViews::rebind`] (a block
+/// whose new matrix was left out of the rebinding) is not kept by the loader: it would hold its
+/// buffer for good, and with both buffers held the loader would wait forever. It is decoded
+/// afresh for every read instead, and every read still serves the right bytes.
+#[test]
+fn a_layer_that_keeps_a_view_is_decoded_afresh_and_never_stalls_the_loader() {
+    use deltafin_engine::stream::spine::{DecodeLayer, ImageViews, SpineStreamer};
+    use deltafin_store::ImageBytes;
+    struct Stuck(Arc<dyn ImageBytes>, usize);
+    impl ImageViews for Stuck {
+        fn rebind(&mut self, _to: &Arc<dyn ImageBytes>) {}
+    }
+    let f = fixture(false);
+    let layers: Vec<usize> = (0..f.model.config.num_hidden_layers).collect();
+    for backend in backends() {
+        let _w = Watchdog::start("a layer that keeps a view");
+        let decode: DecodeLayer<Stuck> = Box::new(|img, _l| Ok(Stuck(img.image.clone(), img.len)));
+        let mut s = SpineStreamer::start(&f.store, layers.clone(), Some(backend), None, decode).unwrap();
+        let first: Vec<Vec<u8>> = layers.iter().map(|&l| s.get(l).unwrap().0.bytes().to_vec()).collect();
+        let rounds = 4;
+        for _ in 0..rounds {
+            for &l in &layers {
+                let got = s.get(l).unwrap();
+                assert_eq!(got.1, first[l].len(), "{backend:?}: layer {l}");
+                assert!(got.0.bytes() == first[l].as_slice(), "{backend:?}: layer {l}'s image");
+            }
+        }
+        let reads = ((rounds + 1) * layers.len()) as u64;
+        assert!(s.counters.decoded.load(Ordering::Relaxed) >= reads, "{backend:?}: every read decoded");
+        assert_eq!(s.counters.rebound.load(Ordering::Relaxed), 0, "{backend:?}: nothing kept");
     }
 }
 

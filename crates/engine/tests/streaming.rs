@@ -166,6 +166,17 @@ fn streamed_spine_layers_are_bit_identical() {
             assert!(c.bytes_read.load(Relaxed) > 0);
             // Every byte read was verified, on the loader thread.
             assert!(c.bytes_verified.load(Relaxed) > 0 && c.verify_ns.load(Relaxed) > 0);
+            // Each streamed layer was decoded about once (one streamed layer is read into both
+            // buffers before its first copy comes back); later tokens pointed the kept layer at
+            // its new image (and gave the same bits above).
+            let most = (n - resident + deltafin_engine::stream::spine::SPINE_BUFFERS) as u64;
+            assert!(
+                c.decoded.load(Relaxed) <= most,
+                "{name}: {resident} resident layers: {} decoded, {} rebound",
+                c.decoded.load(Relaxed),
+                c.rebound.load(Relaxed)
+            );
+            assert!(c.rebound.load(Relaxed) > 0, "{name}: no kept layer was reused");
             // The streamed layer's matrices are views into its image, not copies.
             let layer = streamer.get(n - 1).unwrap();
             let gate = match &layer.ffn {

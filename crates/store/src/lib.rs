@@ -29,5 +29,5 @@ pub use config::{AttnKind, K3Config};
 pub use error::StoreError;
 pub use image::{ImageVerifier, SpineImage};
 pub use manifest::{ExpertLayout, KeepRule, Manifest, SpineDtype, SpinePrecision};
-pub use spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable};
+pub use spine::{Elems, ImageBytes, LoadedTensor, SpineData, SpineSource, SpineTable, empty_image};
 pub use store::{ExpertFiles, Store};

@@ -63,6 +63,29 @@ impl<T: bytemuck::Pod> Elems<T> {
     pub fn is_view(&self) -> bool {
         matches!(self, Elems::View { .. })
     }
+
+    /// A view now looks at the same bytes of `image` instead: an image of the same layer, read
+    /// again, whose bytes passed the same checksums (or [`empty_image`], to let the old image
+    /// go while the view is not used). Owned elements stay as they are. Allocates nothing.
+    pub fn rebind(&mut self, to: &Arc<dyn ImageBytes>) {
+        if let Elems::View { image, .. } = self {
+            *image = to.clone();
+        }
+    }
+}
+
+/// The image a decoded layer's views point at while the layer is kept between reads (its
+/// weights unused): holds no bytes, so reading through such a view panics rather than read
+/// another layer's bytes. One per process; a clone allocates nothing.
+pub fn empty_image() -> Arc<dyn ImageBytes> {
+    struct Empty;
+    impl ImageBytes for Empty {
+        fn bytes(&self) -> &[u8] {
+            &[]
+        }
+    }
+    static EMPTY: std::sync::OnceLock<Arc<dyn ImageBytes>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| Arc::new(Empty)).clone()
 }
 
 /// One spine tensor in memory, in the dtype the store keeps it: owned, or (a streamed layer)
@@ -78,6 +101,20 @@ pub enum SpineData {
         scales: Elems<f32>,
         group: usize,
     },
+}
+
+impl SpineData {
+    /// Every view of this tensor now looks at `to` ([`Elems::rebind`]).
+    pub fn rebind(&mut self, to: &Arc<dyn ImageBytes>) {
+        match self {
+            SpineData::F32(w) => w.rebind(to),
+            SpineData::Bf16(w) => w.rebind(to),
+            SpineData::Int8 { q, scales, .. } => {
+                q.rebind(to);
+                scales.rebind(to);
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

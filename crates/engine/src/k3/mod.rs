@@ -7,6 +7,7 @@
 pub mod forward;
 pub mod snapshot;
 pub mod state;
+mod views;
 
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +23,7 @@ use crate::experts::RecordLayout;
 use crate::scratch::Scratch;
 use crate::stream::activity::DiskActivity;
 use crate::stream::reader::BackendKind;
-use crate::stream::spine::SpineStreamer;
+use crate::stream::spine::{Lent, SpineStreamer};
 use crate::weights::{Linear, load_vec};
 
 pub use forward::{BatchBuffers, SeqStep};
@@ -141,10 +142,11 @@ pub struct Layer {
     pub ffn: Ffn,
 }
 
-/// A layer's weights for one step: borrowed from the resident model or owned after streaming.
+/// A layer's weights for one step: borrowed from the resident model, or lent by the spine
+/// loader (handed back when dropped).
 pub enum LayerRef<'a> {
     Resident(&'a Layer),
-    Streamed(Layer),
+    Streamed(Lent<Layer>),
 }
 
 impl std::ops::Deref for LayerRef<'_> {

@@ -3,21 +3,28 @@
 //! file system allows it) into one of two aligned buffers, in 4 MiB pieces kept in flight
 //! together; each tensor's checksum is fed as the pieces land, so verifying costs the loader
 //! only the last piece's hashing, never the engine thread. The model's tensors are views into
-//! the image (no copy, no allocation per token): the buffer goes back to the loader when the
-//! layer's last view is dropped, and the next layer's read starts at once. At most two layer
-//! images exist: the one being computed and the one being read.
+//! the image (no copy). At most two layer images exist: the one being computed and the one
+//! being read.
+//!
+//! No allocation per token: a layer is decoded from its image once, on its first read; when the
+//! engine is done with it ([`Lent`] dropped) it comes back to the loader, which points its views
+//! at an empty image (so the buffer is free for the next read) and keeps it; the layer's next
+//! read points the kept layer's views at the new image instead of decoding again (the same
+//! offsets, bytes that passed the same checksums). A kept layer whose views do not all let go
+//! of the old image is thrown away and decoded afresh next time.
 //!
 //! The loader does not know the model: the caller gives it the function that turns a verified
-//! layer image into the model's layer type.
+//! layer image into the model's layer type, which says how its views are re-pointed
+//! ([`ImageViews`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Result, anyhow};
-use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store};
+use deltafin_store::{ImageBytes, ImageVerifier, SpineImage, SpineTable, Store, empty_image};
 
 use crate::fault::{FaultDetail, FaultKind, SpineFault};
 
@@ -29,6 +36,14 @@ use super::reader::{BackendKind, ReadBackend, ReadReq, open_files};
 /// Decodes layer `l`'s verified image into the model's layer weights (runs on the loader
 /// thread; the weights may keep views into the image).
 pub type DecodeLayer<T> = Box<dyn Fn(&SpineImage<'_>, usize) -> Result<T> + Send>;
+
+/// A decoded layer that the loader can keep between reads of its layer.
+pub trait ImageViews {
+    /// Point every view into the layer's image at `image`: an image of the same layer read
+    /// again (the same offsets, bytes that passed the same checksums), or
+    /// [`deltafin_store::empty_image`] while the layer is kept unused. Allocates nothing.
+    fn rebind(&mut self, image: &Arc<dyn ImageBytes>);
+}
 
 /// Layer images alive at once: the one being computed and the one being read.
 pub const SPINE_BUFFERS: usize = 2;
@@ -54,6 +69,10 @@ pub struct SpineCounters {
     pub retries: AtomicU64,
     /// Back-ends replaced after one failed (the layer being read failed its step).
     pub restarts: AtomicU64,
+    /// Layers decoded from their image (the first read of each, or after a failure to keep
+    /// one), and layers served by pointing a kept layer at its new image.
+    pub decoded: AtomicU64,
+    pub rebound: AtomicU64,
 }
 
 /// A decorator applied to every read back-end the loader builds (disk activity, fault injection
@@ -64,40 +83,68 @@ pub type WrapBackend = Box<dyn Fn(Box<dyn ReadBackend>) -> Box<dyn ReadBackend> 
 type MakeBackend = Box<dyn Fn() -> std::io::Result<Box<dyn ReadBackend>> + Send>;
 
 /// Messages to the loader.
-enum Msg {
+enum Msg<T> {
     /// The engine needs layer `l` next (sent when the order changes: a sequence restarted or a
     /// step ended early).
     Want(usize),
-    /// A layer's last view was dropped: its buffer is free.
-    Back(AlignedBuf),
+    /// The engine is done with layer `l`, decoded from image buffer `b` ([`Lent`] dropped).
+    Done {
+        layer: usize,
+        buf: usize,
+        weights: T,
+    },
     Stop,
 }
 
-/// A layer image lent to the model; dropping it hands the buffer back to the loader.
-struct Lease {
-    buf: Option<AlignedBuf>,
+/// One of the loader's image buffers: shared with the views of the layer decoded from it, and
+/// written by the loader only while nothing else holds it (`Arc::get_mut`).
+struct Image {
+    buf: AlignedBuf,
+    /// Bytes of the layer it holds.
     len: usize,
-    back: Sender<Msg>,
 }
 
-impl ImageBytes for Lease {
+impl ImageBytes for Image {
     fn bytes(&self) -> &[u8] {
-        self.buf.as_ref().map(|b| &b.as_slice()[..self.len]).unwrap_or(&[])
+        &self.buf.as_slice()[..self.len]
     }
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            // When the loader has stopped, the buffer is simply freed.
-            let _ = self.back.send(Msg::Back(b));
+/// A decoded layer lent to the engine; dropping it (on every path, a panic's unwinding
+/// included) hands it back to the loader, which keeps it for the layer's next read.
+pub struct Lent<T> {
+    layer: usize,
+    buf: usize,
+    /// `Some` until dropped.
+    weights: Option<T>,
+    back: Sender<Msg<T>>,
+}
+
+impl<T> std::ops::Deref for Lent<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match &self.weights {
+            Some(w) => w,
+            None => unreachable!("a lent layer's weights are taken only when it is dropped"),
         }
     }
 }
 
+impl<T> Drop for Lent<T> {
+    fn drop(&mut self) {
+        if let Some(weights) = self.weights.take() {
+            // When the loader has stopped, the weights (and their image) are simply freed.
+            let _ = self.back.send(Msg::Done { layer: self.layer, buf: self.buf, weights });
+        }
+    }
+}
+
+/// What the loader sends the engine: a layer, the buffer its image is in, the weights.
+type Response<T> = (usize, usize, Result<T>);
+
 pub struct SpineStreamer<T> {
-    inbox: Sender<Msg>,
-    resp: Receiver<(usize, Result<T>)>,
+    inbox: Sender<Msg<T>>,
+    resp: Receiver<Response<T>>,
     thread: Option<JoinHandle<()>>,
     /// Streamed layers in model order.
     layers: Vec<usize>,
@@ -109,7 +156,8 @@ pub struct SpineStreamer<T> {
 /// A layer being read: its buffer, which pieces have landed, and the verifier fed in order.
 struct Reading {
     layer: usize,
-    buf: AlignedBuf,
+    /// Index of its buffer in [`Loader::images`].
+    buf: usize,
     lo: u64,
     len: usize,
     landed: Vec<bool>,
@@ -125,7 +173,9 @@ struct Loader<T> {
     // Declared first so it is dropped first: it waits for reads in flight before the buffers
     // they write into are freed.
     backend: Box<dyn ReadBackend>,
-    free: Vec<AlignedBuf>,
+    /// The image buffers, and which of them are free (neither read into nor lent).
+    images: Vec<Arc<Image>>,
+    free: Vec<usize>,
     reading: Option<Reading>,
     table: SpineTable,
     /// (layer, aligned byte range), streamed layers in model order.
@@ -133,6 +183,10 @@ struct Loader<T> {
     /// Position in `ranges` of the next layer to read.
     next: usize,
     decode: DecodeLayer<T>,
+    /// Each streamed layer (in `ranges` order) decoded on an earlier read, kept with its views
+    /// pointed at `empty` (room for `SPINE_BUFFERS` each, reserved at start).
+    kept: Vec<Vec<T>>,
+    empty: Arc<dyn ImageBytes>,
     make_backend: MakeBackend,
     counters: Arc<SpineCounters>,
     done: Vec<(u64, std::io::Result<()>)>,
@@ -141,20 +195,46 @@ struct Loader<T> {
     reqs: Vec<ReadReq>,
     spare_landed: Vec<bool>,
     spare_verifier: ImageVerifier,
-    inbox: Receiver<Msg>,
-    back: Sender<Msg>,
-    out: Sender<(usize, Result<T>)>,
+    inbox: Receiver<Msg<T>>,
+    /// Bounded, so that sending allocates nothing (an unbounded channel allocates a block per
+    /// 31 messages).
+    out: SyncSender<Response<T>>,
 }
 
-impl<T> Loader<T> {
+impl<T: ImageViews> Loader<T> {
     fn position(&self, l: usize) -> Option<usize> {
         self.ranges.iter().position(|(x, _)| *x == l)
     }
 
+    /// Buffers that nothing holds any more (a layer dropped without coming back, a decode that
+    /// kept no view) are free again.
+    fn reclaim(&mut self) {
+        let reading = self.reading.as_ref().map(|r| r.buf);
+        for b in 0..self.images.len() {
+            if Some(b) != reading && !self.free.contains(&b) && Arc::strong_count(&self.images[b]) == 1 {
+                self.free.push(b);
+            }
+        }
+    }
+
     /// Handle one message; false on Stop.
-    fn handle(&mut self, m: Msg) -> bool {
+    fn handle(&mut self, m: Msg<T>) -> bool {
         match m {
-            Msg::Back(b) => self.free.push(b),
+            Msg::Done { layer, buf, mut weights } => {
+                weights.rebind(&self.empty);
+                let whole = self.images.get(buf).is_some_and(|i| Arc::strong_count(i) == 1);
+                match self.position(layer) {
+                    // Every view let go of the image: keep the layer for its next read (as many
+                    // copies as buffers: one streamed layer is read into each).
+                    Some(p) if whole && self.kept[p].len() < SPINE_BUFFERS => self.kept[p].push(weights),
+                    // A view still holds the image: decode afresh next time.
+                    _ => {
+                        tracing::debug!("spine loader: layer {layer} kept a view of its image; not kept");
+                        drop(weights);
+                    }
+                }
+                self.reclaim();
+            }
             Msg::Want(l) => {
                 if let Some(p) = self.position(l) {
                     self.next = p;
@@ -171,12 +251,17 @@ impl<T> Loader<T> {
         if self.reading.is_some() || self.ranges.is_empty() {
             return;
         }
-        let Some(mut buf) = self.free.pop() else { return };
+        let Some(buf) = self.free.pop() else { return };
         let (layer, (lo, hi)) = self.ranges[self.next];
-        self.next = (self.next + 1) % self.ranges.len();
         let len = (hi - lo) as usize;
+        let Some(image) = Arc::get_mut(&mut self.images[buf]) else {
+            // Still held (cannot happen: free buffers are held by nothing); wait for it.
+            return;
+        };
+        self.next = (self.next + 1) % self.ranges.len();
+        image.len = len;
         let pieces = len.div_ceil(PIECE);
-        fill_requests(&mut self.reqs, &mut buf, lo, len);
+        fill_requests(&mut self.reqs, &mut image.buf, lo, len);
         let mut landed = std::mem::take(&mut self.spare_landed);
         landed.clear();
         landed.resize(pieces, false);
@@ -194,7 +279,10 @@ impl<T> Loader<T> {
     /// Resubmit every piece of the layer being read (a retry).
     fn resubmit(&mut self) -> std::io::Result<()> {
         let Some(r) = self.reading.as_mut() else { return Ok(()) };
-        fill_requests(&mut self.reqs, &mut r.buf, r.lo, r.len);
+        let Some(image) = Arc::get_mut(&mut self.images[r.buf]) else {
+            return Err(std::io::Error::other("the spine image being read is held elsewhere"));
+        };
+        fill_requests(&mut self.reqs, &mut image.buf, r.lo, r.len);
         r.landed.iter_mut().for_each(|l| *l = false);
         r.prefix = 0;
         r.error = None;
@@ -225,7 +313,7 @@ impl<T> Loader<T> {
             }
             if r.error.is_none() {
                 let landed_to = r.lo + (r.prefix * PIECE).min(r.len) as u64;
-                r.verifier.advance(&r.buf.as_slice()[..r.len], landed_to);
+                r.verifier.advance(&self.images[r.buf].buf.as_slice()[..r.len], landed_to);
             }
             if self.backend.in_flight() == 0 && !r.landed.iter().all(|&l| l) {
                 return Err(anyhow!("the spine read of layer {} was lost", r.layer));
@@ -241,7 +329,7 @@ impl<T> Loader<T> {
             Some(e) => Err(spine_fault(r.layer, FaultKind::Io, format!("{}: {e}", self.table.path().display()))),
             None => r
                 .verifier
-                .finish(&self.table, &r.buf.as_slice()[..r.len])
+                .finish(&self.table, &self.images[r.buf].buf.as_slice()[..r.len])
                 .map_err(|e| spine_fault(r.layer, FaultKind::Checksum, e.to_string())),
         };
         self.counters.bytes_verified.fetch_add(r.verifier.bytes_hashed, Ordering::Relaxed);
@@ -254,37 +342,49 @@ impl<T> Loader<T> {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     // Not taken: the buffer is free; the step fails with this layer.
+                    let mut buf = 0;
                     if let Some(r) = self.reading.take() {
                         self.free.push(r.buf);
+                        buf = r.buf;
                     }
                     let e = spine_fault(
                         layer,
                         FaultKind::Io,
                         format!("re-reading from {}: {e}", self.table.path().display()),
                     );
-                    let _ = self.out.send((layer, Err(e)));
+                    let _ = self.out.send((layer, buf, Err(e)));
                     return Ok(());
                 }
             }
         }
         self.counters.bytes_read.fetch_add(r.len as u64 * u64::from(r.attempts), Ordering::Relaxed);
-        let layer = r.layer;
+        let (layer, buf) = (r.layer, r.buf);
         let result = match verified {
             Ok(()) => {
-                let (lo, len) = (r.lo, r.len);
-                let image: Arc<dyn ImageBytes> = Arc::new(Lease { buf: Some(r.buf), len, back: self.back.clone() });
-                let img = SpineImage { table: &self.table, base: lo, image: &image, len, verified: true };
-                (self.decode)(&img, layer)
-                // `image` drops here; views in the decoded layer keep the buffer lent.
+                let image: Arc<dyn ImageBytes> = self.images[buf].clone();
+                match self.position(layer).and_then(|p| self.kept[p].pop()) {
+                    // Read before: the kept layer looks at the new image.
+                    Some(mut weights) => {
+                        weights.rebind(&image);
+                        self.counters.rebound.fetch_add(1, Ordering::Relaxed);
+                        Ok(weights)
+                    }
+                    None => {
+                        let img =
+                            SpineImage { table: &self.table, base: r.lo, image: &image, len: r.len, verified: true };
+                        self.counters.decoded.fetch_add(1, Ordering::Relaxed);
+                        (self.decode)(&img, layer)
+                    }
+                }
+                // `image` drops here; views in the layer keep the buffer lent.
             }
-            Err(e) => {
-                self.free.push(r.buf);
-                Err(e)
-            }
+            Err(e) => Err(e),
         };
         (self.spare_landed, self.spare_verifier) = (r.landed, r.verifier);
+        // The buffer is free again once nothing holds it (a failed read or decode: at once).
+        self.reclaim();
         // The engine has hung up only when the streamer is being dropped.
-        let _ = self.out.send((layer, result));
+        let _ = self.out.send((layer, buf, result));
         Ok(())
     }
 
@@ -299,7 +399,8 @@ impl<T> Loader<T> {
             Ok(f) => anyhow::Error::new(f),
             Err(e) => spine_fault(layer, FaultKind::Io, format!("{}: {e:#}", self.table.path().display())),
         };
-        let _ = self.out.send((layer, Err(e)));
+        let buf = self.reading.as_ref().map(|r| r.buf).unwrap_or(0);
+        let _ = self.out.send((layer, buf, Err(e)));
         match (self.make_backend)() {
             Ok(b) => {
                 self.backend = b;
@@ -312,9 +413,9 @@ impl<T> Loader<T> {
             }
             Err(e) => {
                 tracing::error!("spine loader stopped: no new read back-end: {e}");
-                // The buffer of a lost read may still be written: leak it rather than reuse.
+                // The buffer of a lost read may still be written: leak it rather than free it.
                 if let Some(r) = self.reading.take() {
-                    std::mem::forget(r.buf);
+                    std::mem::forget(self.images[r.buf].clone());
                 }
                 false
             }
@@ -324,6 +425,7 @@ impl<T> Loader<T> {
     fn run(mut self) {
         let mut running = true;
         while running {
+            self.reclaim();
             // Take every message waiting; block for one only when there is nothing to read.
             loop {
                 let m = if self.reading.is_none() && (self.free.is_empty() || self.ranges.is_empty()) {
@@ -384,7 +486,7 @@ fn fill_requests(reqs: &mut Vec<ReadReq>, buf: &mut AlignedBuf, lo: u64, len: us
     }));
 }
 
-impl<T: Send + 'static> SpineStreamer<T> {
+impl<T: ImageViews + Send + 'static> SpineStreamer<T> {
     /// Start the loader for `layers` of `store`'s spine; `backend` forces a reader back-end.
     pub fn start(
         store: &Store,
@@ -425,16 +527,22 @@ impl<T: Send + 'static> SpineStreamer<T> {
         });
         let backend = remake()?;
         let counters = Arc::new(SpineCounters::default());
-        let (tx, inbox) = channel::<Msg>();
-        let (out, resp) = channel();
+        let (tx, inbox) = channel::<Msg<T>>();
+        // Room for a layer per buffer and the failures between them; a full channel holds the
+        // loader back until the engine asks for the next layer.
+        let (out, resp) = sync_channel(2 * SPINE_BUFFERS + 2);
+        let kept = ranges.iter().map(|_| Vec::with_capacity(SPINE_BUFFERS)).collect();
         let loader = Loader {
             backend,
-            free: (0..SPINE_BUFFERS).map(|_| AlignedBuf::new(max_len)).collect(),
+            images: (0..SPINE_BUFFERS).map(|_| Arc::new(Image { buf: AlignedBuf::new(max_len), len: 0 })).collect(),
+            free: (0..SPINE_BUFFERS).collect(),
             reading: None,
             table,
             ranges,
             next: 0,
             decode,
+            kept,
+            empty: empty_image(),
             make_backend: remake,
             counters: counters.clone(),
             done: Vec::new(),
@@ -442,15 +550,14 @@ impl<T: Send + 'static> SpineStreamer<T> {
             spare_landed: Vec::new(),
             spare_verifier: ImageVerifier::default(),
             inbox,
-            back: tx.clone(),
             out,
         };
         let thread = std::thread::Builder::new().name("spine-loader".into()).spawn(move || loader.run())?;
         Ok(SpineStreamer { inbox: tx, resp, thread: Some(thread), expected: layers.first().copied(), layers, counters })
     }
 
-    /// Layer `l`'s weights (views into its image, lent until the layer is dropped).
-    pub fn get(&mut self, l: usize) -> Result<T> {
+    /// Layer `l`'s weights (views into its image), lent until dropped.
+    pub fn get(&mut self, l: usize) -> Result<Lent<T>> {
         if self.expected != Some(l) {
             // The order changed (a step ended early, or a sequence restarted mid-way): layers
             // already read for the old order are thrown away as they arrive.
@@ -459,11 +566,12 @@ impl<T: Send + 'static> SpineStreamer<T> {
         let pos = self.layers.iter().position(|&x| x == l).ok_or_else(|| anyhow!("layer {l} is not streamed"))?;
         self.expected = Some(self.layers[(pos + 1) % self.layers.len()]);
         loop {
-            let (got, layer) = self.resp.recv().map_err(|_| anyhow!("spine loader stopped"))?;
+            let (got, buf, layer) = self.resp.recv().map_err(|_| anyhow!("spine loader stopped"))?;
+            let lent = layer.map(|w| Lent { layer: got, buf, weights: Some(w), back: self.inbox.clone() });
             if got == l {
-                return layer;
+                return lent;
             }
-            // Dropping it hands its buffer back.
+            // Dropping it hands it back.
         }
     }
 
@@ -477,6 +585,8 @@ impl<T: Send + 'static> SpineStreamer<T> {
 impl<T> Drop for SpineStreamer<T> {
     fn drop(&mut self) {
         let _ = self.inbox.send(Msg::Stop);
+        // A loader waiting for room in the full response channel sees it closed.
+        drop(std::mem::replace(&mut self.resp, sync_channel(0).1));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -84,3 +84,16 @@ pub fn backends() -> Vec<deltafin_engine::stream::reader::BackendKind> {
         vec![BackendKind::Pread]
     }
 }
+
+/// What a test of the spine loader alone decodes a layer image into: the image's length (it
+/// keeps no view of the image).
+pub struct ImageLen(pub usize);
+
+impl deltafin_engine::stream::spine::ImageViews for ImageLen {
+    fn rebind(&mut self, _to: &std::sync::Arc<dyn deltafin_store::ImageBytes>) {}
+}
+
+/// The loader's decode function for [`ImageLen`].
+pub fn image_len() -> deltafin_engine::stream::spine::DecodeLayer<ImageLen> {
+    Box::new(|img, _l| Ok(ImageLen(img.len)))
+}
