@@ -1,0 +1,152 @@
+//! Data in GPU memory: f32 vectors and MXFP4 matrices, uploaded from host slices and read back.
+
+use wgpu::util::DeviceExt;
+
+use crate::{Gpu, GpuError};
+
+/// An f32 vector (or a row-major matrix of them) in GPU memory.
+pub struct GpuVec {
+    pub(crate) buf: wgpu::Buffer,
+    pub(crate) len: usize,
+}
+
+impl GpuVec {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// An MXFP4 matrix in GPU memory, as the store holds it. Shapes: packed `[rows, cols/2]` bytes,
+/// scales `[rows, cols/32]` E8M0 bytes (padded to whole words in the buffer).
+pub struct GpuMxfp4 {
+    pub(crate) packed: wgpu::Buffer,
+    pub(crate) scales: wgpu::Buffer,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl GpuMxfp4 {
+    /// Bytes of the matrix as stored (what a product must read).
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols / 2 + self.rows * self.cols / 32
+    }
+}
+
+const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+
+impl Gpu {
+    fn check_size(&self, what: &'static str, bytes: usize) -> Result<(), GpuError> {
+        let limit = self.max_binding();
+        if bytes as u64 > limit {
+            return Err(GpuError::TooLarge { what, bytes: bytes as u64, limit });
+        }
+        Ok(())
+    }
+
+    fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytes,
+            usage: STORAGE,
+        })
+    }
+
+    /// Upload an f32 vector (or matrix).
+    pub fn upload_f32(&self, v: &[f32]) -> Result<GpuVec, GpuError> {
+        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+        // A binding must not be empty: a zero-length vector gets one word nobody reads.
+        let bytes = if bytes.is_empty() { vec![0u8; 4] } else { bytes };
+        self.check_size("a vector", bytes.len())?;
+        Ok(GpuVec { buf: self.storage("f32", &bytes), len: v.len() })
+    }
+
+    /// A zeroed f32 vector of `len`, for outputs.
+    pub fn zeros_f32(&self, len: usize) -> Result<GpuVec, GpuError> {
+        let bytes = (len.max(1) * 4) as u64;
+        self.check_size("a vector", bytes as usize)?;
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("f32 out"),
+            size: bytes,
+            usage: STORAGE,
+            mapped_at_creation: false,
+        });
+        Ok(GpuVec { buf, len })
+    }
+
+    /// Upload an MXFP4 matrix. Shapes: packed `[rows, cols/2]`, scales `[rows, cols/32]`, `cols`
+    /// a multiple of 32.
+    pub fn upload_mxfp4(&self, packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Result<GpuMxfp4, GpuError> {
+        if cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
+            return Err(GpuError::Shape {
+                what: "an MXFP4 matrix",
+                why: format!("{rows} x {cols}: cols must be a positive multiple of 32"),
+            });
+        }
+        if packed.len() != rows * cols / 2 || scales.len() != rows * cols / 32 {
+            return Err(GpuError::Shape {
+                what: "an MXFP4 matrix",
+                why: format!(
+                    "{rows} x {cols} needs {} packed and {} scale bytes, got {} and {}",
+                    rows * cols / 2,
+                    rows * cols / 32,
+                    packed.len(),
+                    scales.len()
+                ),
+            });
+        }
+        self.check_size("an MXFP4 matrix", packed.len())?;
+        // Scales are read as u32 words: pad the tail to a whole word.
+        let mut sc = scales.to_vec();
+        sc.resize(scales.len().next_multiple_of(4), 0);
+        Ok(GpuMxfp4 {
+            packed: self.storage("mxfp4 packed", packed),
+            scales: self.storage("mxfp4 scales", &sc),
+            rows,
+            cols,
+        })
+    }
+
+    /// Read an f32 vector back to the host (waits for everything submitted before).
+    pub fn read_f32(&self, v: &GpuVec) -> Result<Vec<f32>, GpuError> {
+        let size = (v.len.max(1) * 4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
+        enc.copy_buffer_to_buffer(&v.buf, 0, &staging, 0, size);
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(GpuError::Lost(format!("mapping a result for reading: {e}"))),
+            Err(_) => return Err(GpuError::Lost("a result's mapping never completed".into())),
+        }
+        let data =
+            staging.slice(..).get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
+        let out = data.chunks_exact(4).take(v.len).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        drop(data);
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// A uniform buffer holding `words`.
+    pub(crate) fn uniform(&self, words: &[u32]) -> wgpu::Buffer {
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("dims"),
+            contents: &bytes,
+            usage: wgpu::BufferUsages::UNIFORM,
+        })
+    }
+}

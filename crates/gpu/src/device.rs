@@ -1,0 +1,124 @@
+//! Finding and opening a GPU: which adapter, why none, and the device with the adapter's own
+//! limits (the defaults of WebGPU cap a storage buffer at 128 MiB, less than one layer's experts).
+
+use std::fmt;
+
+use crate::GpuError;
+
+/// Which adapters may be chosen.
+#[derive(Clone, Debug, Default)]
+pub struct GpuOptions {
+    /// Accept a CPU-type adapter (Mesa's llvmpipe, WARP): right for testing the shaders, never
+    /// chosen by default, since it computes on the cores the CPU path already uses.
+    pub allow_software: bool,
+    /// Only an adapter whose name contains this (case-insensitive), e.g. "H200" or "llvmpipe".
+    pub name: Option<String>,
+}
+
+/// What a run reports about the adapter it used (`"adapter"` in JSON outputs).
+#[derive(Clone, Debug)]
+pub struct AdapterSummary {
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+}
+
+impl fmt::Display for AdapterSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}, {}", self.name, self.backend, self.device_type)?;
+        if !self.driver.is_empty() {
+            write!(f, ", driver {}", self.driver)?;
+        }
+        write!(f, ")")
+    }
+}
+
+fn summary(info: &wgpu::AdapterInfo) -> AdapterSummary {
+    AdapterSummary {
+        name: info.name.clone(),
+        backend: format!("{:?}", info.backend),
+        device_type: format!("{:?}", info.device_type),
+        driver: [info.driver.as_str(), info.driver_info.as_str()]
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}
+
+/// Preference among adapter kinds: discrete first; a CPU-type adapter last, and only if allowed.
+fn rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+/// An open GPU: device, queue and what it is.
+pub struct Gpu {
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) limits: wgpu::Limits,
+    adapter: AdapterSummary,
+}
+
+impl Gpu {
+    /// Open the best adapter `opts` allows. The error names every adapter seen and why none was
+    /// taken, so `--device gpu` on a machine without one says what to install or pass.
+    pub fn open(opts: &GpuOptions) -> Result<Gpu, GpuError> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        let seen: Vec<AdapterSummary> = adapters.iter().map(|a| summary(&a.get_info())).collect();
+        let wanted = opts.name.as_deref().map(str::to_lowercase);
+        let chosen = adapters
+            .into_iter()
+            .filter(|a| {
+                let info = a.get_info();
+                (opts.allow_software || info.device_type != wgpu::DeviceType::Cpu)
+                    && wanted.as_deref().is_none_or(|w| info.name.to_lowercase().contains(w))
+            })
+            .min_by_key(|a| rank(a.get_info().device_type));
+        let Some(adapter) = chosen else {
+            return Err(GpuError::NoAdapter { seen, software_allowed: opts.allow_software, name: opts.name.clone() });
+        };
+        let info = summary(&adapter.get_info());
+        // The adapter's own limits: storage buffers as large as the hardware allows (a layer's
+        // routed experts are hundreds of MB), workgroup memory for the chunk kernel's tiles.
+        let limits = adapter.limits();
+        let desc = wgpu::DeviceDescriptor {
+            label: Some("deltafin"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+            .map_err(|e| GpuError::Device { adapter: info.to_string(), why: e.to_string() })?;
+        Ok(Gpu { device, queue, limits, adapter: info })
+    }
+
+    pub fn adapter(&self) -> &AdapterSummary {
+        &self.adapter
+    }
+
+    /// Whether this is a CPU-type adapter (llvmpipe): its timings say nothing about GPUs.
+    pub fn is_software(&self) -> bool {
+        self.adapter.device_type == format!("{:?}", wgpu::DeviceType::Cpu)
+    }
+
+    /// The largest storage buffer one binding may hold, in bytes.
+    pub fn max_binding(&self) -> u64 {
+        self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+    }
+
+    /// Wait until everything submitted so far has finished.
+    pub(crate) fn wait(&self) -> Result<(), GpuError> {
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map(|_| ()).map_err(|e| GpuError::Lost(e.to_string()))
+    }
+}

@@ -1,0 +1,103 @@
+//! The GPU's two roofs (`shaders/roofline.wgsl`), measured in the run whose kernels they judge:
+//! the rate at which it reads its own memory, and its f32 FMA rate. Each is the best of a few
+//! timed submissions of many dispatches (the first, which compiles and warms, is not timed).
+
+use std::time::Instant;
+
+use crate::{Gpu, GpuError};
+
+const SHADER: &str = include_str!("shaders/roofline.wgsl");
+const TRIALS: usize = 4;
+/// Invocations of the FMA probe, and workgroups of the read probe (each loops over its share).
+const FMA_INVOCATIONS: u32 = 1 << 20;
+const READ_GROUPS: u32 = 4096;
+
+struct Probe {
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    groups: u32,
+}
+
+fn probe(gpu: &Gpu, entry: &str, src_bytes: u64, count: u32, groups: u32) -> Probe {
+    let d = &gpu.device;
+    let module = d.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("roofline"),
+        source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+    });
+    let pipeline = d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: None,
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    // The source is left as the driver gives it (zeroed by wgpu): reading is the point.
+    let buf = |size: u64| {
+        d.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("roofline"),
+            size: size.max(16),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let src = buf(src_bytes);
+    let sink = buf(u64::from(groups) * 256 * 4);
+    let params = gpu.uniform(&[count, 0, 0, 0]);
+    let layout = pipeline.get_bind_group_layout(0);
+    // Every binding the entry point uses; the read probe's source is not used by the FMA probe
+    // and is then absent from the derived layout.
+    let mut entries = vec![
+        wgpu::BindGroupEntry { binding: 1, resource: sink.as_entire_binding() },
+        wgpu::BindGroupEntry { binding: 2, resource: params.as_entire_binding() },
+    ];
+    if entry == "read_all" {
+        entries.insert(0, wgpu::BindGroupEntry { binding: 0, resource: src.as_entire_binding() });
+    }
+    let bind =
+        d.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(entry), layout: &layout, entries: &entries });
+    Probe { pipeline, bind, groups }
+}
+
+/// Seconds per round of `record`, best of `TRIALS` submissions of `reps` rounds each, after one
+/// untimed round.
+pub fn time_rounds(
+    gpu: &Gpu,
+    reps: usize,
+    mut record: impl FnMut(&mut wgpu::ComputePass<'_>),
+) -> Result<f64, GpuError> {
+    gpu.run_passes(1, &mut record)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..TRIALS {
+        let t0 = Instant::now();
+        gpu.run_passes(reps, &mut record)?;
+        best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+    }
+    Ok(best)
+}
+
+/// GB/s at which the GPU reads a buffer of `bytes` (far larger than its caches for the figure
+/// to be its memory's), best of a few trials of `reps` passes.
+pub fn read_bandwidth_gbps(gpu: &Gpu, bytes: u64, reps: usize) -> Result<f64, GpuError> {
+    let bytes = bytes.min(gpu.max_binding()) / 16 * 16;
+    let p = probe(gpu, "read_all", bytes, (bytes / 16) as u32, READ_GROUPS);
+    let secs = time_rounds(gpu, reps, |pass| {
+        pass.set_pipeline(&p.pipeline);
+        pass.set_bind_group(0, &p.bind, &[]);
+        pass.dispatch_workgroups(p.groups, 1, 1);
+    })?;
+    Ok(bytes as f64 / secs / 1e9)
+}
+
+/// The f32 FMA rate in GFLOP/s: `iters` iterations of 8 vec4 FMA chains on 2^20 invocations,
+/// best of a few trials of `reps` dispatches.
+pub fn fma_peak_gflops(gpu: &Gpu, iters: u32, reps: usize) -> Result<f64, GpuError> {
+    let groups = FMA_INVOCATIONS / 256;
+    let p = probe(gpu, "fma_peak", 16, iters, groups);
+    let secs = time_rounds(gpu, reps, |pass| {
+        pass.set_pipeline(&p.pipeline);
+        pass.set_bind_group(0, &p.bind, &[]);
+        pass.dispatch_workgroups(p.groups, 1, 1);
+    })?;
+    Ok(f64::from(FMA_INVOCATIONS) * f64::from(iters) * 8.0 * 4.0 * 2.0 / secs / 1e9)
+}
