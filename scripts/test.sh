@@ -17,11 +17,13 @@ cargo clippy --locked --all-targets -q --features deltafin/test-instruments -- -
 # The same lints for macOS (Apple Silicon) and Windows.
 phase "platform lints"
 . scripts/check-platforms.sh
-phase "nginx and fio"
+phase "nginx, fio and vulkan"
 # nginx, for the installs from a plain HTTP mirror (crates/cli/tests/install_mirror.rs).
 . scripts/ensure-nginx.sh
 # fio, for the disk limit of `bench` (a replay of each run's own reads).
 . scripts/ensure-fio.sh
+# Mesa's software Vulkan driver, for the GPU backend's shaders (crates/gpu/tests).
+. scripts/ensure-vulkan.sh
 # The client tests' Python (installed with python3 itself where the machine has none), here
 # already: the io_uring probe below runs on it, so a bare machine cannot turn the probe into
 # "refused" for want of a python3 and let the io_uring tests skip.

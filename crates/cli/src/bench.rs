@@ -14,6 +14,12 @@ use serde_json::{Value, json};
 
 use crate::run::ModelArgs;
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KernelDevice {
+    Cpu,
+    Gpu,
+}
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Benchmark the compute kernels against the memory and FMA roofs instead of a model.
@@ -22,6 +28,14 @@ pub struct BenchArgs {
     /// Seconds per kernel measurement (with --kernels).
     #[arg(long, default_value_t = 0.5)]
     pub kernel_seconds: f64,
+    /// Where the kernels of --kernels run: the CPU's, or the GPU's (WGSL on Vulkan, Metal or
+    /// DirectX 12). The model itself runs on the CPU only so far.
+    #[arg(long, value_enum, default_value_t = KernelDevice::Cpu)]
+    pub device: KernelDevice,
+    /// With --device gpu: the adapter whose name contains this (case-insensitive); a CPU-type
+    /// adapter such as Mesa's llvmpipe is taken only when named here.
+    #[arg(long, value_name = "NAME")]
+    pub gpu_adapter: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Runs, each in a fresh process.
@@ -153,7 +167,13 @@ fn git_commit() -> Option<String> {
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     if a.kernels {
-        return crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds);
+        return match a.device {
+            KernelDevice::Cpu => crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds),
+            KernelDevice::Gpu => crate::gpu_kernel_bench::gpu_kernel_bench(a.json, a.kernel_seconds, a.gpu_adapter),
+        };
+    }
+    if a.device == KernelDevice::Gpu {
+        bail!("--device gpu runs the kernels (--kernels) so far: the model itself runs on the CPU only");
     }
     let m = &a.model;
     let store_dir = m.store_path()?.to_path_buf();

@@ -4,6 +4,7 @@ mod bench;
 mod bench_streams;
 mod chat_turn;
 mod drive_limit;
+mod gpu_kernel_bench;
 mod install_cmd;
 mod kernel_bench;
 mod plan_cmd;

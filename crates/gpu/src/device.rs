@@ -11,7 +11,8 @@ pub struct GpuOptions {
     /// Accept a CPU-type adapter (Mesa's llvmpipe, WARP): right for testing the shaders, never
     /// chosen by default, since it computes on the cores the CPU path already uses.
     pub allow_software: bool,
-    /// Only an adapter whose name contains this (case-insensitive), e.g. "H200" or "llvmpipe".
+    /// Only an adapter whose name contains this (case-insensitive), e.g. "H200" or "llvmpipe"; a
+    /// CPU-type adapter named here is taken.
     pub name: Option<String>,
 }
 
@@ -79,8 +80,10 @@ impl Gpu {
             .into_iter()
             .filter(|a| {
                 let info = a.get_info();
-                (opts.allow_software || info.device_type != wgpu::DeviceType::Cpu)
-                    && wanted.as_deref().is_none_or(|w| info.name.to_lowercase().contains(w))
+                // A CPU-type adapter only when allowed or asked for by name.
+                let named = wanted.as_deref().is_some_and(|w| info.name.to_lowercase().contains(w));
+                (wanted.is_none() || named)
+                    && (opts.allow_software || named || info.device_type != wgpu::DeviceType::Cpu)
             })
             .min_by_key(|a| rank(a.get_info().device_type));
         let Some(adapter) = chosen else {

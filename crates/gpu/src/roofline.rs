@@ -59,15 +59,16 @@ fn probe(gpu: &Gpu, entry: &str, src_bytes: u64, count: u32, groups: u32) -> Pro
     Probe { pipeline, bind, groups }
 }
 
-/// Seconds per round of `record`, best of `TRIALS` submissions of `reps` rounds each, after one
-/// untimed round.
-pub fn time_rounds(
-    gpu: &Gpu,
-    reps: usize,
-    mut record: impl FnMut(&mut wgpu::ComputePass<'_>),
-) -> Result<f64, GpuError> {
+/// Seconds per round of `record`: one untimed round (compiles, warms), one timed to size the
+/// trials, then the best of `TRIALS` submissions of as many rounds as fill `secs / TRIALS` (one
+/// submission of many rounds: the launch cost of each submission is spread thin).
+pub fn time_rounds(gpu: &Gpu, secs: f64, mut record: impl FnMut(&mut wgpu::ComputePass<'_>)) -> Result<f64, GpuError> {
     gpu.run_passes(1, &mut record)?;
-    let mut best = f64::INFINITY;
+    let t0 = Instant::now();
+    gpu.run_passes(1, &mut record)?;
+    let one = t0.elapsed().as_secs_f64().max(1e-7);
+    let reps = ((secs / TRIALS as f64 / one).ceil() as usize).clamp(1, 100_000);
+    let mut best = one;
     for _ in 0..TRIALS {
         let t0 = Instant::now();
         gpu.run_passes(reps, &mut record)?;
@@ -77,27 +78,27 @@ pub fn time_rounds(
 }
 
 /// GB/s at which the GPU reads a buffer of `bytes` (far larger than its caches for the figure
-/// to be its memory's), best of a few trials of `reps` passes.
-pub fn read_bandwidth_gbps(gpu: &Gpu, bytes: u64, reps: usize) -> Result<f64, GpuError> {
+/// to be its memory's), best of a few trials over about `secs`.
+pub fn read_bandwidth_gbps(gpu: &Gpu, bytes: u64, secs: f64) -> Result<f64, GpuError> {
     let bytes = bytes.min(gpu.max_binding()) / 16 * 16;
     let p = probe(gpu, "read_all", bytes, (bytes / 16) as u32, READ_GROUPS);
-    let secs = time_rounds(gpu, reps, |pass| {
+    let per = time_rounds(gpu, secs, |pass| {
         pass.set_pipeline(&p.pipeline);
         pass.set_bind_group(0, &p.bind, &[]);
         pass.dispatch_workgroups(p.groups, 1, 1);
     })?;
-    Ok(bytes as f64 / secs / 1e9)
+    Ok(bytes as f64 / per / 1e9)
 }
 
 /// The f32 FMA rate in GFLOP/s: `iters` iterations of 8 vec4 FMA chains on 2^20 invocations,
-/// best of a few trials of `reps` dispatches.
-pub fn fma_peak_gflops(gpu: &Gpu, iters: u32, reps: usize) -> Result<f64, GpuError> {
+/// best of a few trials over about `secs`.
+pub fn fma_peak_gflops(gpu: &Gpu, iters: u32, secs: f64) -> Result<f64, GpuError> {
     let groups = FMA_INVOCATIONS / 256;
     let p = probe(gpu, "fma_peak", 16, iters, groups);
-    let secs = time_rounds(gpu, reps, |pass| {
+    let per = time_rounds(gpu, secs, |pass| {
         pass.set_pipeline(&p.pipeline);
         pass.set_bind_group(0, &p.bind, &[]);
         pass.dispatch_workgroups(p.groups, 1, 1);
     })?;
-    Ok(f64::from(FMA_INVOCATIONS) * f64::from(iters) * 8.0 * 4.0 * 2.0 / secs / 1e9)
+    Ok(f64::from(FMA_INVOCATIONS) * f64::from(iters) * 8.0 * 4.0 * 2.0 / per / 1e9)
 }

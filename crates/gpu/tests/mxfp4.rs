@@ -159,8 +159,8 @@ fn bad_shapes_are_errors_not_panics() {
 #[test]
 fn the_roofs_measure_something() {
     let Some(g) = gpu("the_roofs_measure_something") else { return };
-    let bw = read_bandwidth_gbps(&g, 16 << 20, 2).unwrap();
-    let fma = fma_peak_gflops(&g, 64, 2).unwrap();
+    let bw = read_bandwidth_gbps(&g, 16 << 20, 0.05).unwrap();
+    let fma = fma_peak_gflops(&g, 64, 0.05).unwrap();
     assert!(bw.is_finite() && bw > 0.0, "read bandwidth {bw}");
     assert!(fma.is_finite() && fma > 0.0, "FMA rate {fma}");
 }

@@ -1,0 +1,148 @@
+//! `deltafin bench --kernels --device gpu`: the GPU's MXFP4 products at Kimi K3's expert shapes,
+//! one token and chunks of tokens, beside the GPU's read bandwidth and FMA rate measured in the
+//! same run, each product's outputs checked against the CPU's scalar twin on the same inputs.
+
+use anyhow::{Context, Result};
+use deltafin_gpu::mxfp4::Mxfp4Product;
+use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps, time_rounds};
+use deltafin_gpu::{Gpu, GpuOptions};
+use deltafin_kernels::format::{BLOCK, mxfp4_decode_row};
+use deltafin_kernels::testdata::{bytes, scales};
+use serde_json::{Value, json};
+
+/// K3's routed expert: gate and up `[3072, 3584]`, down `[3584, 3072]`; 16 of them per token.
+const INTER: usize = 3072;
+const LATENT: usize = 3584;
+const TOP_K: usize = 16;
+
+struct Case {
+    name: String,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+}
+
+/// The cases: on a real GPU at full size (a layer's 16 experts in one product, so the matrix is
+/// far larger than the GPU's caches); on a CPU-type adapter (llvmpipe) a slice of that, which
+/// checks the harness and says nothing about GPUs.
+fn cases(software: bool) -> Vec<Case> {
+    let e = if software { 1 } else { TOP_K };
+    let mut v = vec![
+        Case { name: format!("mxfp4 one token: gate+up of {e} experts"), rows: 2 * e * INTER, cols: LATENT, tokens: 1 },
+        Case { name: format!("mxfp4 one token: down of {e} experts"), rows: e * LATENT, cols: INTER, tokens: 1 },
+    ];
+    let chunks: &[usize] = if software { &[32] } else { &[32, 256, 1024, 4096] };
+    for &n in chunks {
+        v.push(Case { name: "mxfp4 chunk: one expert's gate".into(), rows: INTER, cols: LATENT, tokens: n });
+    }
+    v
+}
+
+/// Largest |gpu - cpu| over the outputs checked, relative to that output's sum of |w x|: rows
+/// 0..16 and the last row of the first and last token, against the scalar twin.
+fn check(packed: &[u8], sc: &[u8], c: &Case, xs: &[f32], got: &[f32]) -> f64 {
+    let (half, nb) = (c.cols / 2, c.cols / BLOCK);
+    let mut w = vec![0f32; c.cols];
+    let mut worst = 0f64;
+    let rows: Vec<usize> = (0..16.min(c.rows)).chain([c.rows - 1]).collect();
+    for r in rows {
+        mxfp4_decode_row(&packed[r * half..(r + 1) * half], &sc[r * nb..(r + 1) * nb], &mut w);
+        for t in [0, c.tokens - 1] {
+            let x = &xs[t * c.cols..(t + 1) * c.cols];
+            let want =
+                deltafin_kernels::scalar::row_dot(&packed[r * half..(r + 1) * half], &sc[r * nb..(r + 1) * nb], x);
+            let mag: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+            let err = f64::from((got[t * c.rows + r] - want).abs()) / f64::from(mag.max(f32::MIN_POSITIVE));
+            worst = worst.max(err);
+        }
+    }
+    worst
+}
+
+pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> Result<()> {
+    let gpu = Gpu::open(&GpuOptions { allow_software: false, name: adapter })?;
+    let software = gpu.is_software();
+    eprintln!(
+        "GPU: {}{}",
+        gpu.adapter(),
+        if software { " (CPU-type: small shapes, figures say nothing about GPUs)" } else { "" }
+    );
+    // Roofs: a buffer far past the caches (an H200's L2 is 50 MB); FMA chains long enough that
+    // one dispatch takes milliseconds.
+    let read_bytes: u64 = if software { 64 << 20 } else { 2 << 30 };
+    let mem = read_bandwidth_gbps(&gpu, read_bytes, secs)?;
+    let fma = fma_peak_gflops(&gpu, if software { 32 } else { 4096 }, secs)?;
+    eprintln!("roofs: read {mem:.1} GB/s, FMA {fma:.0} GFLOP/s");
+    let product = Mxfp4Product::new(&gpu);
+    let mut rows_out: Vec<Value> = Vec::new();
+    for (i, c) in cases(software).iter().enumerate() {
+        let seed = 1000 + 10 * i as u64;
+        // Two matrices in turn when one fits in the caches several times over: every call reads
+        // its weights from memory.
+        let one = c.rows * c.cols / 2 + c.rows * c.cols / BLOCK;
+        let copies: usize = if one < (256 << 20) { 2 } else { 1 };
+        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+            .map(|k| {
+                (
+                    bytes(c.rows * c.cols / 2, seed + k as u64),
+                    scales(c.rows * c.cols / BLOCK, seed + 5 + k as u64, 118, 8),
+                )
+            })
+            .collect();
+        let xs: Vec<f32> = bytes(c.tokens * c.cols, seed + 9).iter().map(|&b| (f32::from(b) - 127.5) / 128.0).collect();
+        let on_gpu: Vec<_> = mats
+            .iter()
+            .map(|(p, s)| gpu.upload_mxfp4(p, s, c.rows, c.cols))
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("uploading {}", c.name))?;
+        let xg = gpu.upload_f32(&xs)?;
+        let outs: Vec<_> = (0..copies).map(|_| gpu.zeros_f32(c.tokens * c.rows)).collect::<Result<_, _>>()?;
+        let bound: Vec<_> =
+            on_gpu.iter().zip(&outs).map(|(w, o)| product.bind(&gpu, w, &xg, c.tokens, o)).collect::<Result<_, _>>()?;
+        let mut k = 0usize;
+        let per = time_rounds(&gpu, secs, |pass| {
+            product.encode(pass, &bound[k % copies]);
+            k += 1;
+        })?;
+        let err = check(&mats[0].0, &mats[0].1, c, &xs, &gpu.read_f32(&outs[0])?);
+        let (flops, wbytes) = (bound[0].flops, bound[0].weight_bytes);
+        // The product's floor on this GPU: its weights read once at the read roof, or its FLOPs
+        // at the FMA roof, whichever is longer.
+        let floor = (wbytes / (mem * 1e9)).max(flops / (fma * 1e9));
+        let row = json!({
+            "name": c.name, "shape": [c.rows, c.cols], "tokens": c.tokens,
+            "seconds": per, "weight_gbps": wbytes / per / 1e9, "gflops": flops / per / 1e9,
+            "of_read_roof": wbytes / per / 1e9 / mem, "of_fma_roof": flops / per / 1e9 / fma,
+            "floor_seconds": floor, "fraction_of_floor": floor / per,
+            "bound": if wbytes / (mem * 1e9) > flops / (fma * 1e9) { "memory" } else { "compute (FMA)" },
+            "max_rel_err_vs_scalar": err,
+        });
+        eprintln!(
+            "{} [{} x {}] x {} tokens: {:.3} ms, {:.1} GB/s of weights ({:.2} of read roof), {:.0} GFLOP/s ({:.2} of FMA roof), {:.2} of its floor; max error vs scalar {:.1e}",
+            c.name,
+            c.rows,
+            c.cols,
+            c.tokens,
+            per * 1e3,
+            wbytes / per / 1e9,
+            wbytes / per / 1e9 / mem,
+            flops / per / 1e9,
+            flops / per / 1e9 / fma,
+            floor / per,
+            err
+        );
+        rows_out.push(row);
+    }
+    let a = gpu.adapter();
+    let out = json!({
+        "device": "gpu",
+        "adapter": {"name": a.name, "backend": a.backend, "device_type": a.device_type, "driver": a.driver},
+        "roofs": {"read_gbps": mem, "fma_gflops": fma},
+        "kernels": rows_out,
+        "git_commit": option_env!("DELTAFIN_BUILD_COMMIT"),
+    });
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}
