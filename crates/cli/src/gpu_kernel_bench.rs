@@ -1,11 +1,12 @@
-//! `deltafin bench --kernels --device gpu`: the GPU's MXFP4 products at Kimi K3's expert shapes,
-//! one token and chunks of tokens, beside the GPU's read bandwidth and FMA rate measured in the
+//! `deltafin bench --kernels --device gpu`: the GPU's MXFP4 products at Kimi K3's expert shapes
+//! and its int8 spine products at K3's largest spine shape, one token and chunks of tokens, beside the GPU's read bandwidth and FMA rate measured in the
 //! same run, each product's outputs checked against the CPU's scalar twin on the same inputs.
 
 use anyhow::{Context, Result};
+use deltafin_gpu::int8::Int8Product;
 use deltafin_gpu::mxfp4::Mxfp4Product;
 use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps, time_rounds};
-use deltafin_gpu::{Gpu, GpuOptions};
+use deltafin_gpu::{BoundProduct, Gpu, GpuOptions, GpuVec};
 use deltafin_kernels::format::{BLOCK, mxfp4_decode_row};
 use deltafin_kernels::testdata::{bytes, scales};
 use serde_json::{Value, json};
@@ -14,9 +15,18 @@ use serde_json::{Value, json};
 const INTER: usize = 3072;
 const LATENT: usize = 3584;
 const TOP_K: usize = 16;
+/// K3's KDA q_proj, its largest spine matrix, int8 with one scale per row.
+const SPINE: (usize, usize) = (12288, 7168);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Format {
+    Mxfp4,
+    Int8,
+}
 
 struct Case {
     name: String,
+    format: Format,
     rows: usize,
     cols: usize,
     tokens: usize,
@@ -28,29 +38,109 @@ struct Case {
 fn cases(software: bool) -> Vec<Case> {
     let e = if software { 1 } else { TOP_K };
     let mut v = vec![
-        Case { name: format!("mxfp4 one token: gate+up of {e} experts"), rows: 2 * e * INTER, cols: LATENT, tokens: 1 },
-        Case { name: format!("mxfp4 one token: down of {e} experts"), rows: e * LATENT, cols: INTER, tokens: 1 },
+        Case {
+            name: format!("mxfp4 one token: gate+up of {e} experts"),
+            format: Format::Mxfp4,
+            rows: 2 * e * INTER,
+            cols: LATENT,
+            tokens: 1,
+        },
+        Case {
+            name: format!("mxfp4 one token: down of {e} experts"),
+            format: Format::Mxfp4,
+            rows: e * LATENT,
+            cols: INTER,
+            tokens: 1,
+        },
     ];
     let chunks: &[usize] = if software { &[32] } else { &[32, 256, 1024, 4096] };
     for &n in chunks {
-        v.push(Case { name: "mxfp4 chunk: one expert's gate".into(), rows: INTER, cols: LATENT, tokens: n });
+        v.push(Case {
+            name: "mxfp4 chunk: one expert's gate".into(),
+            format: Format::Mxfp4,
+            rows: INTER,
+            cols: LATENT,
+            tokens: n,
+        });
+    }
+    let spine_rows = if software { SPINE.0 / 16 } else { SPINE.0 };
+    for &n in [1].iter().chain(chunks) {
+        let name = if n == 1 { "int8 one token: KDA q_proj, row scales" } else { "int8 chunk: KDA q_proj, row scales" };
+        v.push(Case { name: name.into(), format: Format::Int8, rows: spine_rows, cols: SPINE.1, tokens: n });
     }
     v
 }
 
+/// One matrix's bytes on the host: MXFP4 (packed, E8M0 scales) or int8 (values, row scales).
+enum Host {
+    Mxfp4(Vec<u8>, Vec<u8>),
+    Int8(Vec<i8>, Vec<f32>),
+}
+
+impl Host {
+    fn make(c: &Case, seed: u64) -> Host {
+        match c.format {
+            Format::Mxfp4 => {
+                Host::Mxfp4(bytes(c.rows * c.cols / 2, seed), scales(c.rows * c.cols / BLOCK, seed + 5, 118, 8))
+            }
+            Format::Int8 => Host::Int8(
+                bytes(c.rows * c.cols, seed).into_iter().map(|b| b as i8).collect(),
+                bytes(c.rows, seed + 5).into_iter().map(|b| (f32::from(b) + 1.0) / 8192.0).collect(),
+            ),
+        }
+    }
+
+    /// Row r of the matrix, decoded to f32 (scales applied). Shapes: w `[cols]`.
+    fn row(&self, r: usize, w: &mut [f32]) {
+        let cols = w.len();
+        match self {
+            Host::Mxfp4(p, s) => {
+                mxfp4_decode_row(&p[r * cols / 2..(r + 1) * cols / 2], &s[r * cols / BLOCK..(r + 1) * cols / BLOCK], w)
+            }
+            Host::Int8(q, s) => {
+                w.iter_mut().zip(&q[r * cols..(r + 1) * cols]).for_each(|(o, &v)| *o = f32::from(v) * s[r])
+            }
+        }
+    }
+
+    /// Row r's product with x by the scalar twin.
+    fn row_product(&self, r: usize, x: &[f32]) -> f32 {
+        let cols = x.len();
+        let mut out = [0f32];
+        match self {
+            Host::Mxfp4(p, s) => deltafin_kernels::scalar::mxfp4_matvec(
+                &p[r * cols / 2..(r + 1) * cols / 2],
+                &s[r * cols / BLOCK..(r + 1) * cols / BLOCK],
+                1,
+                cols,
+                x,
+                &mut out,
+            ),
+            Host::Int8(q, s) => deltafin_kernels::scalar::int8_matvec(
+                &q[r * cols..(r + 1) * cols],
+                &s[r..r + 1],
+                cols,
+                1,
+                cols,
+                x,
+                &mut out,
+            ),
+        }
+        out[0]
+    }
+}
+
 /// Largest |gpu - cpu| over the outputs checked, relative to that output's sum of |w x|: rows
 /// 0..16 and the last row of the first and last token, against the scalar twin.
-fn check(packed: &[u8], sc: &[u8], c: &Case, xs: &[f32], got: &[f32]) -> f64 {
-    let (half, nb) = (c.cols / 2, c.cols / BLOCK);
+fn check(host: &Host, c: &Case, xs: &[f32], got: &[f32]) -> f64 {
     let mut w = vec![0f32; c.cols];
     let mut worst = 0f64;
     let rows: Vec<usize> = (0..16.min(c.rows)).chain([c.rows - 1]).collect();
     for r in rows {
-        mxfp4_decode_row(&packed[r * half..(r + 1) * half], &sc[r * nb..(r + 1) * nb], &mut w);
+        host.row(r, &mut w);
         for t in [0, c.tokens - 1] {
             let x = &xs[t * c.cols..(t + 1) * c.cols];
-            let want =
-                deltafin_kernels::scalar::row_dot(&packed[r * half..(r + 1) * half], &sc[r * nb..(r + 1) * nb], x);
+            let want = host.row_product(r, x);
             let mag: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
             let err = f64::from((got[t * c.rows + r] - want).abs()) / f64::from(mag.max(f32::MIN_POSITIVE));
             worst = worst.max(err);
@@ -73,38 +163,51 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
     let mem = read_bandwidth_gbps(&gpu, read_bytes, secs)?;
     let fma = fma_peak_gflops(&gpu, if software { 32 } else { 4096 }, secs)?;
     eprintln!("roofs: read {mem:.1} GB/s, FMA {fma:.0} GFLOP/s");
-    let product = Mxfp4Product::new(&gpu);
+    let mxfp4 = Mxfp4Product::new(&gpu);
+    let int8 = Int8Product::new(&gpu);
     let mut rows_out: Vec<Value> = Vec::new();
     for (i, c) in cases(software).iter().enumerate() {
         let seed = 1000 + 10 * i as u64;
-        // Two matrices in turn when one fits in the caches several times over: every call reads
-        // its weights from memory.
-        let one = c.rows * c.cols / 2 + c.rows * c.cols / BLOCK;
+        // Two matrices in turn when one is small enough that the caches could hold a good part
+        // of it: every call reads its weights from memory.
+        let one = match c.format {
+            Format::Mxfp4 => c.rows * c.cols / 2 + c.rows * c.cols / BLOCK,
+            Format::Int8 => c.rows * c.cols,
+        };
         let copies: usize = if one < (256 << 20) { 2 } else { 1 };
-        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
-            .map(|k| {
-                (
-                    bytes(c.rows * c.cols / 2, seed + k as u64),
-                    scales(c.rows * c.cols / BLOCK, seed + 5 + k as u64, 118, 8),
-                )
-            })
-            .collect();
+        let hosts: Vec<Host> = (0..copies).map(|k| Host::make(c, seed + 100 * k as u64)).collect();
         let xs: Vec<f32> = bytes(c.tokens * c.cols, seed + 9).iter().map(|&b| (f32::from(b) - 127.5) / 128.0).collect();
-        let on_gpu: Vec<_> = mats
-            .iter()
-            .map(|(p, s)| gpu.upload_mxfp4(p, s, c.rows, c.cols))
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("uploading {}", c.name))?;
         let xg = gpu.upload_f32(&xs)?;
-        let outs: Vec<_> = (0..copies).map(|_| gpu.zeros_f32(c.tokens * c.rows)).collect::<Result<_, _>>()?;
-        let bound: Vec<_> =
-            on_gpu.iter().zip(&outs).map(|(w, o)| product.bind(&gpu, w, &xg, c.tokens, o)).collect::<Result<_, _>>()?;
+        let outs: Vec<GpuVec> = (0..copies).map(|_| gpu.zeros_f32(c.tokens * c.rows)).collect::<Result<_, _>>()?;
+        // Upload each copy and bind it; the uploaded matrices live as long as their bindings.
+        let mut keep_mx = Vec::new();
+        let mut keep_i8 = Vec::new();
+        let mut bound: Vec<BoundProduct> = Vec::new();
+        for (h, o) in hosts.iter().zip(&outs) {
+            match h {
+                Host::Mxfp4(p, s) => {
+                    let w = gpu.upload_mxfp4(p, s, c.rows, c.cols).with_context(|| format!("uploading {}", c.name))?;
+                    bound.push(mxfp4.bind(&gpu, &w, &xg, c.tokens, o)?);
+                    keep_mx.push(w);
+                }
+                Host::Int8(q, s) => {
+                    let w = gpu
+                        .upload_int8(q, s, c.cols, c.rows, c.cols)
+                        .with_context(|| format!("uploading {}", c.name))?;
+                    bound.push(int8.bind(&gpu, &w, &xg, c.tokens, o)?);
+                    keep_i8.push(w);
+                }
+            }
+        }
         let mut k = 0usize;
         let per = time_rounds(&gpu, secs, |pass| {
-            product.encode(pass, &bound[k % copies]);
+            match c.format {
+                Format::Mxfp4 => mxfp4.encode(pass, &bound[k % copies]),
+                Format::Int8 => int8.encode(pass, &bound[k % copies]),
+            }
             k += 1;
         })?;
-        let err = check(&mats[0].0, &mats[0].1, c, &xs, &gpu.read_f32(&outs[0])?);
+        let err = check(&hosts[0], c, &xs, &gpu.read_f32(&outs[0])?);
         let (flops, wbytes) = (bound[0].flops, bound[0].weight_bytes);
         // The product's floor on this GPU: its weights read once at the read roof, or its FLOPs
         // at the FMA roof, whichever is longer.

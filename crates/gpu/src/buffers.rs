@@ -36,6 +36,23 @@ impl GpuMxfp4 {
     }
 }
 
+/// An int8 matrix in GPU memory with one f32 scale per `group` consecutive elements of a row.
+/// Shapes: q `[rows, cols]` int8, scales `[rows, cols/group]` f32.
+pub struct GpuInt8 {
+    pub(crate) q: wgpu::Buffer,
+    pub(crate) scales: wgpu::Buffer,
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+}
+
+impl GpuInt8 {
+    /// Bytes of the matrix as stored (what a product must read).
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols + self.rows * (self.cols / self.group) * 4
+    }
+}
+
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
 
 impl Gpu {
@@ -107,6 +124,55 @@ impl Gpu {
             scales: self.storage("mxfp4 scales", &sc),
             rows,
             cols,
+        })
+    }
+
+    /// Upload an int8 matrix. Shapes: q `[rows, cols]`, scales `[rows, cols/group]`; `cols` and
+    /// `group` multiples of 16 (the shader reads 16 values at a time from one group).
+    pub fn upload_int8(
+        &self,
+        q: &[i8],
+        scales: &[f32],
+        group: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<GpuInt8, GpuError> {
+        let what = "an int8 matrix";
+        if rows == 0
+            || cols == 0
+            || group == 0
+            || !cols.is_multiple_of(16)
+            || !group.is_multiple_of(16)
+            || !cols.is_multiple_of(group)
+        {
+            return Err(GpuError::Shape {
+                what,
+                why: format!(
+                    "{rows} x {cols} in groups of {group}: cols and group must be positive multiples of 16, the group dividing cols"
+                ),
+            });
+        }
+        if q.len() != rows * cols || scales.len() != rows * (cols / group) {
+            return Err(GpuError::Shape {
+                what,
+                why: format!(
+                    "{rows} x {cols} in groups of {group} needs {} values and {} scales, got {} and {}",
+                    rows * cols,
+                    rows * (cols / group),
+                    q.len(),
+                    scales.len()
+                ),
+            });
+        }
+        self.check_size(what, q.len())?;
+        let bytes: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+        let sc: Vec<u8> = scales.iter().flat_map(|f| f.to_le_bytes()).collect();
+        Ok(GpuInt8 {
+            q: self.storage("int8 values", &bytes),
+            scales: self.storage("int8 scales", &sc),
+            rows,
+            cols,
+            group,
         })
     }
 

@@ -2,33 +2,17 @@
 //! whatever adapter this machine has: Mesa's llvmpipe in CI (chosen on purpose: a CPU-type
 //! adapter is allowed here), the H200 in the benchmark runs. `DELTAFIN_GPU_ADAPTER` picks one
 //! by name.
-//!
-//! Where no adapter opens, the tests print SKIPPED and return, unless DELTAFIN_REQUIRE_GPU=1
-//! (scripts/test.sh sets it after installing Mesa's Vulkan driver): then they fail.
+//! Where no adapter opens: `common`.
 
 use deltafin_gpu::mxfp4::Mxfp4Product;
 use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps};
 use deltafin_gpu::{Gpu, GpuError, GpuOptions};
+
+mod common;
+use common::gpu;
 use deltafin_kernels::format::{BLOCK, E2M1_LUT, mxfp4_decode_row};
 use deltafin_kernels::scalar::mxfp4_matvec;
 use deltafin_kernels::testdata::{bytes, scales};
-
-fn gpu(test: &str) -> Option<Gpu> {
-    let opts = GpuOptions { allow_software: true, name: std::env::var("DELTAFIN_GPU_ADAPTER").ok() };
-    match Gpu::open(&opts) {
-        Ok(g) => {
-            eprintln!("{test}: on {}", g.adapter());
-            Some(g)
-        }
-        Err(e) if std::env::var("DELTAFIN_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("{test}: DELTAFIN_REQUIRE_GPU=1 but no GPU adapter opened: {e}")
-        }
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            None
-        }
-    }
-}
 
 /// The scalar twin token by token, and per output the sum of |w x| its error is measured against.
 /// Shapes: xs `[n, cols]`; returns out `[n, rows]` twice.

@@ -1,0 +1,168 @@
+//! What every weight-times-activations product on the GPU shares: a shader with a one-token entry
+//! point (`matvec`: a team of 32 invocations per row, 8 rows per workgroup) and a chunk entry
+//! point (`matmat`: tiles of 64 rows x 32 tokens), the same five bindings (two weight buffers,
+//! inputs, outputs, dimensions), the dispatch geometry and the work each call does.
+
+use crate::{Gpu, GpuError, GpuVec};
+
+/// Rows per workgroup of `matvec`; rows x tokens per workgroup of `matmat` (as in the shaders).
+const MATVEC_ROWS: usize = 8;
+const TILE_ROWS: usize = 64;
+const TILE_TOKENS: usize = 32;
+/// The most workgroups along one dimension of a dispatch (WebGPU's limit).
+const MAX_GROUPS: usize = 65_535;
+
+/// A product's two compiled entry points and their bind group layout, made once per device.
+pub(crate) struct Pipelines {
+    layout: wgpu::BindGroupLayout,
+    matvec: wgpu::ComputePipeline,
+    matmat: wgpu::ComputePipeline,
+}
+
+/// One product's arguments bound, ready to be encoded any number of times.
+pub struct BoundProduct {
+    bind: wgpu::BindGroup,
+    one_token: bool,
+    groups: (u32, u32),
+    /// Work per dispatch: 2 FLOP per weight per token, and the matrix's stored bytes.
+    pub flops: f64,
+    pub weight_bytes: f64,
+}
+
+/// The weights as the shader reads them: two buffers, the matrix's shape, and the dimension
+/// words after (rows, cols, n, groups along x) that its shader reads (`extra`).
+pub(crate) struct Weights<'a> {
+    /// What the product is, for errors ("an int8 product").
+    pub what: &'static str,
+    pub extra: [u32; 4],
+    pub data: &'a wgpu::Buffer,
+    pub scales: &'a wgpu::Buffer,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: usize,
+}
+
+fn entry(binding: u32, ty: wgpu::BufferBindingType) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: false, min_binding_size: None },
+        count: None,
+    }
+}
+
+impl Pipelines {
+    pub(crate) fn new(gpu: &Gpu, label: &str, source: &str) -> Self {
+        let d = &gpu.device;
+        let module = d.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let read = wgpu::BufferBindingType::Storage { read_only: true };
+        let layout = d.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some(label),
+            entries: &[
+                entry(0, read),
+                entry(1, read),
+                entry(2, read),
+                entry(3, wgpu::BufferBindingType::Storage { read_only: false }),
+                entry(4, wgpu::BufferBindingType::Uniform),
+            ],
+        });
+        let pl = d.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(label),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = |entry: &str| {
+            d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pl),
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        };
+        Pipelines { matvec: pipeline("matvec"), matmat: pipeline("matmat"), layout }
+    }
+
+    /// Bind `out[t, r] = sum_c W[r, c] * xs[t, c]` for `n` tokens. Shapes: xs `[n, cols]`,
+    /// out `[n, rows]`.
+    pub(crate) fn bind(
+        &self,
+        gpu: &Gpu,
+        w: Weights<'_>,
+        xs: &GpuVec,
+        n: usize,
+        out: &GpuVec,
+    ) -> Result<BoundProduct, GpuError> {
+        let what = w.what;
+        if n == 0 || xs.len() != n * w.cols || out.len() != n * w.rows {
+            return Err(GpuError::Shape {
+                what,
+                why: format!(
+                    "{} x {} against {n} tokens needs xs of {} and out of {}, got {} and {}",
+                    w.rows,
+                    w.cols,
+                    n * w.cols,
+                    n * w.rows,
+                    xs.len(),
+                    out.len()
+                ),
+            });
+        }
+        let one_token = n == 1;
+        let groups = if one_token {
+            let g = w.rows.div_ceil(MATVEC_ROWS);
+            (g.min(MAX_GROUPS), g.div_ceil(MAX_GROUPS))
+        } else {
+            (w.rows.div_ceil(TILE_ROWS), n.div_ceil(TILE_TOKENS))
+        };
+        if groups.0 > MAX_GROUPS || groups.1 > MAX_GROUPS {
+            return Err(GpuError::Shape { what, why: format!("{} rows x {n} tokens is past one dispatch", w.rows) });
+        }
+        let [e0, e1, e2, e3] = w.extra;
+        let dims = gpu.uniform(&[w.rows as u32, w.cols as u32, n as u32, groups.0 as u32, e0, e1, e2, e3]);
+        let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(what),
+            layout: &self.layout,
+            entries: &[
+                wgpu::BindGroupEntry { binding: 0, resource: w.data.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 1, resource: w.scales.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 2, resource: xs.buf.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 3, resource: out.buf.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 4, resource: dims.as_entire_binding() },
+            ],
+        });
+        Ok(BoundProduct {
+            bind,
+            one_token,
+            groups: (groups.0 as u32, groups.1 as u32),
+            flops: 2.0 * (w.rows * w.cols * n) as f64,
+            weight_bytes: w.bytes as f64,
+        })
+    }
+
+    /// Record one product into a compute pass.
+    pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>, p: &BoundProduct) {
+        pass.set_pipeline(if p.one_token { &self.matvec } else { &self.matmat });
+        pass.set_bind_group(0, &p.bind, &[]);
+        pass.dispatch_workgroups(p.groups.0, p.groups.1, 1);
+    }
+}
+
+impl Gpu {
+    /// Record `reps` rounds of `record` in one compute pass, submit, and wait.
+    pub fn run_passes(&self, reps: usize, mut record: impl FnMut(&mut wgpu::ComputePass<'_>)) -> Result<(), GpuError> {
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("passes") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            for _ in 0..reps {
+                record(&mut pass);
+            }
+        }
+        self.queue.submit([enc.finish()]);
+        self.wait()
+    }
+}
