@@ -13,6 +13,8 @@ use std::arch::x86_64::*;
 use crate::format::{BLOCK, Dense, E2M1_X2_I8, QuantizedX, e8m0_to_f32};
 use crate::scalar;
 
+use super::avx2_math::exp_ps;
+
 // ---- Instantiations of the portable bodies ---------------------------------------------------
 
 /// [`scalar::f32_matvec`] compiled with AVX2 + FMA.
@@ -427,30 +429,7 @@ pub unsafe fn mla_block_scores(
     }
 }
 
-/// `exp` of 8 lanes: `x = k ln2 + r` with |r| <= ln2/2, the degree-6 polynomial of
-/// `avx512_math::exp_ps` for `e^r`, and `2^k` built in the exponent field; below -87 (under the
-/// smallest normal f32) the result is 0, so `exp(-inf) = 0`; NaN stays NaN.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp8(x: __m256) -> __m256 {
-    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-    // `min` returns its second operand when either is NaN: NaN goes on.
-    let x = _mm256_min_ps(_mm256_set1_ps(88.0), x);
-    let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693_145_75), x);
-    let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428_606_8e-6), r);
-    let mut p = _mm256_set1_ps(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    }
-    let pow2k = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)));
-    _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2k)))
-}
-
-/// `x[j] = exp(x[j] - shift)` with [`exp8`] (the last partial group through a padded copy, so
+/// `x[j] = exp(x[j] - shift)` with [`exp_ps`] (0 below -87) (the last partial group through a padded copy, so
 /// every element gets the same lane arithmetic).
 ///
 /// # Safety
@@ -463,14 +442,14 @@ pub unsafe fn exp_shifted(x: &mut [f32], shift: f32) {
         // SAFETY: 8 floats from `i`.
         unsafe {
             let p = x.as_mut_ptr().add(i);
-            _mm256_storeu_ps(p, exp8(_mm256_sub_ps(_mm256_loadu_ps(p), sh)));
+            _mm256_storeu_ps(p, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p), sh)));
         }
     }
     if n8 < x.len() {
         let mut t = [0f32; 8];
         t[..x.len() - n8].copy_from_slice(&x[n8..]);
         // SAFETY: `t` holds 8 floats.
-        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), exp8(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), sh))) };
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), exp_ps(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), sh))) };
         let rest = x.len() - n8;
         x[n8..].copy_from_slice(&t[..rest]);
     }

@@ -1,4 +1,5 @@
-//! Layer 3, the AVX2 + FMA lane math of the AVX2 kernels ([`super::avx2_tile`], `ops`): `exp`,
+//! Layer 3, the AVX2 + FMA lane math of the AVX2 kernels ([`super::avx2_tile`], [`super::avx2`]'s
+//! attention, `ops`): `exp`,
 //! `tanh`, `sigmoid` and SiTU over 8 lanes, the same polynomials as [`super::avx512_math`]'s.
 //! Imports nothing from the crate; the oracles are `scalar`'s (libm) versions, which the tests
 //! compare against.
@@ -10,11 +11,13 @@
 use std::arch::x86_64::*;
 
 /// `exp` of 8 lanes: `x = k ln2 + r` with |r| <= ln2/2, a degree-6 polynomial for `e^r`
-/// (relative error ~1e-7), and `2^k` built in the exponent field. `x` is clamped to [-87, 88] so
-/// that `2^k` is a normal float: below, `e^x` comes out near 1.6e-38 instead of smaller (what
-/// SiTU's `sigmoid` and `tanh` make of it is exactly 0, 1 or -1 either way); NaN stays NaN.
+/// (relative error ~1e-7), and `2^k` built in the exponent field. Above 88 `x` is clamped (`2^k`
+/// stays a normal float); below -87 (under the smallest normal f32) the result is 0, so
+/// `exp(-inf) = 0` (attention's softmax relies on it; SiTU's `sigmoid` and `tanh` come out
+/// exactly 0, 1 or -1 there either way); NaN stays NaN.
 #[target_feature(enable = "avx2,fma")]
 pub fn exp_ps(x: __m256) -> __m256 {
+    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
     // `max`/`min` return their second operand when either is NaN: NaN passes through.
     let x = _mm256_min_ps(_mm256_set1_ps(88.0), _mm256_max_ps(_mm256_set1_ps(-87.0), x));
     let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
@@ -31,7 +34,7 @@ pub fn exp_ps(x: __m256) -> __m256 {
     // 2^k for k in [-126, 127]: the exponent field k + 127.
     let two_k =
         _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127))));
-    _mm256_mul_ps(p, two_k)
+    _mm256_andnot_ps(tiny, _mm256_mul_ps(p, two_k))
 }
 
 /// `tanh` of 8 lanes: below |x| = 0.3 its odd Taylor series to x^15, above `1 - 2 / (e^(2|x|) +
@@ -162,5 +165,31 @@ mod tests {
             split.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+
+    /// `exp` within 2e-7 relative of libm from -87 to 88, exactly 0 below -87 (down to -inf: the
+    /// softmax's masked positions), NaN through.
+    #[test]
+    fn exp_is_libms_and_zero_below_the_normal_range() {
+        if !has_avx2_fma() {
+            println!("SKIPPED: this CPU has no AVX2+FMA");
+            return;
+        }
+        let exp8 = |v: [f32; 8]| {
+            let mut o = [0f32; 8];
+            // SAFETY: AVX2 + FMA present (checked); 8 floats each.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), exp_ps(_mm256_loadu_ps(v.as_ptr()))) };
+            o
+        };
+        for i in 0..=1750 {
+            let x = -87.0 + i as f32 * 0.1;
+            let got = exp8([x; 8])[0];
+            let want = x.exp();
+            assert!((got - want).abs() <= 2e-7 * want, "exp({x}) = {got}, libm {want}");
+        }
+        let o = exp8([-87.01, -88.0, -100.0, -1e30, f32::NEG_INFINITY, f32::NAN, 0.0, 1.0]);
+        assert_eq!(&o[..5], &[0.0; 5]);
+        assert!(o[5].is_nan());
+        assert_eq!(o[6], 1.0);
     }
 }
