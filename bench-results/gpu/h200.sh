@@ -4,18 +4,26 @@
 # .devbin (stripped, gzipped release builds of deltafin and of crates/gpu's test binaries).
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-mkdir -p /tmp/bin && for b in deltafin gpu-tests-mxfp4 gpu-tests-int8; do gunzip -c .devbin/$b.gz > /tmp/bin/$b && chmod +x /tmp/bin/$b; done
+# deltafin-base (optional): an earlier build, run in turn with this one (A/B on one machine).
+mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8; do
+  [ -f .devbin/$b.gz ] && gunzip -c .devbin/$b.gz > /tmp/bin/$b && chmod +x /tmp/bin/$b
+done
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 export XDG_RUNTIME_DIR=/tmp
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+# At most 8 files come back: the JSONs, one log of the tests (with nvidia-smi) and one of the benches.
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv > "$OUT/gpu-tests.log" 2>&1
 for t in mxfp4 int8; do
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
+bins=(deltafin); [ -x /tmp/bin/deltafin-base ] && bins=(deltafin-base deltafin)
 for r in 1 2 3; do
-  /tmp/bin/deltafin bench --kernels --device gpu --kernel-seconds 1 --json > "$OUT/gpu-kernels-run$r.json" 2> "$OUT/gpu-kernels-run$r.log"
-  echo "bench rc=$?" >> "$OUT/gpu-kernels-run$r.log"
+  for b in "${bins[@]}"; do
+    echo "== $b, run $r" >> "$OUT/bench.log"
+    /tmp/bin/$b bench --kernels --device gpu --kernel-seconds ${SECS:-1} --json > "$OUT/$b-run$r.json" 2>> "$OUT/bench.log"
+    echo "bench rc=$?" >> "$OUT/bench.log"
+  done
 done
-cat "$OUT/nvidia-smi.csv" "$OUT/gpu-tests.log" "$OUT"/gpu-kernels-run*.log
+cat "$OUT/gpu-tests.log" "$OUT/bench.log"

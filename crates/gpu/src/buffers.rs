@@ -127,8 +127,9 @@ impl Gpu {
         })
     }
 
-    /// Upload an int8 matrix. Shapes: q `[rows, cols]`, scales `[rows, cols/group]`; `cols` and
-    /// `group` multiples of 16 (the shader reads 16 values at a time from one group).
+    /// Upload an int8 matrix. Shapes: q `[rows, cols]`, scales `[rows, cols/group]`; `cols` a
+    /// multiple of 32 (a step of the chunk kernel) and `group` of 16 (the shader reads 16 values
+    /// at a time from one group).
     pub fn upload_int8(
         &self,
         q: &[i8],
@@ -141,14 +142,14 @@ impl Gpu {
         if rows == 0
             || cols == 0
             || group == 0
-            || !cols.is_multiple_of(16)
+            || !cols.is_multiple_of(32)
             || !group.is_multiple_of(16)
             || !cols.is_multiple_of(group)
         {
             return Err(GpuError::Shape {
                 what,
                 why: format!(
-                    "{rows} x {cols} in groups of {group}: cols and group must be positive multiples of 16, the group dividing cols"
+                    "{rows} x {cols} in groups of {group}: cols must be a positive multiple of 32 and group of 16, the group dividing cols"
                 ),
             });
         }

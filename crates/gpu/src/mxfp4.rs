@@ -1,6 +1,6 @@
 //! The MXFP4 expert products on the GPU (`shaders/mxfp4.wgsl`): one token (`matvec`, bound by
 //! memory: one read of the matrix) and a chunk of tokens (`matmat`, tiles decoded once into
-//! workgroup memory and used by 32 tokens), the E2M1 values and E8M0 scales decoded in the
+//! workgroup memory and used by 64 tokens), the E2M1 values and E8M0 scales decoded in the
 //! shader. Their oracle is `deltafin_kernels::scalar`'s `mxfp4_matvec`, token by token
 //! (`tests/mxfp4.rs`).
 

@@ -1,14 +1,14 @@
 //! What every weight-times-activations product on the GPU shares: a shader with a one-token entry
-//! point (`matvec`: a team of 32 invocations per row, 8 rows per workgroup) and a chunk entry
-//! point (`matmat`: tiles of 64 rows x 32 tokens), the same five bindings (two weight buffers,
+//! point (`matvec`: a team of 32 invocations per 4 rows, 32 rows per workgroup) and a chunk entry
+//! point (`matmat`: tiles of 128 rows x 64 tokens, `shaders/tiles.wgsl`, appended to each shader), the same five bindings (two weight buffers,
 //! inputs, outputs, dimensions), the dispatch geometry and the work each call does.
 
 use crate::{Gpu, GpuError, GpuVec};
 
 /// Rows per workgroup of `matvec`; rows x tokens per workgroup of `matmat` (as in the shaders).
-const MATVEC_ROWS: usize = 8;
-const TILE_ROWS: usize = 64;
-const TILE_TOKENS: usize = 32;
+const MATVEC_ROWS: usize = 32;
+const TILE_ROWS: usize = 128;
+const TILE_TOKENS: usize = 32 * 2;
 /// The most workgroups along one dimension of a dispatch (WebGPU's limit).
 const MAX_GROUPS: usize = 65_535;
 
@@ -56,7 +56,7 @@ impl Pipelines {
         let d = &gpu.device;
         let module = d.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(label),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
+            source: wgpu::ShaderSource::Wgsl(format!("{source}\n{}", include_str!("shaders/tiles.wgsl")).into()),
         });
         let read = wgpu::BufferBindingType::Storage { read_only: true };
         let layout = d.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {

@@ -46,7 +46,7 @@ fn one_token_products_match_the_scalar_twin() {
     // Per-row scales and groups; rows off the 8-row workgroup; rows of fewer chunks than a team
     // has lanes and of more.
     for (i, &(rows, cols, group)) in
-        [(1, 16, 16), (7, 64, 64), (37, 96, 32), (9, 1024, 1024), (20, 2048, 128)].iter().enumerate()
+        [(1, 32, 16), (7, 64, 64), (37, 96, 32), (9, 1024, 1024), (20, 2048, 128)].iter().enumerate()
     {
         check(&g, &k, rows, cols, group, 1, 10 + i as u64);
     }
@@ -57,7 +57,9 @@ fn chunk_products_match_the_scalar_twin() {
     let Some(g) = gpu("int8 chunk_products_match_the_scalar_twin") else { return };
     let k = Int8Product::new(&g);
     for (i, &(rows, cols, group, n)) in
-        [(1, 16, 16, 2), (5, 64, 32, 3), (64, 96, 96, 32), (70, 128, 64, 33), (130, 64, 16, 70)].iter().enumerate()
+        [(1, 32, 16, 2), (5, 64, 32, 3), (128, 96, 96, 64), (70, 128, 64, 33), (130, 64, 16, 70), (129, 32, 32, 65)]
+            .iter()
+            .enumerate()
     {
         check(&g, &k, rows, cols, group, n, 40 + i as u64);
     }
@@ -93,6 +95,7 @@ fn bad_shapes_are_errors_not_panics() {
     let Some(g) = gpu("int8 bad_shapes_are_errors_not_panics") else { return };
     let k = Int8Product::new(&g);
     assert!(matches!(g.upload_int8(&[0; 8], &[1.0], 8, 1, 8), Err(GpuError::Shape { .. })));
+    assert!(matches!(g.upload_int8(&[0; 16], &[1.0], 16, 1, 16), Err(GpuError::Shape { .. })));
     assert!(matches!(g.upload_int8(&[0; 32], &[1.0; 2], 24, 1, 32), Err(GpuError::Shape { .. })));
     assert!(matches!(g.upload_int8(&[0; 31], &[1.0], 32, 1, 32), Err(GpuError::Shape { .. })));
     let w = g.upload_int8(&[0; 64], &[1.0; 2], 32, 2, 32).unwrap();

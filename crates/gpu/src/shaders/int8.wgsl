@@ -1,7 +1,7 @@
 // int8 spine products: a [rows, cols] matrix is q [rows, cols] int8 (row-major) with one f32
 // scale per `group` consecutive elements of a row (scales [rows, cols/group]; group == cols is
-// per-row scaling). Read here as vec4<u32> chunks of 16 values; cols and group are multiples of
-// 16, so a chunk lies inside one group.
+// per-row scaling). Read here as vec4<u32> chunks of 16 values; cols is a multiple of 32 (a step of
+// the chunk kernel) and group of 16, so a chunk lies inside one group.
 //
 // matvec: out[r] = sum_c W[r, c] * x[c]            (one token; memory-bound)
 // matmat: out[t, r] = sum_c W[r, c] * xs[t, c]     (a chunk of n tokens; compute-bound)
@@ -37,102 +37,56 @@ fn scale_of(r: u32, c: u32) -> f32 {
 
 // ---- One token -----------------------------------------------------------------------------------
 
-// As MXFP4's: a team of 32 invocations per row, 8 rows per workgroup, lane l taking chunks
-// l, l + 32, ... (a team reads 512 contiguous bytes per step).
-const LANES: u32 = 32u;
-const ROWS: u32 = 8u;
-var<workgroup> partial: array<f32, 256>;
-
+// As MXFP4's: a team of 32 invocations serves 4 rows, 8 teams (32 rows) per workgroup; lane l
+// takes chunks l, l + 32, ..., loads each chunk's 16 inputs once and applies them to the chunk in
+// each of its 4 rows (a team reads 512 contiguous bytes of each row per step).
 @compute @workgroup_size(256)
 fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let row = (wid.x + wid.y * dims.groups_x) * ROWS + lid / LANES;
-    let lane = lid % LANES;
+    let row0 = (wid.x + wid.y * dims.groups_x) * ROWS + (lid / LANES) * TEAM_ROWS;
     let chunks = dims.cols / 16u;
-    var acc = 0.0;
-    if row < dims.rows {
-        for (var c = lane; c < chunks; c += LANES) {
-            let p = q[row * chunks + c];
-            let x = 4u * c;
-            let s = dot(i8x4(p.x), xs[x]) + dot(i8x4(p.y), xs[x + 1u]) + dot(i8x4(p.z), xs[x + 2u]) + dot(i8x4(p.w), xs[x + 3u]);
-            acc += s * scale_of(row, c);
+    let rows = team_rows(row0);
+    var acc = vec4<f32>(0.0);
+    for (var c = lid % LANES; c < chunks; c += LANES) {
+        let x = 4u * c;
+        let x0 = xs[x];
+        let x1 = xs[x + 1u];
+        let x2 = xs[x + 2u];
+        let x3 = xs[x + 3u];
+        for (var i = 0u; i < TEAM_ROWS; i++) {
+            let p = q[rows[i] * chunks + c];
+            let s = dot(i8x4(p.x), x0) + dot(i8x4(p.y), x1) + dot(i8x4(p.z), x2) + dot(i8x4(p.w), x3);
+            acc[i] += s * scale_of(rows[i], c);
         }
     }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var off = LANES / 2u; off > 0u; off >>= 1u) {
-        if lane < off {
-            partial[lid] += partial[lid + off];
-        }
-        workgroupBarrier();
-    }
-    if lane == 0u && row < dims.rows {
-        out[row] = partial[lid];
-    }
+    team_sum_store(lid, row0, acc);
 }
 
 // ---- A chunk of tokens ---------------------------------------------------------------------------
 
-// Tiles of 64 rows x 32 tokens, 16 columns deep: the tile's weights are widened and scaled once
-// per step into workgroup memory beside the 32 tokens' 16 inputs; each invocation accumulates
-// 4 rows x 2 tokens.
-const TR: u32 = 64u;
-const TT: u32 = 32u;
-var<workgroup> wt: array<f32, 1024>; // [16 columns][64 rows]
-var<workgroup> xt: array<f32, 512>; // [16 columns][32 tokens]
+// The shared tiles (tiles.wgsl), 32 columns (two chunks of 16) per step: invocation lid widens
+// columns 4 (lid % 8) .. +3 of the step (one word) in 4 rows, scale applied.
+fn word_of(r: u32, b: u32, kq: u32, chunks: u32) -> vec4<f32> {
+    if r >= dims.rows {
+        return vec4<f32>(0.0);
+    }
+    let c = 2u * b + kq / 4u;
+    return i8x4(q[r * chunks + c][kq % 4u]) * scale_of(r, c);
+}
 
 @compute @workgroup_size(256)
 fn matmat(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let row0 = wid.x * TR;
     let tok0 = wid.y * TT;
     let chunks = dims.cols / 16u;
-    // Loading: invocation lid widens word lid % 4 of row lid / 4's chunk; invocations below 128
-    // read input vec4 lid % 4 of token lid / 4.
-    let lr = lid / 4u;
-    let wd = lid % 4u;
-    // Computing: rows 4 * (lid / 16) .. +3, tokens 2 * (lid % 16) and the next.
-    let ty = lid / 16u;
-    let tx = lid % 16u;
-    var a0 = vec4<f32>(0.0);
-    var a1 = vec4<f32>(0.0);
-    for (var c = 0u; c < chunks; c++) {
-        var w = vec4<f32>(0.0);
-        let r = row0 + lr;
-        if r < dims.rows {
-            w = i8x4(q[r * chunks + c][wd]) * scale_of(r, c);
-        }
-        wt[(4u * wd + 0u) * TR + lr] = w.x;
-        wt[(4u * wd + 1u) * TR + lr] = w.y;
-        wt[(4u * wd + 2u) * TR + lr] = w.z;
-        wt[(4u * wd + 3u) * TR + lr] = w.w;
-        if lid < 128u {
-            var xv = vec4<f32>(0.0);
-            let t = tok0 + lr;
-            if t < dims.n {
-                xv = xs[(t * dims.cols) / 4u + 4u * c + wd];
-            }
-            xt[(4u * wd + 0u) * TT + lr] = xv.x;
-            xt[(4u * wd + 1u) * TT + lr] = xv.y;
-            xt[(4u * wd + 2u) * TT + lr] = xv.z;
-            xt[(4u * wd + 3u) * TT + lr] = xv.w;
-        }
+    let r = row0 + 4u * (lid / 8u);
+    let kq = lid % 8u;
+    var acc: array<vec4<f32>, 8>;
+    for (var b = 0u; b < dims.cols / 32u; b++) {
+        put_weights(lid, word_of(r, b, kq, chunks), word_of(r + 1u, b, kq, chunks), word_of(r + 2u, b, kq, chunks), word_of(r + 3u, b, kq, chunks));
+        put_inputs(lid, tok0, b);
         workgroupBarrier();
-        for (var k = 0u; k < 16u; k++) {
-            let wv = vec4<f32>(wt[k * TR + 4u * ty], wt[k * TR + 4u * ty + 1u], wt[k * TR + 4u * ty + 2u], wt[k * TR + 4u * ty + 3u]);
-            a0 += wv * xt[k * TT + 2u * tx];
-            a1 += wv * xt[k * TT + 2u * tx + 1u];
-        }
+        multiply_tile(lid, &acc);
         workgroupBarrier();
     }
-    let r = row0 + 4u * ty;
-    let t0 = tok0 + 2u * tx;
-    for (var i = 0u; i < 4u; i++) {
-        if r + i < dims.rows {
-            if t0 < dims.n {
-                out[t0 * dims.rows + r + i] = a0[i];
-            }
-            if t0 + 1u < dims.n {
-                out[(t0 + 1u) * dims.rows + r + i] = a1[i];
-            }
-        }
-    }
+    store_tile(lid, row0, tok0, &acc);
 }

@@ -54,116 +54,69 @@ fn hi(w: u32) -> vec4<f32> {
 
 // ---- One token -----------------------------------------------------------------------------------
 
-// A team of 32 invocations per row, 8 rows per workgroup: lane l takes blocks l, l + 32, ... of its
-// row, so a team reads 512 contiguous bytes per step; the team's sums meet in workgroup memory.
-const LANES: u32 = 32u;
-const ROWS: u32 = 8u;
-var<workgroup> partial: array<f32, 256>;
+// A team of 32 invocations serves 4 rows, 8 teams (32 rows) per workgroup: lane l takes blocks
+// l, l + 32, ... and, for each, loads the block's 32 inputs once and applies them to the block in
+// each of its 4 rows (a team reads 512 contiguous bytes of each row per step). With one row per
+// team, every 16 bytes of weights cost 128 bytes of input loads, and the H100 ran the product at
+// 0.16 of its read roof (bench-results/gpu/h100-e8872cd).
+
+fn block_dot(p: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>, x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
+    return dot(lo(p.x), x0) + dot(hi(p.x), x1) + dot(lo(p.y), x2) + dot(hi(p.y), x3)
+        + dot(lo(p.z), x4) + dot(hi(p.z), x5) + dot(lo(p.w), x6) + dot(hi(p.w), x7);
+}
 
 @compute @workgroup_size(256)
 fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let row = (wid.x + wid.y * dims.groups_x) * ROWS + lid / LANES;
-    let lane = lid % LANES;
+    let row0 = (wid.x + wid.y * dims.groups_x) * ROWS + (lid / LANES) * TEAM_ROWS;
     let nb = dims.cols / 32u;
-    var acc = 0.0;
-    if row < dims.rows {
-        for (var b = lane; b < nb; b += LANES) {
-            let blk = row * nb + b;
-            let p = packed[blk];
-            let x = b * 8u;
-            let s = dot(lo(p.x), xs[x]) + dot(hi(p.x), xs[x + 1u])
-                + dot(lo(p.y), xs[x + 2u]) + dot(hi(p.y), xs[x + 3u])
-                + dot(lo(p.z), xs[x + 4u]) + dot(hi(p.z), xs[x + 5u])
-                + dot(lo(p.w), xs[x + 6u]) + dot(hi(p.w), xs[x + 7u]);
-            acc += s * scale_of(blk);
+    let rows = team_rows(row0);
+    var acc = vec4<f32>(0.0);
+    for (var b = lid % LANES; b < nb; b += LANES) {
+        let x = b * 8u;
+        let x0 = xs[x];
+        let x1 = xs[x + 1u];
+        let x2 = xs[x + 2u];
+        let x3 = xs[x + 3u];
+        let x4 = xs[x + 4u];
+        let x5 = xs[x + 5u];
+        let x6 = xs[x + 6u];
+        let x7 = xs[x + 7u];
+        for (var i = 0u; i < TEAM_ROWS; i++) {
+            let blk = rows[i] * nb + b;
+            acc[i] += block_dot(packed[blk], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(blk);
         }
     }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var off = LANES / 2u; off > 0u; off >>= 1u) {
-        if lane < off {
-            partial[lid] += partial[lid + off];
-        }
-        workgroupBarrier();
-    }
-    if lane == 0u && row < dims.rows {
-        out[row] = partial[lid];
-    }
+    team_sum_store(lid, row0, acc);
 }
 
 // ---- A chunk of tokens ---------------------------------------------------------------------------
 
-// Tiles of 64 rows x 32 tokens, one MXFP4 block (32 columns) deep: the workgroup decodes the tile's
-// 64 blocks once (scale applied: a power of two, so exact) into workgroup memory beside the 32
-// tokens' 32 inputs, and each invocation accumulates 4 rows x 2 tokens.
-const TR: u32 = 64u;
-const TT: u32 = 32u;
-var<workgroup> wt: array<f32, 2048>; // [32 columns][64 rows]
-var<workgroup> xt: array<f32, 1024>; // [32 columns][32 tokens]
+// The shared tiles (tiles.wgsl), one MXFP4 block deep per step: invocation lid decodes columns
+// 4 (lid % 8) .. +3 of the block (half of one word: nibbles 0-3 or 4-7) in 4 rows, scale
+// applied (a power of two, so exact).
+fn block_quarter(r: u32, b: u32, kq: u32, nb: u32) -> vec4<f32> {
+    if r >= dims.rows {
+        return vec4<f32>(0.0);
+    }
+    let blk = r * nb + b;
+    let w = packed[blk][kq / 2u];
+    return select(hi(w), lo(w), kq % 2u == 0u) * scale_of(blk);
+}
 
 @compute @workgroup_size(256)
 fn matmat(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let row0 = wid.x * TR;
     let tok0 = wid.y * TT;
     let nb = dims.cols / 32u;
-    // Loading: invocation lid decodes word lid % 4 of row lid / 4, and reads input vec4 lid % 8 of
-    // token lid / 8.
-    let lr = lid / 4u;
-    let wd = lid % 4u;
-    let lt = lid / 8u;
-    let q = lid % 8u;
-    // Computing: rows 4 * (lid / 16) .. +3, tokens 2 * (lid % 16) and the next.
-    let ty = lid / 16u;
-    let tx = lid % 16u;
-    var a0 = vec4<f32>(0.0);
-    var a1 = vec4<f32>(0.0);
+    let r = row0 + 4u * (lid / 8u);
+    let kq = lid % 8u;
+    var acc: array<vec4<f32>, 8>;
     for (var b = 0u; b < nb; b++) {
-        var wlo = vec4<f32>(0.0);
-        var whi = vec4<f32>(0.0);
-        let r = row0 + lr;
-        if r < dims.rows {
-            let blk = r * nb + b;
-            let word = packed[blk][wd];
-            let s = scale_of(blk);
-            wlo = lo(word) * s;
-            whi = hi(word) * s;
-        }
-        let k = 8u * wd;
-        wt[(k + 0u) * TR + lr] = wlo.x;
-        wt[(k + 1u) * TR + lr] = wlo.y;
-        wt[(k + 2u) * TR + lr] = wlo.z;
-        wt[(k + 3u) * TR + lr] = wlo.w;
-        wt[(k + 4u) * TR + lr] = whi.x;
-        wt[(k + 5u) * TR + lr] = whi.y;
-        wt[(k + 6u) * TR + lr] = whi.z;
-        wt[(k + 7u) * TR + lr] = whi.w;
-        var xv = vec4<f32>(0.0);
-        let t = tok0 + lt;
-        if t < dims.n {
-            xv = xs[(t * dims.cols + b * 32u) / 4u + q];
-        }
-        xt[(4u * q + 0u) * TT + lt] = xv.x;
-        xt[(4u * q + 1u) * TT + lt] = xv.y;
-        xt[(4u * q + 2u) * TT + lt] = xv.z;
-        xt[(4u * q + 3u) * TT + lt] = xv.w;
+        put_weights(lid, block_quarter(r, b, kq, nb), block_quarter(r + 1u, b, kq, nb), block_quarter(r + 2u, b, kq, nb), block_quarter(r + 3u, b, kq, nb));
+        put_inputs(lid, tok0, b);
         workgroupBarrier();
-        for (var c = 0u; c < 32u; c++) {
-            let w = vec4<f32>(wt[c * TR + 4u * ty], wt[c * TR + 4u * ty + 1u], wt[c * TR + 4u * ty + 2u], wt[c * TR + 4u * ty + 3u]);
-            a0 += w * xt[c * TT + 2u * tx];
-            a1 += w * xt[c * TT + 2u * tx + 1u];
-        }
+        multiply_tile(lid, &acc);
         workgroupBarrier();
     }
-    let r = row0 + 4u * ty;
-    let t0 = tok0 + 2u * tx;
-    for (var i = 0u; i < 4u; i++) {
-        if r + i < dims.rows {
-            if t0 < dims.n {
-                out[t0 * dims.rows + r + i] = a0[i];
-            }
-            if t0 + 1u < dims.n {
-                out[(t0 + 1u) * dims.rows + r + i] = a1[i];
-            }
-        }
-    }
+    store_tile(lid, row0, tok0, &acc);
 }
