@@ -3,6 +3,7 @@
 //! same run, each product's outputs checked against the CPU's scalar twin on the same inputs.
 
 use anyhow::{Context, Result};
+use deltafin_gpu::expert::{ExpertProgram, GpuExpert, Situ};
 use deltafin_gpu::int8::Int8Product;
 use deltafin_gpu::mxfp4::Mxfp4Product;
 use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps, time_rounds};
@@ -236,6 +237,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         );
         rows_out.push(row);
     }
+    rows_out.extend(expert_rows(&gpu, software, secs, mem, fma)?);
     let a = gpu.adapter();
     let out = json!({
         "device": "gpu",
@@ -248,4 +250,79 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     Ok(())
+}
+
+/// Whole routed experts (gate and up, SiTU, down): a layer's 16 for one token, as decode runs
+/// them (16 experts' four dispatches in one pass), and one expert for chunks of tokens. Checked
+/// against `scalar::expert_mxfp4` on the first token's first 16 outputs.
+fn expert_rows(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> Result<Vec<Value>> {
+    let program = ExpertProgram::new(gpu);
+    let situ = Situ { beta: 4.0, linear_beta: Some(25.0) };
+    let (inter, latent) = if software { (INTER / 8, LATENT / 8) } else { (INTER, LATENT) };
+    let experts = if software { 2 } else { TOP_K };
+    let n_mat = inter * latent;
+    let mat = |s: u64| (bytes(n_mat / 2, s), scales(n_mat / BLOCK, s + 1, 118, 8));
+    let hosts: Vec<[(Vec<u8>, Vec<u8>); 3]> =
+        (0..experts as u64).map(|e| [mat(50 + 3 * e), mat(51 + 3 * e), mat(52 + 3 * e)]).collect();
+    let on_gpu: Vec<GpuExpert> = hosts
+        .iter()
+        .map(|h| GpuExpert::upload(gpu, (&h[0].0, &h[0].1), (&h[1].0, &h[1].1), (&h[2].0, &h[2].1), inter, latent))
+        .collect::<Result<_, _>>()?;
+    let mut rows = Vec::new();
+    let chunks: &[usize] = if software { &[1, 32] } else { &[1, 256, 1024] };
+    for &n in chunks {
+        let xs: Vec<f32> = bytes(n * latent, 77).iter().map(|&b| (f32::from(b) - 127.5) / 128.0).collect();
+        let xg = gpu.upload_f32(&xs)?;
+        // One token: every expert of the layer; a chunk: one expert (a prompt's experts each
+        // see their share of the chunk's tokens).
+        let used = if n == 1 { experts } else { 1 };
+        let bound: Vec<_> =
+            on_gpu[..used].iter().map(|e| program.bind(gpu, e, &xg, n, situ)).collect::<Result<_, _>>()?;
+        let per = time_rounds(gpu, secs, |pass| bound.iter().for_each(|b| program.encode(pass, b)))?;
+        let got = gpu.read_f32(&bound[0].out)?;
+        let h = &hosts[0];
+        let mx = |i: usize| deltafin_kernels::expert::Mxfp4 { packed: &h[i].0, scales: &h[i].1 };
+        let (mut act, mut want) = (vec![0f32; inter], vec![0f32; latent]);
+        deltafin_kernels::scalar::expert_mxfp4(
+            mx(0),
+            mx(1),
+            mx(2),
+            inter,
+            latent,
+            &xs[..latent],
+            situ.beta,
+            situ.linear_beta,
+            &mut act,
+            &mut want,
+        );
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        let err = (0..16).map(|r| f64::from((got[r] - want[r]).abs() / scale)).fold(0.0, f64::max);
+        let flops: f64 = bound.iter().map(|b| b.flops).sum();
+        let wbytes: f64 = bound.iter().map(|b| b.weight_bytes).sum();
+        let floor = (wbytes / (mem * 1e9)).max(flops / (fma * 1e9));
+        let name = if n == 1 {
+            format!("expert (gate+up, SiTU, down): {used} experts, one token")
+        } else {
+            "expert (gate+up, SiTU, down): one expert, a chunk".into()
+        };
+        eprintln!(
+            "{name} [{inter} x {latent}] x {n} tokens: {:.3} ms, {:.1} GB/s of weights ({:.2} of read roof), {:.0} GFLOP/s ({:.2} of FMA roof), {:.2} of its floor; max error vs scalar {:.1e} of the largest output",
+            per * 1e3,
+            wbytes / per / 1e9,
+            wbytes / per / 1e9 / mem,
+            flops / per / 1e9,
+            flops / per / 1e9 / fma,
+            floor / per,
+            err
+        );
+        rows.push(json!({
+            "name": name, "shape": [inter, latent], "tokens": n, "experts": used,
+            "seconds": per, "weight_gbps": wbytes / per / 1e9, "gflops": flops / per / 1e9,
+            "of_read_roof": wbytes / per / 1e9 / mem, "of_fma_roof": flops / per / 1e9 / fma,
+            "floor_seconds": floor, "fraction_of_floor": floor / per,
+            "bound": if wbytes / (mem * 1e9) > flops / (fma * 1e9) { "memory" } else { "compute (FMA)" },
+            "max_rel_err_vs_scalar": err,
+        }));
+    }
+    Ok(rows)
 }

@@ -1,0 +1,105 @@
+//! A routed expert on the GPU (gate and up products, SiTU, down product) against its CPU scalar
+//! twin `deltafin_kernels::scalar::expert_mxfp4`, token by token, on whatever adapter opens
+//! (`common`).
+
+use deltafin_gpu::expert::{ExpertProgram, GpuExpert, Situ};
+use deltafin_gpu::{Gpu, GpuError};
+use deltafin_kernels::format::{BLOCK, Mxfp4, mxfp4_decode_row};
+use deltafin_kernels::scalar::expert_mxfp4;
+use deltafin_kernels::testdata::{bytes, scales};
+
+mod common;
+use common::gpu;
+
+struct HostExpert {
+    m: [(Vec<u8>, Vec<u8>); 3],
+}
+
+impl HostExpert {
+    /// w1, w3 `[inter, latent]`, w2 `[latent, inter]`; scales wide enough that some gates
+    /// saturate SiTU's tanh and sigmoid.
+    fn new(inter: usize, latent: usize, seed: u64) -> Self {
+        let n = inter * latent;
+        let mat = |s: u64| (bytes(n / 2, s), scales(n / BLOCK, s + 1, 120, 10));
+        HostExpert { m: [mat(seed), mat(seed + 10), mat(seed + 20)] }
+    }
+    fn mx(&self, i: usize) -> Mxfp4<'_> {
+        Mxfp4 { packed: &self.m[i].0, scales: &self.m[i].1 }
+    }
+}
+
+fn check(g: &Gpu, p: &ExpertProgram, inter: usize, latent: usize, n: usize, situ: Situ, seed: u64) {
+    let h = HostExpert::new(inter, latent, seed);
+    let e = GpuExpert::upload(g, (&h.m[0].0, &h.m[0].1), (&h.m[1].0, &h.m[1].1), (&h.m[2].0, &h.m[2].1), inter, latent)
+        .unwrap();
+    let xs: Vec<f32> = bytes(n * latent, seed + 3).iter().map(|&b| (f32::from(b) - 127.5) / 32.0).collect();
+    let xg = g.upload_f32(&xs).unwrap();
+    let b = p.bind(g, &e, &xg, n, situ).unwrap();
+    p.run(g, &b).unwrap();
+    let got = g.read_f32(&b.out).unwrap();
+    let (mut act, mut want) = (vec![0f32; inter], vec![0f32; latent]);
+    let mut w2 = vec![0f32; inter];
+    for t in 0..n {
+        expert_mxfp4(
+            h.mx(0),
+            h.mx(1),
+            h.mx(2),
+            inter,
+            latent,
+            &xs[t * latent..(t + 1) * latent],
+            situ.beta,
+            situ.linear_beta,
+            &mut act,
+            &mut want,
+        );
+        for r in 0..latent {
+            mxfp4_decode_row(
+                &h.m[2].0[r * inter / 2..(r + 1) * inter / 2],
+                &h.m[2].1[r * inter / BLOCK..(r + 1) * inter / BLOCK],
+                &mut w2,
+            );
+            // The down product's terms, each carrying the activation's error (products in
+            // another order, the GPU's tanh and exp): 2e-5 of their magnitude.
+            let mag: f32 = w2.iter().zip(&act).map(|(a, b)| (a * b).abs()).sum();
+            let v = got[t * latent + r];
+            assert!(
+                (v - want[r]).abs() <= 2e-5 * mag + 1e-30,
+                "expert {inter} x {latent}, {n} tokens, {situ:?}: token {t} row {r}: gpu {v} cpu {} (|w2 act| sum {mag})",
+                want[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn experts_match_the_scalar_twin() {
+    let Some(g) = gpu("experts_match_the_scalar_twin") else { return };
+    let p = ExpertProgram::new(&g);
+    // One token and chunks, off and across the tiles; SiTU with and without its linear bound.
+    for (i, &(inter, latent, n)) in [(64, 96, 1), (96, 64, 1), (64, 96, 3), (160, 64, 70)].iter().enumerate() {
+        for situ in [Situ { beta: 4.0, linear_beta: Some(25.0) }, Situ { beta: 4.0, linear_beta: None }] {
+            check(&g, &p, inter, latent, n, situ, 7 + 31 * i as u64);
+        }
+    }
+}
+
+#[test]
+fn mismatched_expert_shapes_are_errors() {
+    let Some(g) = gpu("mismatched_expert_shapes_are_errors") else { return };
+    let p = ExpertProgram::new(&g);
+    let m = |r: usize, c: usize| (vec![0u8; r * c / 2], vec![127u8; r * c / BLOCK]);
+    let (a, b) = (m(64, 32), m(64, 32));
+    // A w2 of the wrong size does not upload.
+    let c = m(64, 64);
+    let e = GpuExpert::upload(&g, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), 64, 32);
+    assert!(matches!(e, Err(GpuError::Shape { .. })), "a w2 of the wrong size uploads");
+    // Matrices of the right sizes in the wrong shapes do not bind: w2 must be [latent, inter].
+    let up = |p: &(Vec<u8>, Vec<u8>), r, c| g.upload_mxfp4(&p.0, &p.1, r, c).unwrap();
+    let x = g.upload_f32(&[0.0; 32]).unwrap();
+    let wrong = GpuExpert { w1: up(&a, 64, 32), w3: up(&b, 64, 32), w2: up(&a, 64, 32) };
+    assert!(matches!(p.bind(&g, &wrong, &x, 1, Situ { beta: 4.0, linear_beta: None }), Err(GpuError::Shape { .. })));
+    let c = m(32, 64);
+    let e = GpuExpert::upload(&g, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), 64, 32).unwrap();
+    assert!(p.bind(&g, &e, &x, 1, Situ { beta: 4.0, linear_beta: None }).is_ok());
+    assert!(matches!(p.bind(&g, &e, &x, 2, Situ { beta: 4.0, linear_beta: None }), Err(GpuError::Shape { .. })));
+}
