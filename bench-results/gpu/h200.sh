@@ -5,7 +5,7 @@
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 # deltafin-base (optional): an earlier build, run in turn with this one (A/B on one machine).
-mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8; do
+mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert; do
   [ -f .devbin/$b.gz ] && gunzip -c .devbin/$b.gz > /tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
@@ -14,7 +14,7 @@ fi
 export XDG_RUNTIME_DIR=/tmp
 # At most 8 files come back: the JSONs, one log of the tests (with nvidia-smi) and one of the benches.
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv > "$OUT/gpu-tests.log" 2>&1
-for t in mxfp4 int8; do
+for t in mxfp4 int8 expert; do
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
