@@ -1,13 +1,14 @@
 //! `deltafin bench --kernels --device gpu`: the GPU's MXFP4 products at Kimi K3's expert shapes
-//! and its int8 spine products at K3's largest spine shape, one token and chunks of tokens, beside the GPU's read bandwidth and FMA rate measured in the
+//! and its int8 and bf16 spine products at K3's largest spine shape, one token and chunks of tokens, beside the GPU's read bandwidth and FMA rate measured in the
 //! same run, each product's outputs checked against the CPU's scalar twin on the same inputs.
 
 use anyhow::{Context, Result};
+use deltafin_gpu::dense::DenseProduct;
 use deltafin_gpu::expert::{ExpertProgram, GpuExpert, Situ};
 use deltafin_gpu::int8::Int8Product;
 use deltafin_gpu::mxfp4::Mxfp4Product;
 use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps, time_rounds};
-use deltafin_gpu::{BoundProduct, Gpu, GpuOptions, GpuVec};
+use deltafin_gpu::{BoundProduct, DenseValues, Gpu, GpuOptions, GpuVec};
 use deltafin_kernels::format::{BLOCK, mxfp4_decode_row};
 use deltafin_kernels::testdata::{bytes, scales};
 use serde_json::{Value, json};
@@ -23,6 +24,7 @@ const SPINE: (usize, usize) = (12288, 7168);
 enum Format {
     Mxfp4,
     Int8,
+    Bf16,
 }
 
 struct Case {
@@ -69,6 +71,10 @@ fn cases(software: bool) -> Vec<Case> {
         let name = if n == 1 { "int8 one token: KDA q_proj, row scales" } else { "int8 chunk: KDA q_proj, row scales" };
         v.push(Case { name: name.into(), format: Format::Int8, rows: spine_rows, cols: SPINE.1, tokens: n });
     }
+    for &n in [1].iter().chain(&chunks[..1]) {
+        let name = if n == 1 { "bf16 one token: KDA q_proj" } else { "bf16 chunk: KDA q_proj" };
+        v.push(Case { name: name.into(), format: Format::Bf16, rows: spine_rows, cols: SPINE.1, tokens: n });
+    }
     v
 }
 
@@ -76,6 +82,7 @@ fn cases(software: bool) -> Vec<Case> {
 enum Host {
     Mxfp4(Vec<u8>, Vec<u8>),
     Int8(Vec<i8>, Vec<f32>),
+    Bf16(Vec<u16>),
 }
 
 impl Host {
@@ -87,6 +94,13 @@ impl Host {
             Format::Int8 => Host::Int8(
                 bytes(c.rows * c.cols, seed).into_iter().map(|b| b as i8).collect(),
                 bytes(c.rows, seed + 5).into_iter().map(|b| (f32::from(b) + 1.0) / 8192.0).collect(),
+            ),
+            // Finite values of either sign, exponents near 1 (random bits would be NaNs at times).
+            Format::Bf16 => Host::Bf16(
+                bytes(c.rows * c.cols, seed)
+                    .iter()
+                    .map(|&b| 0x3c00 | (u16::from(b) & 0x80) << 8 | u16::from(b) & 0x7f)
+                    .collect(),
             ),
         }
     }
@@ -101,6 +115,10 @@ impl Host {
             Host::Int8(q, s) => {
                 w.iter_mut().zip(&q[r * cols..(r + 1) * cols]).for_each(|(o, &v)| *o = f32::from(v) * s[r])
             }
+            Host::Bf16(b) => w
+                .iter_mut()
+                .zip(&b[r * cols..(r + 1) * cols])
+                .for_each(|(o, &v)| *o = f32::from_bits(u32::from(v) << 16)),
         }
     }
 
@@ -126,6 +144,7 @@ impl Host {
                 x,
                 &mut out,
             ),
+            Host::Bf16(b) => deltafin_kernels::scalar::bf16_matvec(&b[r * cols..(r + 1) * cols], 1, cols, x, &mut out),
         }
         out[0]
     }
@@ -166,6 +185,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
     eprintln!("roofs: read {mem:.1} GB/s, FMA {fma:.0} GFLOP/s");
     let mxfp4 = Mxfp4Product::new(&gpu);
     let int8 = Int8Product::new(&gpu);
+    let dense = DenseProduct::new(&gpu);
     let mut rows_out: Vec<Value> = Vec::new();
     for (i, c) in cases(software).iter().enumerate() {
         let seed = 1000 + 10 * i as u64;
@@ -174,6 +194,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         let one = match c.format {
             Format::Mxfp4 => c.rows * c.cols / 2 + c.rows * c.cols / BLOCK,
             Format::Int8 => c.rows * c.cols,
+            Format::Bf16 => c.rows * c.cols * 2,
         };
         let copies: usize = if one < (256 << 20) { 2 } else { 1 };
         let hosts: Vec<Host> = (0..copies).map(|k| Host::make(c, seed + 100 * k as u64)).collect();
@@ -183,6 +204,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         // Upload each copy and bind it; the uploaded matrices live as long as their bindings.
         let mut keep_mx = Vec::new();
         let mut keep_i8 = Vec::new();
+        let mut keep_dense = Vec::new();
         let mut bound: Vec<BoundProduct> = Vec::new();
         for (h, o) in hosts.iter().zip(&outs) {
             match h {
@@ -198,6 +220,13 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
                     bound.push(int8.bind(&gpu, &w, &xg, c.tokens, o)?);
                     keep_i8.push(w);
                 }
+                Host::Bf16(b) => {
+                    let w = gpu
+                        .upload_dense(DenseValues::Bf16(b), c.rows, c.cols)
+                        .with_context(|| format!("uploading {}", c.name))?;
+                    bound.push(dense.bind(&gpu, &w, &xg, c.tokens, o)?);
+                    keep_dense.push(w);
+                }
             }
         }
         let mut k = 0usize;
@@ -205,6 +234,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
             match c.format {
                 Format::Mxfp4 => mxfp4.encode(pass, &bound[k % copies]),
                 Format::Int8 => int8.encode(pass, &bound[k % copies]),
+                Format::Bf16 => dense.encode(pass, &bound[k % copies]),
             }
             k += 1;
         })?;

@@ -53,6 +53,28 @@ impl GpuInt8 {
     }
 }
 
+/// A dense matrix's values on the host: bf16 as raw bits, or f32.
+#[derive(Clone, Copy)]
+pub enum DenseValues<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+/// A dense bf16 or f32 matrix in GPU memory. Shapes: `[rows, cols]`, row-major.
+pub struct GpuDense {
+    pub(crate) w: wgpu::Buffer,
+    pub rows: usize,
+    pub cols: usize,
+    /// Bytes per value: 2 (bf16) or 4 (f32).
+    pub width: usize,
+}
+
+impl GpuDense {
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.width
+    }
+}
+
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
 
 impl Gpu {
@@ -175,6 +197,28 @@ impl Gpu {
             cols,
             group,
         })
+    }
+
+    /// Upload a dense matrix of bf16 values (raw bits) or f32 values. Shapes: `[rows, cols]`,
+    /// `cols` a multiple of 32 (a step of the chunk kernel).
+    pub fn upload_dense(&self, w: DenseValues<'_>, rows: usize, cols: usize) -> Result<GpuDense, GpuError> {
+        let what = "a dense matrix";
+        let (len, width) = match w {
+            DenseValues::Bf16(v) => (v.len(), 2),
+            DenseValues::F32(v) => (v.len(), 4),
+        };
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(32) || len != rows * cols {
+            return Err(GpuError::Shape {
+                what,
+                why: format!("{rows} x {cols} (cols a positive multiple of 32) from {len} values"),
+            });
+        }
+        self.check_size(what, len * width)?;
+        let bytes: Vec<u8> = match w {
+            DenseValues::Bf16(v) => v.iter().flat_map(|b| b.to_le_bytes()).collect(),
+            DenseValues::F32(v) => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
+        };
+        Ok(GpuDense { w: self.storage("dense", &bytes), rows, cols, width })
     }
 
     /// Read an f32 vector back to the host (waits for everything submitted before).

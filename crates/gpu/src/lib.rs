@@ -4,24 +4,26 @@
 //! What is here so far: opening an adapter ([`Gpu::open`], which says why when none will do),
 //! matrices and vectors in GPU memory, the MXFP4 expert products for one token and for a chunk
 //! of tokens, with the E2M1 values and E8M0 scales decoded in the shader ([`mxfp4`]), the int8
-//! spine products likewise ([`int8`]), a routed expert with SiTU between its products
-//! ([`expert`]), and the GPU's own roofs, read bandwidth and FMA rate ([`roofline`]), which
+//! spine products likewise ([`int8`]) and the bf16 and f32 ones ([`dense`]), a routed expert with
+//! SiTU between its products ([`expert`]), RMSNorm and softmax over rows ([`ops`]), and the GPU's own roofs, read bandwidth and FMA rate ([`roofline`]), which
 //! `deltafin bench --kernels --device gpu` judges the products against. Every shader is tested
 //! against its CPU scalar twin (`deltafin_kernels::scalar`), in CI on Mesa's software Vulkan
 //! driver (llvmpipe). The model does not run on the GPU yet.
 //!
 //! Layers: `device` (adapter and device) <- `buffers` <- `product` (what the products share)
-//! <- `mxfp4`, `int8` <- `expert`; `roofline` beside them.
+//! <- `mxfp4`, `int8`, `dense` <- `expert`; `ops` and `roofline` beside them.
 
 mod buffers;
+pub mod dense;
 mod device;
 pub mod expert;
 pub mod int8;
 pub mod mxfp4;
+pub mod ops;
 mod product;
 pub mod roofline;
 
-pub use buffers::{GpuInt8, GpuMxfp4, GpuVec};
+pub use buffers::{DenseValues, GpuDense, GpuInt8, GpuMxfp4, GpuVec};
 pub use device::{AdapterSummary, Gpu, GpuOptions};
 pub use product::BoundProduct;
 
