@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 28 on the lent H200 (device tool): the GPU kernels' rooflines and their parity with the
 # CPU's scalar twin. Carries .gl (the Vulkan loader's Debian packages, see the device README) and
-# .devbin (stripped, gzipped release builds of deltafin and of crates/gpu's test binaries).
+# .devbin (stripped, xz-compressed release builds of deltafin and of crates/gpu's test binaries).
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$1"; fi; }
 # deltafin-base (optional): an earlier build, run in turn with this one (A/B on one machine).
-mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert; do
-  [ -f .devbin/$b.gz ] && gunzip -c .devbin/$b.gz > /tmp/bin/$b && chmod +x /tmp/bin/$b
+mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert gpu-tests-dense_ops; do
+  [ -f .devbin/$b.xz ] && unxz .devbin/$b.xz > /tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
@@ -14,7 +15,7 @@ fi
 export XDG_RUNTIME_DIR=/tmp
 # At most 8 files come back: the JSONs, one log of the tests (with nvidia-smi) and one of the benches.
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv > "$OUT/gpu-tests.log" 2>&1
-for t in mxfp4 int8 expert; do
+for t in mxfp4 int8 expert dense_ops; do
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
