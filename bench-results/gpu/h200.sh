@@ -20,11 +20,26 @@ for t in mxfp4 int8 expert dense_ops; do
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
 bins=(deltafin); [ -x /tmp/bin/deltafin-base ] && bins=(deltafin-base deltafin)
-for r in 1 2 3; do
+for r in $(seq 1 "${ROUNDS:-3}"); do
   for b in "${bins[@]}"; do
     echo "== $b, run $r" >> "$OUT/bench.log"
     /tmp/bin/$b bench --kernels --device gpu --kernel-seconds ${SECS:-1} --json > "$OUT/$b-run$r.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
   done
 done
+# MODEL=1: the model on a store made here (k3-real4: KDA x3 + MLA, 64 experts of 17.5 MB, K3's
+# real spine), its routed experts on the CPU's cores and on the GPU: decode at a context of 1,000
+# (warm: experts cached) and a 512-token prompt (cold). With ROUNDS=1 the files fit the 8 that
+# come back.
+if [ "${MODEL:-0}" = 1 ]; then
+  /tmp/bin/deltafin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out /tmp/k3-real4 >> "$OUT/bench.log" 2>&1
+  for dev in cpu gpu; do
+    echo "== model, experts on $dev: decode" >> "$OUT/bench.log"
+    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs 2 --context-fill 1000 --warm --max-tokens 8 --device $dev --json > "$OUT/decode-$dev.json" 2>> "$OUT/bench.log"
+    echo "bench rc=$?" >> "$OUT/bench.log"
+    echo "== model, experts on $dev: prompt" >> "$OUT/bench.log"
+    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs 2 --prompt-length 512 --max-tokens 3 --device $dev --json > "$OUT/prompt-$dev.json" 2>> "$OUT/bench.log"
+    echo "bench rc=$?" >> "$OUT/bench.log"
+  done
+fi
 cat "$OUT/gpu-tests.log" "$OUT/bench.log"

@@ -154,6 +154,8 @@ def test_chat_raw_json_has_fingerprint_and_deltafin_block(default_server):
     assert t["prompt_n"] + t["prompt_cached_n"] == body["usage"]["prompt_tokens"]
     assert t["predicted_n"] == body["usage"]["completion_tokens"] - 1
     assert isinstance(body.get("deltafin"), dict) and "numerics" in body["deltafin"]
+    # Where the routed experts computed (`serve --device`; the CPU by default).
+    assert body["deltafin"]["device"] == "cpu"
 
 
 def test_greedy_chat_is_deterministic(openai_client):

@@ -12,13 +12,7 @@ use deltafin_engine::stream::probe::raw_read_bandwidth;
 use deltafin_store::Store;
 use serde_json::{Value, json};
 
-use crate::run::ModelArgs;
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum KernelDevice {
-    Cpu,
-    Gpu,
-}
+use crate::run::{Device, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -28,14 +22,6 @@ pub struct BenchArgs {
     /// Seconds per kernel measurement (with --kernels).
     #[arg(long, default_value_t = 0.5)]
     pub kernel_seconds: f64,
-    /// Where the kernels of --kernels run: the CPU's, or the GPU's (WGSL on Vulkan, Metal or
-    /// DirectX 12). The model itself runs on the CPU only so far.
-    #[arg(long, value_enum, default_value_t = KernelDevice::Cpu)]
-    pub device: KernelDevice,
-    /// With --device gpu: the adapter whose name contains this (case-insensitive); a CPU-type
-    /// adapter such as Mesa's llvmpipe is taken only when named here.
-    #[arg(long, value_name = "NAME")]
-    pub gpu_adapter: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Runs, each in a fresh process.
@@ -167,13 +153,12 @@ fn git_commit() -> Option<String> {
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     if a.kernels {
-        return match a.device {
-            KernelDevice::Cpu => crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds),
-            KernelDevice::Gpu => crate::gpu_kernel_bench::gpu_kernel_bench(a.json, a.kernel_seconds, a.gpu_adapter),
+        return match a.model.device {
+            Device::Cpu => crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds),
+            Device::Gpu => {
+                crate::gpu_kernel_bench::gpu_kernel_bench(a.json, a.kernel_seconds, a.model.gpu_adapter.clone())
+            }
         };
-    }
-    if a.device == KernelDevice::Gpu {
-        bail!("--device gpu runs the kernels (--kernels) so far: the model itself runs on the CPU only");
     }
     let m = &a.model;
     let store_dir = m.store_path()?.to_path_buf();
@@ -248,6 +233,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     if m.approx {
         gen_args.push("--approx".into());
+    }
+    if m.device == Device::Gpu {
+        gen_args.extend(["--device".into(), "gpu".into()]);
+        if let Some(name) = &m.gpu_adapter {
+            gen_args.extend(["--gpu-adapter".into(), name.clone()]);
+        }
     }
     if a.warm {
         gen_args.extend(["--repeat".into(), "2".into()]);
@@ -654,6 +645,9 @@ impl Acc {
             "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
             "per_run": self.runs,
         });
+        // Where the routed experts computed (the literal above is at serde_json's macro depth).
+        out["device"] = first["device"].clone();
+        out["adapter"] = first["adapter"].clone();
         if let Some(o) = out.as_object_mut() {
             for part in [prefill, decode, disk] {
                 if let Value::Object(p) = part {

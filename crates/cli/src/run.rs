@@ -19,6 +19,12 @@ use deltafin_text::tokenizer::Tokenizer;
 
 use crate::chat_turn::{chat_conversation, chat_prompt, chat_turn};
 
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
     /// Deltafin store directory (made by `deltafin convert`, `deltafin install` or `deltafin
@@ -72,6 +78,15 @@ pub struct ModelArgs {
     /// every output says so).
     #[arg(long)]
     pub approx: bool,
+    /// Where the routed experts compute: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12; each
+    /// record is uploaded as it arrives). With no usable adapter, gpu is an error that says
+    /// why. The spine runs on the CPU either way so far. With `bench --kernels`: whose kernels.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// With --device gpu: the adapter whose name contains this (case-insensitive); a CPU-type
+    /// adapter such as Mesa's llvmpipe is taken only when named here.
+    #[arg(long, value_name = "NAME")]
+    pub gpu_adapter: Option<String>,
     /// Never touch the network: on a streaming store (`install --mode stream`), an expert not
     /// fetched yet is an error that says how to fetch it.
     #[arg(long)]
@@ -123,6 +138,8 @@ impl ModelArgs {
             fetcher: None,
             log_reads: false,
             load_progress: None,
+            gpu: (self.device == Device::Gpu)
+                .then(|| deltafin_gpu::GpuOptions { allow_software: false, name: self.gpu_adapter.clone() }),
         })
     }
 
@@ -163,6 +180,9 @@ impl ModelArgs {
         }
         if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
+        }
+        if let Some(a) = session.adapter() {
+            eprintln!("routed experts on the GPU: {a}");
         }
         Ok((store, session))
     }
@@ -432,6 +452,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": s.numerics(),
             "approximate": s.model.run().approx,
+            "device": s.device(),
+            "adapter": s.adapter(),
             "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
@@ -555,14 +577,14 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         w.flush().with_context(|| format!("writing {}", path.display()))?;
         println!(
             "{}",
-            serde_json::json!({ "positions": a.prompt_tokens.len(), "vocab": vocab, "dtype": "f32-le", "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx })
+            serde_json::json!({ "positions": a.prompt_tokens.len(), "vocab": vocab, "dtype": "f32-le", "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx, "device": s.device(), "adapter": s.adapter() })
         );
         return Ok(());
     }
     let g = generate_with(&s.model, &mut s.experts, &a.prompt_tokens, 0, None, GenerateHooks::default())?;
     println!(
         "{}",
-        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx })
+        serde_json::json!({ "logits": g.prompt_logits, "model": s.variant(), "numerics": s.numerics(), "approximate": s.model.run().approx, "device": s.device(), "adapter": s.adapter() })
     );
     Ok(())
 }

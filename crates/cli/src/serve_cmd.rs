@@ -159,6 +159,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         vocab: cfg.vocab_size,
         numerics: numerics.into(),
         approx: run_opts.approx,
+        device: if run_opts.gpu.is_some() { "gpu" } else { "cpu" }.into(),
     };
     if a.state_dir.is_some() && a.no_prefix_cache {
         anyhow::bail!("--state-dir keeps prompt states for reuse: it cannot go with --no-prefix-cache");
@@ -200,6 +201,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         eprintln!("{}\n  {}", session.plan.describe(), deltafin_engine::os::cpus::report());
         if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
+        }
+        if let Some(a) = session.adapter() {
+            eprintln!("routed experts on the GPU: {a}");
         }
         Ok(session)
     })

@@ -250,6 +250,8 @@ pub fn generate_streams(a: &GenerateArgs, n: usize) -> Result<()> {
             "spine_dtype": store.manifest.spine.matrix_dtype,
             "numerics": s.numerics(),
             "approximate": s.model.run().approx,
+            "device": s.device(),
+            "adapter": s.adapter(),
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),
             // What `bench` reads of one run, here per decode step (one token of every stream),

@@ -1,6 +1,6 @@
-//! `deltafin bench --kernels --device gpu` end to end on Mesa's llvmpipe (named, as a CPU-type
-//! adapter must be), and `--device gpu`'s errors: no adapter by that name, and the model, which
-//! does not run on the GPU yet. Without a Vulkan driver the llvmpipe test reports SKIPPED,
+//! `--device gpu` end to end on Mesa's llvmpipe (named, as a CPU-type adapter must be): the
+//! kernel bench, the model with its routed experts on the GPU against the upstream reference, and
+//! the errors: no adapter by that name, `--approx` with the GPU. Without a Vulkan driver the llvmpipe test reports SKIPPED,
 //! unless DELTAFIN_REQUIRE_GPU=1 (scripts/test.sh sets it after installing the driver).
 
 use std::process::{Command, Output};
@@ -48,14 +48,100 @@ fn gpu_kernel_bench_reports_the_adapter_roofs_and_parity() {
     }
 }
 
+/// The routed experts on the GPU (llvmpipe) against the upstream reference: logits within 1e-3
+/// relative with an f32 spine, and the same 12-token greedy continuation; outputs name the device.
+#[test]
+fn experts_on_the_gpu_match_the_reference() {
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("k3-small").join("reference.json")).unwrap()).unwrap();
+    let p = &reference["prompts"][1];
+    let ids: Vec<String> = p["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+    let ids = ids.join(",");
+    let gpu = ["--device", "gpu", "--gpu-adapter", "llvmpipe"];
+    let mut args = vec!["logits", "--model", s, "--prompt-tokens", &ids];
+    args.extend(gpu);
+    let o = run(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    if !o.status.success()
+        && err.contains("no usable GPU adapter")
+        && std::env::var("DELTAFIN_REQUIRE_GPU").as_deref() != Ok("1")
+    {
+        eprintln!("SKIPPED: {err}");
+        return;
+    }
+    assert!(o.status.success(), "logits --device gpu failed: {err}");
+    assert!(err.contains("routed experts on the GPU: llvmpipe"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["device"], "gpu");
+    assert!(v["adapter"].as_str().unwrap().contains("llvmpipe"));
+    let got: Vec<f64> = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let want: Vec<f64> = p["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(got.len(), want.len());
+    let d = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    let scale = want.iter().fold(0f64, |m, b| m.max(b.abs()));
+    assert!(d / scale < 1e-3, "rel err {}", d / scale);
+    let mut args =
+        vec!["generate", "--model", s, "--prompt-tokens", &ids, "--max-tokens", "12", "--json", "--ignore-eos"];
+    args.extend(gpu);
+    let o = run(&args);
+    assert!(o.status.success(), "generate --device gpu failed: {}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], p["greedy"]);
+    assert_eq!(v["device"], "gpu");
+}
+
 #[test]
 fn device_gpu_errors_say_why() {
     let o = run(&["bench", "--kernels", "--device", "gpu", "--gpu-adapter", "no-such-adapter-7f3a"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && !err.contains("panicked"), "{err}");
     assert!(err.contains("no usable GPU adapter named like \"no-such-adapter-7f3a\""), "{err}");
-    let o = run(&["bench", "--device", "gpu", "--model", "/nonexistent"]);
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let o = run(&[
+        "generate",
+        "--model",
+        s,
+        "--prompt-tokens",
+        "1,2",
+        "--max-tokens",
+        "3",
+        "--device",
+        "gpu",
+        "--gpu-adapter",
+        "no-such-adapter-7f3a",
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && !err.contains("panicked"), "{err}");
-    assert!(err.contains("--device gpu runs the kernels (--kernels) so far"), "{err}");
+    assert!(err.contains("no usable GPU adapter named like \"no-such-adapter-7f3a\""), "{err}");
+    let o =
+        run(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "3", "--device", "gpu", "--approx"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && !err.contains("panicked"), "{err}");
+    assert!(err.contains("does not combine with --device gpu"), "{err}");
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
+/// k3-small converted with an f32 spine (the parity configuration).
+fn convert_small() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let from = fixture("k3-small").join("hf");
+    let o = run(&[
+        "convert",
+        "--from",
+        from.to_str().unwrap(),
+        "--to",
+        dir.path().to_str().unwrap(),
+        "--spine",
+        "f32",
+        "--experts",
+        "pack",
+    ]);
+    assert!(o.status.success(), "convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    dir
 }

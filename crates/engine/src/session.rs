@@ -53,6 +53,9 @@ pub struct RunOptions {
     pub log_reads: bool,
     /// Counts the resident spine layers as they load (a server's `/health` while it loads).
     pub load_progress: Option<Arc<crate::k3::LoadProgress>>,
+    /// Compute the routed experts on a GPU chosen by these options (`--device gpu`); `None`:
+    /// on the CPU. No usable adapter is an error at start, never a fall-back.
+    pub gpu: Option<deltafin_gpu::GpuOptions>,
 }
 
 impl Default for RunOptions {
@@ -75,6 +78,7 @@ impl Default for RunOptions {
             fetcher: None,
             log_reads: false,
             load_progress: None,
+            gpu: None,
         }
     }
 }
@@ -154,6 +158,25 @@ impl Session {
         let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let plan = Self::plan(store, opts)?;
+        let gpu_experts = match &opts.gpu {
+            Some(g) => {
+                anyhow::ensure!(
+                    !opts.approx,
+                    "--approx runs on the CPU's integer kernels: it does not combine with --device gpu"
+                );
+                let c = &store.manifest.config;
+                let gpu = deltafin_gpu::Gpu::open(g)?;
+                let situ =
+                    deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
+                Some(Arc::new(deltafin_gpu::expert::ExpertRunner::new(
+                    gpu,
+                    c.moe_intermediate_size,
+                    c.expert_input_dim(),
+                    situ,
+                )?))
+            }
+            None => None,
+        };
         let model = K3Model::load(
             store,
             &RunConfig {
@@ -164,6 +187,7 @@ impl Session {
                 context_reserve: opts.context_tokens,
                 latent_cache: Some(latent_cache),
                 approx: opts.approx,
+                gpu_experts,
                 io_backend: opts.backend,
                 prefill_chunk: plan.prefill_chunk,
                 prompt_borrowing: (plan.prefill_chunk_lent > plan.prefill_chunk).then_some(PromptBorrowing {
@@ -221,10 +245,22 @@ impl Session {
         if self.model.run().approx { "approximate (int8 activations for routed experts)" } else { "exact" }
     }
 
+    /// Where the routed experts compute: "cpu", or "gpu" (with [`Self::adapter`]).
+    pub fn device(&self) -> &'static str {
+        if self.model.run().gpu_experts.is_some() { "gpu" } else { "cpu" }
+    }
+
+    /// The GPU adapter the routed experts run on, for outputs (`None` on the CPU).
+    pub fn adapter(&self) -> Option<String> {
+        self.model.run().gpu_experts.as_ref().map(|g| g.gpu().adapter().to_string())
+    }
+
     /// What a prompt state on disk must match beyond the store: the numerics and the latent
     /// cache's dtype (a bf16 cache's states are not an f32 cache's).
     pub fn state_numerics(&self) -> String {
-        format!("{}|latent {}", self.numerics(), self.model.latent_cache().name())
+        // Experts on the GPU sum in another order than the CPU's: their states are their own.
+        let device = if self.device() == "gpu" { "|experts on gpu" } else { "" };
+        format!("{}|latent {}{device}", self.numerics(), self.model.latent_cache().name())
     }
 
     pub fn report(&self) -> StreamReport {

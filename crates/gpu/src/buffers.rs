@@ -75,7 +75,9 @@ impl GpuDense {
     }
 }
 
-const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+/// Storage that is written from the host (`Queue::write_buffer`) and read back.
+const STORAGE: wgpu::BufferUsages =
+    wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);
 
 impl Gpu {
     fn check_size(&self, what: &'static str, bytes: usize) -> Result<(), GpuError> {

@@ -66,6 +66,9 @@ pub struct Gpu {
     pub(crate) queue: wgpu::Queue,
     pub(crate) limits: wgpu::Limits,
     adapter: AdapterSummary,
+    /// Errors wgpu reported since the last wait (validation, out of memory): wgpu's default is
+    /// to panic on them; here they become the error of the call that waits next.
+    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Gpu {
@@ -103,7 +106,12 @@ impl Gpu {
         };
         let (device, queue) = pollster::block_on(adapter.request_device(&desc))
             .map_err(|e| GpuError::Device { adapter: info.to_string(), why: e.to_string() })?;
-        Ok(Gpu { device, queue, limits, adapter: info })
+        let errors = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(std::sync::Arc::new(move |e: wgpu::Error| {
+            sink.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
+        }));
+        Ok(Gpu { device, queue, limits, adapter: info, errors })
     }
 
     pub fn adapter(&self) -> &AdapterSummary {
@@ -120,8 +128,47 @@ impl Gpu {
         self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
     }
 
-    /// Wait until everything submitted so far has finished.
+    /// Wait until everything submitted so far has finished; an error wgpu reported on the way
+    /// is this call's.
     pub(crate) fn wait(&self) -> Result<(), GpuError> {
-        self.device.poll(wgpu::PollType::wait_indefinitely()).map(|_| ()).map_err(|e| GpuError::Lost(e.to_string()))
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Lost(e.to_string()))?;
+        let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+        if errors.is_empty() {
+            return Ok(());
+        }
+        let all = std::mem::take(&mut *errors).join("; ");
+        Err(GpuError::Rejected(all))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What wgpu reports (here: a write into a buffer that may not be written) is the error of
+    /// the next wait, not a panic, and is reported once.
+    #[test]
+    fn wgpu_errors_are_errors_not_panics() {
+        let Ok(g) = Gpu::open(&GpuOptions { allow_software: true, name: std::env::var("DELTAFIN_GPU_ADAPTER").ok() })
+        else {
+            assert!(
+                std::env::var("DELTAFIN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "DELTAFIN_REQUIRE_GPU=1 but no GPU adapter opened"
+            );
+            println!("SKIPPED: no GPU adapter");
+            return;
+        };
+        let b = g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("read only"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        g.queue.write_buffer(&b, 0, &[0u8; 16]);
+        match g.wait() {
+            Err(GpuError::Rejected(m)) => assert!(m.contains("COPY_DST"), "{m}"),
+            other => panic!("expected the write to be rejected, got {other:?}"),
+        }
+        assert!(g.wait().is_ok(), "an error is reported once");
     }
 }

@@ -148,3 +148,125 @@ impl ExpertProgram {
         gpu.run_passes(1, |pass| self.encode(pass, b))
     }
 }
+
+/// Computes routed experts on the GPU for the model, one record at a time as the expert source
+/// delivers it: the record's six parts are written into buffers kept for the run (grown only
+/// when a chunk has more tokens than any before), the expert runs for the tokens that chose it,
+/// and their outputs come back. Used through `&self` from the engine thread; the lock keeps
+/// one expert at a time on the buffers.
+pub struct ExpertRunner {
+    gpu: Gpu,
+    program: ExpertProgram,
+    inter: usize,
+    latent: usize,
+    situ: Situ,
+    slot: std::sync::Mutex<Option<Slot>>,
+}
+
+impl std::fmt::Debug for ExpertRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExpertRunner({} x {} on {})", self.inter, self.latent, self.gpu.adapter())
+    }
+}
+
+/// The buffers of one expert on the GPU: its matrices and the inputs of up to `tokens` tokens.
+struct Slot {
+    expert: GpuExpert,
+    xs: GpuVec,
+    tokens: usize,
+    /// Bindings per token count seen so far (a decode step has 1; a prompt chunk a few).
+    bound: Vec<(usize, BoundExpert)>,
+}
+
+impl ExpertRunner {
+    /// For experts of `inter` x `latent` (the MXFP4 shapes of the model's records) with the
+    /// model's SiTU constants.
+    pub fn new(gpu: Gpu, inter: usize, latent: usize, situ: Situ) -> Result<Self, GpuError> {
+        if inter == 0 || latent == 0 || !inter.is_multiple_of(32) || !latent.is_multiple_of(32) {
+            return Err(GpuError::Shape {
+                what: "an expert",
+                why: format!("{inter} x {latent}: both multiples of 32"),
+            });
+        }
+        let program = ExpertProgram::new(&gpu);
+        Ok(ExpertRunner { gpu, program, inter, latent, situ, slot: std::sync::Mutex::new(None) })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The expert shape this runner takes: (inter, latent).
+    pub fn shape(&self) -> (usize, usize) {
+        (self.inter, self.latent)
+    }
+
+    /// `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])` for `n` tokens. Shapes: each matrix as its
+    /// `(packed, scales)` bytes (w1, w3 `[inter, latent]`, w2 `[latent, inter]`), xs
+    /// `[n, latent]`, out `[n, latent]`.
+    pub fn run(
+        &self,
+        w1: (&[u8], &[u8]),
+        w3: (&[u8], &[u8]),
+        w2: (&[u8], &[u8]),
+        xs: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let (inter, latent) = (self.inter, self.latent);
+        let (big, small) = (inter * latent / 2, inter * latent / 32);
+        for (name, (p, s)) in [("w1", w1), ("w3", w3), ("w2", w2)] {
+            if p.len() != big || s.len() != small {
+                return Err(GpuError::Shape {
+                    what: "an expert record",
+                    why: format!("{name}: {} packed and {} scale bytes for {inter} x {latent}", p.len(), s.len()),
+                });
+            }
+        }
+        if n == 0 || xs.len() != n * latent || out.len() != n * latent {
+            return Err(GpuError::Shape {
+                what: "an expert's tokens",
+                why: format!("{n} tokens of {latent}: xs {}, out {}", xs.len(), out.len()),
+            });
+        }
+        let mut guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.as_ref().is_none_or(|s| s.tokens < n) {
+            // Grown to the chunk (the first call, or a longer chunk than any before).
+            let zeros = |r: usize, c: usize| (vec![0u8; r * c / 2], vec![0u8; r * c / 32]);
+            let (a, b, c) = (zeros(inter, latent), zeros(inter, latent), zeros(latent, inter));
+            let expert = GpuExpert::upload(&self.gpu, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), inter, latent)?;
+            *guard = Some(Slot { expert, xs: self.gpu.zeros_f32(n * latent)?, tokens: n, bound: Vec::new() });
+        }
+        let Some(slot) = guard.as_mut() else { unreachable!("the slot was just made") };
+        let q = &self.gpu.queue;
+        for (m, (p, s)) in [(&slot.expert.w1, w1), (&slot.expert.w3, w3), (&slot.expert.w2, w2)] {
+            write_padded(q, &m.packed, p);
+            write_padded(q, &m.scales, s);
+        }
+        write_padded(q, &slot.xs.buf, &xs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        if !slot.bound.iter().any(|(k, _)| *k == n) {
+            let view = GpuVec { buf: slot.xs.buf.clone(), len: n * latent };
+            let b = self.program.bind(&self.gpu, &slot.expert, &view, n, self.situ)?;
+            slot.bound.push((n, b));
+        }
+        let Some((_, b)) = slot.bound.iter().find(|(k, _)| *k == n) else { unreachable!("bound above") };
+        self.program.run(&self.gpu, b)?;
+        let got = self.gpu.read_f32(&b.out)?;
+        out.copy_from_slice(&got[..n * latent]);
+        Ok(())
+    }
+}
+
+/// Write `bytes` at the start of `buf`, the last partial word padded with zeros (the queue
+/// copies whole words).
+fn write_padded(q: &wgpu::Queue, buf: &wgpu::Buffer, bytes: &[u8]) {
+    let whole = bytes.len() / 4 * 4;
+    if whole > 0 {
+        q.write_buffer(buf, 0, &bytes[..whole]);
+    }
+    if whole < bytes.len() {
+        let mut tail = [0u8; 4];
+        tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+        q.write_buffer(buf, whole as u64, &tail);
+    }
+}

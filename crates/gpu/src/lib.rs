@@ -40,6 +40,8 @@ pub enum GpuError {
     Shape { what: &'static str, why: String },
     #[error("the GPU device was lost or stopped answering: {0}")]
     Lost(String),
+    #[error("the GPU refused the work: {0}")]
+    Rejected(String),
 }
 
 fn no_adapter_message(seen: &[AdapterSummary], software_allowed: bool, name: Option<&str>) -> String {

@@ -53,10 +53,10 @@ pub fn chat_request(state: &Shared, conv: &Conversation, s: ChatSettings) -> Res
     Ok((req, grant))
 }
 
-/// The `deltafin` object of a response: the numerics, and a clamped `max_tokens` when there
-/// was one.
+/// The `deltafin` object of a response: the numerics, where the routed experts computed, and a
+/// clamped `max_tokens` when there was one.
 pub fn deltafin_info(state: &Shared, grant: &Grant) -> serde_json::Value {
-    let mut v = serde_json::json!({"numerics": state.model.numerics});
+    let mut v = serde_json::json!({"numerics": state.model.numerics, "device": state.model.device});
     if let Some(asked) = grant.clamped_from {
         v["max_tokens_clamped"] = serde_json::json!({"requested": asked, "granted": grant.tokens});
     }

@@ -23,6 +23,8 @@ pub struct ModelInfo {
     /// "exact" or the approximate mode's description: every response carries it.
     pub numerics: String,
     pub approx: bool,
+    /// Where the routed experts compute: "cpu" or "gpu" (`--device`); every response says so.
+    pub device: String,
 }
 
 pub struct AppState {

@@ -89,6 +89,7 @@ static SERVED: LazyLock<Served> = LazyLock::new(|| {
             vocab,
             numerics: "exact".into(),
             approx: false,
+            device: "cpu".into(),
         },
         tokenizer,
         metrics,

@@ -5,6 +5,7 @@
 //! Routed-expert weights arrive only through [`ExpertSource`] as MXFP4 records.
 
 use anyhow::Result;
+use deltafin_gpu::expert::ExpertRunner;
 use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch};
 use deltafin_kernels::ops::rms_norm_inplace;
@@ -50,6 +51,8 @@ pub struct MoeRun<'a> {
     pub hint: bool,
     /// Approximate mode: int8 activations for the routed experts.
     pub approx: bool,
+    /// Compute the routed experts on the GPU.
+    pub gpu: Option<&'a ExpertRunner>,
 }
 
 /// What the router chose for one token of one layer (kept for traces and tests).
@@ -191,6 +194,44 @@ impl LatentMoe {
         Ok(())
     }
 
+    /// One expert on the GPU for the tokens that chose it (`users`: token * k + slot), as one
+    /// batch when they fit `xb`, else one at a time. Shapes: xl `[T, LAT]`; xb, ob `[<= T, LAT]`
+    /// scratch; eo `[T, k, LAT]`.
+    #[allow(clippy::too_many_arguments)]
+    fn expert_on_gpu(
+        &self,
+        g: &ExpertRunner,
+        record: &[u8],
+        users: &[usize],
+        k: usize,
+        xl: &[f32],
+        xb: &mut [f32],
+        ob: &mut [f32],
+        eo: &mut [f32],
+    ) -> Result<()> {
+        let layout = &self.layout;
+        anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
+        let lat = self.latent;
+        let m = |p: usize| (layout.part(record, p), layout.part(record, p + 1));
+        let n = users.len();
+        if n == 1 || n * lat > xb.len() {
+            for &ts in users {
+                let t = ts / k;
+                g.run(m(0), m(4), m(2), &xl[t * lat..(t + 1) * lat], 1, &mut eo[ts * lat..(ts + 1) * lat])?;
+            }
+            return Ok(());
+        }
+        for (j, &ts) in users.iter().enumerate() {
+            let t = ts / k;
+            xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
+        }
+        g.run(m(0), m(4), m(2), &xb[..n * lat], n, &mut ob[..n * lat])?;
+        for (j, &ts) in users.iter().enumerate() {
+            eo[ts * lat..(ts + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
+        }
+        Ok(())
+    }
+
     /// The routed sum of one token, normed (the input of the projection back). Shapes: eo
     /// `[k, LAT]` in routing order, acc `[LAT]`.
     fn routed_sum(&self, weights: &[f32], eo: &[f32], acc: &mut [f32]) {
@@ -293,7 +334,9 @@ impl LatentMoe {
             users.extend(routings.iter().enumerate().flat_map(|(t, r)| {
                 r.experts.iter().enumerate().filter(|(_, x)| **x == e).map(move |(s, _)| t * k + s)
             }));
-            if run.approx || users.len() == 1 || users.len() > batch {
+            if let Some(g) = run.gpu {
+                self.expert_on_gpu(g, record, &users, k, &xl, &mut xb, &mut ob, &mut eo)?;
+            } else if run.approx || users.len() == 1 || users.len() > batch {
                 for &ts in users.iter() {
                     let t = ts / k;
                     let out = &mut eo[ts * lat..(ts + 1) * lat];

@@ -221,7 +221,12 @@ impl K3Model {
                     // Look-ahead predicts one token's next picks; a step's union is requested
                     // whole at its layer.
                     let next = if t_n == 1 { self.next_moe(l) } else { None };
-                    let run = MoeRun { next, hint: self.run.prefetch, approx: self.run.approx };
+                    let run = MoeRun {
+                        next,
+                        hint: self.run.prefetch,
+                        approx: self.run.approx,
+                        gpu: self.run.gpu_experts.as_deref(),
+                    };
                     *routed_layer = Some(m.layer);
                     m.forward(&normed, experts, run, chunk_routing, &mut ys, sc)?;
                     let mut t0 = 0;

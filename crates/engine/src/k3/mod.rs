@@ -53,6 +53,8 @@ pub struct RunConfig {
     pub latent_cache: Option<LatentDtype>,
     /// Approximate mode: routed experts take int8-quantised activations (labelled in outputs).
     pub approx: bool,
+    /// Routed experts computed on the GPU (`--device gpu`), each record uploaded as it arrives.
+    pub gpu_experts: Option<Arc<deltafin_gpu::expert::ExpertRunner>>,
     /// Reader back-end for streamed spine layers; `None` picks io_uring when available.
     pub io_backend: Option<BackendKind>,
     /// Prompt tokens processed together (the memory plan sizes it from the budget).
@@ -100,6 +102,7 @@ impl Default for RunConfig {
             context_reserve: 256,
             latent_cache: None,
             approx: false,
+            gpu_experts: None,
             io_backend: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             prompt_borrowing: None,
