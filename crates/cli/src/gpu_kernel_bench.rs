@@ -231,41 +231,20 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         }
         let mut k = 0usize;
         let per = time_rounds(&gpu, secs, |pass| {
-            match c.format {
-                Format::Mxfp4 => mxfp4.encode(pass, &bound[k % copies]),
-                Format::Int8 => int8.encode(pass, &bound[k % copies]),
-                Format::Bf16 => dense.encode(pass, &bound[k % copies]),
-            }
+            bound[k % copies].encode(pass);
             k += 1;
         })?;
         let err = check(&hosts[0], c, &xs, &gpu.read_f32(&outs[0])?);
-        let (flops, wbytes) = (bound[0].flops, bound[0].weight_bytes);
-        // The product's floor on this GPU: its weights read once at the read roof, or its FLOPs
-        // at the FMA roof, whichever is longer.
-        let floor = (wbytes / (mem * 1e9)).max(flops / (fma * 1e9));
-        let row = json!({
-            "name": c.name, "shape": [c.rows, c.cols], "tokens": c.tokens,
-            "seconds": per, "weight_gbps": wbytes / per / 1e9, "gflops": flops / per / 1e9,
-            "of_read_roof": wbytes / per / 1e9 / mem, "of_fma_roof": flops / per / 1e9 / fma,
-            "floor_seconds": floor, "fraction_of_floor": floor / per,
-            "bound": if wbytes / (mem * 1e9) > flops / (fma * 1e9) { "memory" } else { "compute (FMA)" },
-            "max_rel_err_vs_scalar": err,
-        });
-        eprintln!(
-            "{} [{} x {}] x {} tokens: {:.3} ms, {:.1} GB/s of weights ({:.2} of read roof), {:.0} GFLOP/s ({:.2} of FMA roof), {:.2} of its floor; max error vs scalar {:.1e}",
-            c.name,
-            c.rows,
-            c.cols,
-            c.tokens,
-            per * 1e3,
-            wbytes / per / 1e9,
-            wbytes / per / 1e9 / mem,
-            flops / per / 1e9,
-            flops / per / 1e9 / fma,
-            floor / per,
-            err
-        );
-        rows_out.push(row);
+        let m = Measured {
+            name: &c.name,
+            shape: [c.rows, c.cols],
+            tokens: c.tokens,
+            seconds: per,
+            flops: bound[0].flops,
+            weight_bytes: bound[0].weight_bytes,
+            err,
+        };
+        rows_out.push(m.report(mem, fma));
     }
     rows_out.extend(expert_rows(&gpu, software, secs, mem, fma)?);
     let a = gpu.adapter();
@@ -327,32 +306,58 @@ fn expert_rows(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> Resu
         );
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
         let err = (0..16).map(|r| f64::from((got[r] - want[r]).abs() / scale)).fold(0.0, f64::max);
-        let flops: f64 = bound.iter().map(|b| b.flops).sum();
-        let wbytes: f64 = bound.iter().map(|b| b.weight_bytes).sum();
-        let floor = (wbytes / (mem * 1e9)).max(flops / (fma * 1e9));
         let name = if n == 1 {
             format!("expert (gate+up, SiTU, down): {used} experts, one token")
         } else {
             "expert (gate+up, SiTU, down): one expert, a chunk".into()
         };
-        eprintln!(
-            "{name} [{inter} x {latent}] x {n} tokens: {:.3} ms, {:.1} GB/s of weights ({:.2} of read roof), {:.0} GFLOP/s ({:.2} of FMA roof), {:.2} of its floor; max error vs scalar {:.1e} of the largest output",
-            per * 1e3,
-            wbytes / per / 1e9,
-            wbytes / per / 1e9 / mem,
-            flops / per / 1e9,
-            flops / per / 1e9 / fma,
-            floor / per,
-            err
-        );
-        rows.push(json!({
-            "name": name, "shape": [inter, latent], "tokens": n, "experts": used,
-            "seconds": per, "weight_gbps": wbytes / per / 1e9, "gflops": flops / per / 1e9,
-            "of_read_roof": wbytes / per / 1e9 / mem, "of_fma_roof": flops / per / 1e9 / fma,
-            "floor_seconds": floor, "fraction_of_floor": floor / per,
-            "bound": if wbytes / (mem * 1e9) > flops / (fma * 1e9) { "memory" } else { "compute (FMA)" },
-            "max_rel_err_vs_scalar": err,
-        }));
+        let flops = bound.iter().map(|b| b.flops).sum();
+        let weight_bytes = bound.iter().map(|b| b.weight_bytes).sum();
+        let m = Measured { name: &name, shape: [inter, latent], tokens: n, seconds: per, flops, weight_bytes, err };
+        rows.push(m.report(mem, fma));
     }
     Ok(rows)
+}
+
+/// One measured kernel: what it did in how long, and its worst error against the scalar twin.
+struct Measured<'a> {
+    name: &'a str,
+    shape: [usize; 2],
+    tokens: usize,
+    seconds: f64,
+    flops: f64,
+    weight_bytes: f64,
+    err: f64,
+}
+
+impl Measured<'_> {
+    /// Print the kernel's line and return its JSON row: rates, their fractions of the roofs
+    /// measured in this run (`mem` GB/s, `fma` GFLOP/s), and its floor (its weights read once
+    /// at the read roof, or its FLOPs at the FMA roof, whichever is longer).
+    fn report(&self, mem: f64, fma: f64) -> Value {
+        let (per, wb, fl) = (self.seconds, self.weight_bytes, self.flops);
+        let floor = (wb / (mem * 1e9)).max(fl / (fma * 1e9));
+        eprintln!(
+            "{} [{} x {}] x {} tokens: {:.3} ms, {:.1} GB/s of weights ({:.2} of read roof), {:.0} GFLOP/s ({:.2} of FMA roof), {:.2} of its floor; max error vs scalar {:.1e}",
+            self.name,
+            self.shape[0],
+            self.shape[1],
+            self.tokens,
+            per * 1e3,
+            wb / per / 1e9,
+            wb / per / 1e9 / mem,
+            fl / per / 1e9,
+            fl / per / 1e9 / fma,
+            floor / per,
+            self.err
+        );
+        json!({
+            "name": self.name, "shape": self.shape, "tokens": self.tokens,
+            "seconds": per, "weight_gbps": wb / per / 1e9, "gflops": fl / per / 1e9,
+            "of_read_roof": wb / per / 1e9 / mem, "of_fma_roof": fl / per / 1e9 / fma,
+            "floor_seconds": floor, "fraction_of_floor": floor / per,
+            "bound": if wb / (mem * 1e9) > fl / (fma * 1e9) { "memory" } else { "compute (FMA)" },
+            "max_rel_err_vs_scalar": self.err,
+        })
+    }
 }

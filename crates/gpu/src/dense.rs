@@ -38,14 +38,4 @@ impl DenseProduct {
         };
         self.pipelines.bind(gpu, weights, xs, n, out)
     }
-
-    /// Record one product into a compute pass.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, p: &BoundProduct) {
-        self.pipelines.encode(pass, p)
-    }
-
-    /// Run one product now and wait for it.
-    pub fn run(&self, gpu: &Gpu, p: &BoundProduct) -> Result<(), GpuError> {
-        gpu.run_passes(1, |pass| self.encode(pass, p))
-    }
 }

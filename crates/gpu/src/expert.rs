@@ -135,12 +135,12 @@ impl ExpertProgram {
 
     /// Record the expert's four dispatches into a compute pass.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, b: &BoundExpert) {
-        self.products.encode(pass, &b.gate);
-        self.products.encode(pass, &b.up);
+        b.gate.encode(pass);
+        b.up.encode(pass);
         pass.set_pipeline(&self.situ);
         pass.set_bind_group(0, &b.situ, &[]);
         pass.dispatch_workgroups(b.situ_groups.0, b.situ_groups.1, 1);
-        self.products.encode(pass, &b.down);
+        b.down.encode(pass);
     }
 
     /// Run the expert now and wait for it.

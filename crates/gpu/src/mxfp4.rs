@@ -29,14 +29,4 @@ impl Mxfp4Product {
         };
         self.0.bind(gpu, weights, xs, n, out)
     }
-
-    /// Record one product into a compute pass.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, p: &BoundProduct) {
-        self.0.encode(pass, p)
-    }
-
-    /// Run one product now and wait for it.
-    pub fn run(&self, gpu: &Gpu, p: &BoundProduct) -> Result<(), GpuError> {
-        gpu.run_passes(1, |pass| self.encode(pass, p))
-    }
 }

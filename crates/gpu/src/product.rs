@@ -19,10 +19,10 @@ pub(crate) struct Pipelines {
     matmat: wgpu::ComputePipeline,
 }
 
-/// One product's arguments bound, ready to be encoded any number of times.
+/// One product's arguments bound to its pipeline, ready to be encoded any number of times.
 pub struct BoundProduct {
     bind: wgpu::BindGroup,
-    one_token: bool,
+    pipeline: wgpu::ComputePipeline,
     groups: (u32, u32),
     /// Work per dispatch: 2 FLOP per weight per token, and the matrix's stored bytes.
     pub flops: f64,
@@ -137,18 +137,25 @@ impl Pipelines {
         });
         Ok(BoundProduct {
             bind,
-            one_token,
+            pipeline: if one_token { self.matvec.clone() } else { self.matmat.clone() },
             groups: (groups.0 as u32, groups.1 as u32),
             flops: 2.0 * (w.rows * w.cols * n) as f64,
             weight_bytes: w.bytes as f64,
         })
     }
+}
 
-    /// Record one product into a compute pass.
-    pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>, p: &BoundProduct) {
-        pass.set_pipeline(if p.one_token { &self.matvec } else { &self.matmat });
-        pass.set_bind_group(0, &p.bind, &[]);
-        pass.dispatch_workgroups(p.groups.0, p.groups.1, 1);
+impl BoundProduct {
+    /// Record the product into a compute pass.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups.0, self.groups.1, 1);
+    }
+
+    /// Run the product now and wait for it.
+    pub fn run(&self, gpu: &Gpu) -> Result<(), GpuError> {
+        gpu.run_passes(1, |pass| self.encode(pass))
     }
 }
 

@@ -26,7 +26,7 @@ fn check(g: &Gpu, k: &DenseProduct, bf16: bool, rows: usize, cols: usize, n: usi
     let xg = g.upload_f32(&xs).unwrap();
     let og = g.zeros_f32(n * rows).unwrap();
     let p = k.bind(g, &w, &xg, n, &og).unwrap();
-    k.run(g, &p).unwrap();
+    p.run(g).unwrap();
     let got = g.read_f32(&og).unwrap();
     let wf: Vec<f32> = if bf16 { b16.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect() } else { f.clone() };
     let mut want = vec![0f32; rows];

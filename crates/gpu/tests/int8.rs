@@ -20,7 +20,7 @@ fn check(g: &Gpu, k: &Int8Product, rows: usize, cols: usize, group: usize, n: us
     let xg = g.upload_f32(&xs).unwrap();
     let og = g.zeros_f32(n * rows).unwrap();
     let p = k.bind(g, &w, &xg, n, &og).unwrap();
-    k.run(g, &p).unwrap();
+    p.run(g).unwrap();
     let got = g.read_f32(&og).unwrap();
     let mut want = vec![0f32; rows];
     for t in 0..n {
@@ -81,7 +81,7 @@ fn every_value_widens_exactly() {
             let xg = g.upload_f32(&xs).unwrap();
             let og = g.zeros_f32(n * rows).unwrap();
             let p = k.bind(&g, &w, &xg, n, &og).unwrap();
-            k.run(&g, &p).unwrap();
+            p.run(&g).unwrap();
             let got = g.read_f32(&og).unwrap();
             for r in 0..rows {
                 assert_eq!(got[(n - 1) * rows + r], r as f32 - 128.0, "row {r}, column {hot}, {n} tokens");

@@ -51,7 +51,7 @@ fn check(g: &Gpu, k: &Mxfp4Product, rows: usize, cols: usize, n: usize, seed: u6
     let xg = g.upload_f32(&xs).unwrap();
     let og = g.zeros_f32(n * rows).unwrap();
     let p = k.bind(g, &w, &xg, n, &og).unwrap();
-    k.run(g, &p).unwrap();
+    p.run(g).unwrap();
     let got = g.read_f32(&og).unwrap();
     let (want, mag) = reference(&packed, &sc, rows, cols, &xs, n);
     for i in 0..n * rows {
@@ -110,7 +110,7 @@ fn every_nibble_and_scale_decode_exactly() {
                 let xg = g.upload_f32(&xs).unwrap();
                 let og = g.zeros_f32(n * rows).unwrap();
                 let p = k.bind(&g, &w, &xg, n, &og).unwrap();
-                k.run(&g, &p).unwrap();
+                p.run(&g).unwrap();
                 let got = g.read_f32(&og).unwrap();
                 let s = deltafin_kernels::e8m0_to_f32(scale);
                 for r in 0..rows {
