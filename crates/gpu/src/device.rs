@@ -128,6 +128,32 @@ impl Gpu {
         self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
     }
 
+    /// Compile WGSL source into a module.
+    pub(crate) fn module(&self, label: &str, source: &str) -> wgpu::ShaderModule {
+        self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        })
+    }
+
+    /// A compute pipeline for `entry` of `module`, with `layout` or the one derived from the
+    /// entry point's bindings.
+    pub(crate) fn pipeline(
+        &self,
+        module: &wgpu::ShaderModule,
+        entry: &str,
+        layout: Option<&wgpu::PipelineLayout>,
+    ) -> wgpu::ComputePipeline {
+        self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(entry),
+            layout,
+            module,
+            entry_point: Some(entry),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    }
+
     /// Wait until everything submitted so far has finished; an error wgpu reported on the way
     /// is this call's.
     pub(crate) fn wait(&self) -> Result<(), GpuError> {

@@ -68,18 +68,7 @@ pub struct BoundExpert {
 
 impl ExpertProgram {
     pub fn new(gpu: &Gpu) -> Self {
-        let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("situ"),
-            source: wgpu::ShaderSource::Wgsl(include_str!("shaders/situ.wgsl").into()),
-        });
-        let situ = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("situ"),
-            layout: None,
-            module: &module,
-            entry_point: Some("situ"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
+        let situ = gpu.pipeline(&gpu.module("situ", include_str!("shaders/situ.wgsl")), "situ", None);
         ExpertProgram { products: Mxfp4Product::new(gpu), situ }
     }
 

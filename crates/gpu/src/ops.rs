@@ -21,21 +21,8 @@ pub struct BoundOp {
 
 impl RowOps {
     pub fn new(gpu: &Gpu) -> Self {
-        let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("ops"),
-            source: wgpu::ShaderSource::Wgsl(include_str!("shaders/ops.wgsl").into()),
-        });
-        let pipeline = |entry: &str| {
-            gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        };
-        RowOps { rms_norm: pipeline("rms_norm"), softmax: pipeline("softmax") }
+        let module = gpu.module("ops", include_str!("shaders/ops.wgsl"));
+        RowOps { rms_norm: gpu.pipeline(&module, "rms_norm", None), softmax: gpu.pipeline(&module, "softmax", None) }
     }
 
     /// `out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight` for each row. Shapes: x, out

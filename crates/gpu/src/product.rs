@@ -54,10 +54,7 @@ fn entry(binding: u32, ty: wgpu::BufferBindingType) -> wgpu::BindGroupLayoutEntr
 impl Pipelines {
     pub(crate) fn new(gpu: &Gpu, label: &str, source: &str) -> Self {
         let d = &gpu.device;
-        let module = d.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(label),
-            source: wgpu::ShaderSource::Wgsl(format!("{source}\n{}", include_str!("shaders/tiles.wgsl")).into()),
-        });
+        let module = gpu.module(label, &format!("{source}\n{}", include_str!("shaders/tiles.wgsl")));
         let read = wgpu::BufferBindingType::Storage { read_only: true };
         let layout = d.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some(label),
@@ -74,17 +71,11 @@ impl Pipelines {
             bind_group_layouts: &[Some(&layout)],
             immediate_size: 0,
         });
-        let pipeline = |entry: &str| {
-            d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: Some(&pl),
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        };
-        Pipelines { matvec: pipeline("matvec"), matmat: pipeline("matmat"), layout }
+        Pipelines {
+            matvec: gpu.pipeline(&module, "matvec", Some(&pl)),
+            matmat: gpu.pipeline(&module, "matmat", Some(&pl)),
+            layout,
+        }
     }
 
     /// Bind `out[t, r] = sum_c W[r, c] * xs[t, c]` for `n` tokens. Shapes: xs `[n, cols]`,

@@ -20,18 +20,7 @@ struct Probe {
 
 fn probe(gpu: &Gpu, entry: &str, src_bytes: u64, count: u32, groups: u32) -> Probe {
     let d = &gpu.device;
-    let module = d.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("roofline"),
-        source: wgpu::ShaderSource::Wgsl(SHADER.into()),
-    });
-    let pipeline = d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(entry),
-        layout: None,
-        module: &module,
-        entry_point: Some(entry),
-        compilation_options: Default::default(),
-        cache: None,
-    });
+    let pipeline = gpu.pipeline(&gpu.module("roofline", SHADER), entry, None);
     // The source is left as the driver gives it (zeroed by wgpu): reading is the point.
     let buf = |size: u64| {
         d.create_buffer(&wgpu::BufferDescriptor {
