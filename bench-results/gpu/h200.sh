@@ -35,10 +35,10 @@ if [ "${MODEL:-0}" = 1 ]; then
   /tmp/bin/deltafin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out /tmp/k3-real4 >> "$OUT/bench.log" 2>&1
   for dev in cpu gpu; do
     echo "== model, experts on $dev: decode" >> "$OUT/bench.log"
-    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs 2 --context-fill 1000 --warm --max-tokens 8 --device $dev --json > "$OUT/decode-$dev.json" 2>> "$OUT/bench.log"
+    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --context-fill 1000 --warm --max-tokens 8 --device $dev --json > "$OUT/decode-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
     echo "== model, experts on $dev: prompt" >> "$OUT/bench.log"
-    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs 2 --prompt-length 512 --max-tokens 3 --device $dev --json > "$OUT/prompt-$dev.json" 2>> "$OUT/bench.log"
+    /tmp/bin/deltafin bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length 512 --max-tokens 3 --device $dev --json > "$OUT/prompt-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
   done
 fi
