@@ -7,7 +7,7 @@
 # It:
 #   1. builds the release binary;
 #   2. runs the kernel benchmarks (`deltafin bench --kernels`: GFLOP/s and GB/s against this
-#      machine's FMA and memory roofs);
+#      machine's FMA and memory roofs), and the GPU's (`--device gpu`) where it has one;
 #   3. writes a synthetic store with Kimi K3's real geometry (`deltafin synth --spine real`:
 #      K3's per-layer spine, 896 routed experts of 17.5 MB per layer; fewer experts in two
 #      layers for a small size) sized to 1.25x this machine's memory, so that no cache can hold
@@ -15,7 +15,8 @@
 #      another size;
 #   4. measures decode with the default memory budget (what the platform reports), three fresh
 #      processes, each with the project's own drive probe (raw O_DIRECT / F_NOCACHE /
-#      FILE_FLAG_NO_BUFFERING reads at the same queue depth), and a 1,000-token prompt once;
+#      FILE_FLAG_NO_BUFFERING reads at the same queue depth), and a 1,000-token prompt once; with
+#      a GPU, decode again with the routed experts on it;
 #   5. writes bench-results/platform-<host>-<date>.json with the machine, the drive, every run
 #      and the plan, and says where the store is (delete it when done; it is not needed again).
 #
@@ -91,6 +92,10 @@ store="$dir/k3-synth-${layers}x$experts"
 
 echo "2/5 kernel benchmarks" >&2
 kernels=$("$bin" bench --kernels --json)
+# The GPU's kernels beside its own roofs, where the machine has a GPU wgpu can use (Metal on a
+# Mac, Vulkan or DirectX 12 on a PC); `null` in the report where none opens.
+gpu_kernels=$("$bin" bench --kernels --device gpu --json 2>/dev/null) || gpu_kernels=null
+[ -n "$gpu_kernels" ] || gpu_kernels=null
 
 if [ ! -f "$store/manifest.json" ]; then
   echo "3/5 the store: $layers layers of $experts experts with Kimi K3's geometry, about $((need >> 30)) GiB, in $store" >&2
@@ -108,12 +113,17 @@ echo "4/5 decode, 3 fresh processes, default budget (each probes the drive first
 decode=$("$bin" bench --model "$store" --runs 3 --max-tokens 8 --json)
 echo "    a 1,000-token prompt, once" >&2
 prompt=$("$bin" bench --model "$store" --runs 1 --max-tokens 3 --prompt-length 1000 --json)
+gpu_decode=null
+if [ "$gpu_kernels" != null ]; then
+  echo "    decode again with the routed experts on the GPU (--device gpu)" >&2
+  gpu_decode=$("$bin" bench --model "$store" --runs 3 --max-tokens 8 --device gpu --json) || gpu_decode=null
+fi
 
 host=$(hostname 2>/dev/null | tr -c 'A-Za-z0-9._-\n' '_' || echo host)
 out="bench-results/platform-$host-$(date +%Y%m%d-%H%M%S).json"
 {
   printf '{\n"script": "scripts/bench-platform.sh",\n"commit": "%s",\n' "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   printf '"uname": "%s",\n"store_layers": %s,\n"store_experts": %s,\n"store_bytes": %s,\n' "$(uname -a | tr -d '"\\')" "$layers" "$experts" "$need"
-  printf '"kernels": %s,\n"decode": %s,\n"prompt_1000": %s\n}\n' "$kernels" "$decode" "$prompt"
+  printf '"kernels": %s,\n"gpu_kernels": %s,\n"decode": %s,\n"gpu_decode": %s,\n"prompt_1000": %s\n}\n' "$kernels" "$gpu_kernels" "$decode" "$gpu_decode" "$prompt"
 } > "$out"
 echo "5/5 wrote $out: attach it to your report. The store ($((need >> 30)) GiB) is in $store; delete it when done." >&2
