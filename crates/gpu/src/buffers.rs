@@ -98,11 +98,10 @@ impl Gpu {
 
     /// Upload an f32 vector (or matrix).
     pub fn upload_f32(&self, v: &[f32]) -> Result<GpuVec, GpuError> {
-        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
         // A binding must not be empty: a zero-length vector gets one word nobody reads.
-        let bytes = if bytes.is_empty() { vec![0u8; 4] } else { bytes };
+        let bytes: &[u8] = if v.is_empty() { &[0u8; 4] } else { bytemuck::cast_slice(v) };
         self.check_size("a vector", bytes.len())?;
-        Ok(GpuVec { buf: self.storage("f32", &bytes), len: v.len() })
+        Ok(GpuVec { buf: self.storage("f32", bytes), len: v.len() })
     }
 
     /// A zeroed f32 vector of `len`, for outputs.
@@ -225,18 +224,31 @@ impl Gpu {
 
     /// Read an f32 vector back to the host (waits for everything submitted before).
     pub fn read_f32(&self, v: &GpuVec) -> Result<Vec<f32>, GpuError> {
-        let size = (v.len.max(1) * 4) as u64;
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let mut out = vec![0f32; v.len];
+        self.read_f32_into(v, &self.staging(v.len), &mut out)?;
+        Ok(out)
+    }
+
+    /// A buffer the host maps to read results of up to `len` values.
+    pub(crate) fn staging(&self, len: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
-            size,
+            size: (len.max(1) * 4) as u64,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
-        });
+        })
+    }
+
+    /// Read the first `out.len()` values of `v` into `out` through `staging` (a buffer of
+    /// [`Self::staging`] at least that large, kept by callers that read often); waits for
+    /// everything submitted before.
+    pub(crate) fn read_f32_into(&self, v: &GpuVec, staging: &wgpu::Buffer, out: &mut [f32]) -> Result<(), GpuError> {
+        let size = (out.len().max(1) * 4) as u64;
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
-        enc.copy_buffer_to_buffer(&v.buf, 0, &staging, 0, size);
+        enc.copy_buffer_to_buffer(&v.buf, 0, staging, 0, size);
         self.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
-        staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+        staging.slice(..size).map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
         self.wait()?;
@@ -246,11 +258,13 @@ impl Gpu {
             Err(_) => return Err(GpuError::Lost("a result's mapping never completed".into())),
         }
         let data =
-            staging.slice(..).get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
-        let out = data.chunks_exact(4).take(v.len).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            staging.slice(..size).get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
+        for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
         drop(data);
         staging.unmap();
-        Ok(out)
+        Ok(())
     }
 
     /// A uniform buffer holding `words`.

@@ -163,8 +163,9 @@ struct Slot {
     expert: GpuExpert,
     xs: GpuVec,
     tokens: usize,
-    /// Bindings per token count seen so far (a decode step has 1; a prompt chunk a few).
-    bound: Vec<(usize, BoundExpert)>,
+    /// Bindings per token count seen so far (a decode step has 1; a prompt chunk a few), each
+    /// with the buffer its outputs are read back through.
+    bound: Vec<(usize, BoundExpert, wgpu::Buffer)>,
 }
 
 impl ExpertRunner {
@@ -232,16 +233,15 @@ impl ExpertRunner {
             write_padded(q, &m.packed, p);
             write_padded(q, &m.scales, s);
         }
-        write_padded(q, &slot.xs.buf, &xs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
-        if !slot.bound.iter().any(|(k, _)| *k == n) {
+        write_padded(q, &slot.xs.buf, bytemuck::cast_slice(xs));
+        if !slot.bound.iter().any(|(k, ..)| *k == n) {
             let view = GpuVec { buf: slot.xs.buf.clone(), len: n * latent };
             let b = self.program.bind(&self.gpu, &slot.expert, &view, n, self.situ)?;
-            slot.bound.push((n, b));
+            slot.bound.push((n, b, self.gpu.staging(n * latent)));
         }
-        let Some((_, b)) = slot.bound.iter().find(|(k, _)| *k == n) else { unreachable!("bound above") };
+        let Some((_, b, staging)) = slot.bound.iter().find(|(k, ..)| *k == n) else { unreachable!("bound above") };
         self.program.run(&self.gpu, b)?;
-        let got = self.gpu.read_f32(&b.out)?;
-        out.copy_from_slice(&got[..n * latent]);
+        self.gpu.read_f32_into(&b.out, staging, out)?;
         Ok(())
     }
 }
