@@ -138,19 +138,24 @@ impl ExpertProgram {
     }
 }
 
-/// Computes routed experts on the GPU for the model, one record at a time as the expert source
-/// delivers it: the record's six parts are written into buffers kept for the run (grown only
-/// when a chunk has more tokens than any before), the expert runs for the tokens that chose it,
-/// and their outputs come back. Used through `&self` from the engine thread; the lock keeps
-/// one expert at a time on the buffers.
+/// Computes routed experts on the GPU for the model as the expert source delivers their
+/// records, without a round trip per expert: each record's six parts are written into one of
+/// [`SLOTS`] slots of buffers kept for the run (grown only when a chunk has more tokens than any
+/// before), its dispatches and the copy of its outputs into the slot's read-back buffer are
+/// submitted at once, and the engine goes back to the disk while the GPU computes. The outputs
+/// come back together at [`ExpertRunner::finish`] (one wait per layer), or when every slot is
+/// taken. Used through `&self` from the engine thread; the lock keeps one caller on the slots.
 pub struct ExpertRunner {
     gpu: Gpu,
     program: ExpertProgram,
     inter: usize,
     latent: usize,
     situ: Situ,
-    slot: std::sync::Mutex<Option<Slot>>,
+    queue: std::sync::Mutex<Queue>,
 }
+
+/// Experts in flight at once: a decode step's layer (top-k = 16 in Kimi K3) fits in one round.
+pub const SLOTS: usize = 16;
 
 impl std::fmt::Debug for ExpertRunner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -164,8 +169,16 @@ struct Slot {
     xs: GpuVec,
     tokens: usize,
     /// Bindings per token count seen so far (a decode step has 1; a prompt chunk a few), each
-    /// with the buffer its outputs are read back through.
+    /// with the buffer its outputs are read back through (`[n, latent]` f32).
     bound: Vec<(usize, BoundExpert, wgpu::Buffer)>,
+}
+
+/// The slots, and the experts submitted since the last [`ExpertRunner::finish`]: for each, the
+/// caller's tag and its slot's binding for `n` tokens (slot i holds the i-th pending expert).
+#[derive(Default)]
+struct Queue {
+    slots: Vec<Slot>,
+    pending: Vec<(usize, usize)>,
 }
 
 impl ExpertRunner {
@@ -179,7 +192,7 @@ impl ExpertRunner {
             });
         }
         let program = ExpertProgram::new(&gpu);
-        Ok(ExpertRunner { gpu, program, inter, latent, situ, slot: std::sync::Mutex::new(None) })
+        Ok(ExpertRunner { gpu, program, inter, latent, situ, queue: std::sync::Mutex::new(Queue::default()) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -191,9 +204,8 @@ impl ExpertRunner {
         (self.inter, self.latent)
     }
 
-    /// `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])` for `n` tokens. Shapes: each matrix as its
-    /// `(packed, scales)` bytes (w1, w3 `[inter, latent]`, w2 `[latent, inter]`), xs
-    /// `[n, latent]`, out `[n, latent]`.
+    /// `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])` for `n` tokens, now: [`Self::enqueue`] and
+    /// [`Self::finish`] for one expert. Shapes as there; out `[n, latent]`.
     pub fn run(
         &self,
         w1: (&[u8], &[u8]),
@@ -202,6 +214,33 @@ impl ExpertRunner {
         xs: &[f32],
         n: usize,
         out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        if out.len() != n * self.latent {
+            return Err(GpuError::Shape {
+                what: "an expert's tokens",
+                why: format!("{n} tokens of {}: out {}", self.latent, out.len()),
+            });
+        }
+        let mut put = |_: usize, o: &[f32]| out.copy_from_slice(o);
+        self.enqueue(w1, w3, w2, xs, n, 0, &mut put)?;
+        self.finish(&mut put)
+    }
+
+    /// Submit `out[t] = w2 · situ(w1 · xs[t], w3 · xs[t])` for `n` tokens without waiting for
+    /// it; its outputs (`[n, latent]`) reach `deliver(tag, ..)` at the next [`Self::finish`], or
+    /// during this call when every slot was taken (the experts in flight are finished first).
+    /// Shapes: each matrix as its `(packed, scales)` bytes (w1, w3 `[inter, latent]`, w2
+    /// `[latent, inter]`), xs `[n, latent]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue(
+        &self,
+        w1: (&[u8], &[u8]),
+        w3: (&[u8], &[u8]),
+        w2: (&[u8], &[u8]),
+        xs: &[f32],
+        n: usize,
+        tag: usize,
+        deliver: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), GpuError> {
         let (inter, latent) = (self.inter, self.latent);
         let (big, small) = (inter * latent / 2, inter * latent / 32);
@@ -213,35 +252,108 @@ impl ExpertRunner {
                 });
             }
         }
-        if n == 0 || xs.len() != n * latent || out.len() != n * latent {
+        if n == 0 || xs.len() != n * latent {
             return Err(GpuError::Shape {
                 what: "an expert's tokens",
-                why: format!("{n} tokens of {latent}: xs {}, out {}", xs.len(), out.len()),
+                why: format!("{n} tokens of {latent}: xs {}", xs.len()),
             });
         }
-        let mut guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.as_ref().is_none_or(|s| s.tokens < n) {
-            // Grown to the chunk (the first call, or a longer chunk than any before).
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.pending.len() == SLOTS {
+            self.finish_locked(&mut q, deliver)?;
+        }
+        let i = q.pending.len();
+        if q.slots.get(i).is_none_or(|s| s.tokens < n) {
+            // Made, or grown to the chunk (a longer chunk than any before); never in flight.
             let zeros = |r: usize, c: usize| (vec![0u8; r * c / 2], vec![0u8; r * c / 32]);
             let (a, b, c) = (zeros(inter, latent), zeros(inter, latent), zeros(latent, inter));
             let expert = GpuExpert::upload(&self.gpu, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), inter, latent)?;
-            *guard = Some(Slot { expert, xs: self.gpu.zeros_f32(n * latent)?, tokens: n, bound: Vec::new() });
+            let slot = Slot { expert, xs: self.gpu.zeros_f32(n * latent)?, tokens: n, bound: Vec::new() };
+            if i < q.slots.len() {
+                q.slots[i] = slot;
+            } else {
+                q.slots.push(slot);
+            }
         }
-        let Some(slot) = guard.as_mut() else { unreachable!("the slot was just made") };
-        let q = &self.gpu.queue;
+        let slot = &mut q.slots[i];
+        let wq = &self.gpu.queue;
         for (m, (p, s)) in [(&slot.expert.w1, w1), (&slot.expert.w3, w3), (&slot.expert.w2, w2)] {
-            write_padded(q, &m.packed, p);
-            write_padded(q, &m.scales, s);
+            write_padded(wq, &m.packed, p);
+            write_padded(wq, &m.scales, s);
         }
-        write_padded(q, &slot.xs.buf, bytemuck::cast_slice(xs));
+        write_padded(wq, &slot.xs.buf, bytemuck::cast_slice(xs));
         if !slot.bound.iter().any(|(k, ..)| *k == n) {
             let view = GpuVec { buf: slot.xs.buf.clone(), len: n * latent };
             let b = self.program.bind(&self.gpu, &slot.expert, &view, n, self.situ)?;
             slot.bound.push((n, b, self.gpu.staging(n * latent)));
         }
         let Some((_, b, staging)) = slot.bound.iter().find(|(k, ..)| *k == n) else { unreachable!("bound above") };
-        self.program.run(&self.gpu, b)?;
-        self.gpu.read_f32_into(&b.out, staging, out)?;
+        let mut enc =
+            self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            self.program.encode(&mut pass, b);
+        }
+        enc.copy_buffer_to_buffer(&b.out.buf, 0, staging, 0, (n * latent * 4) as u64);
+        wq.submit([enc.finish()]);
+        q.pending.push((tag, n));
+        Ok(())
+    }
+
+    /// Wait for every expert submitted since the last call and hand each one's outputs
+    /// (`[n, latent]`) to `deliver(tag, ..)`, in the order they were submitted.
+    pub fn finish(&self, deliver: &mut dyn FnMut(usize, &[f32])) -> Result<(), GpuError> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        self.finish_locked(&mut q, deliver)
+    }
+
+    /// On an error the slots are dropped (a buffer may be left mapped): the next expert makes
+    /// fresh ones.
+    fn finish_locked(&self, q: &mut Queue, deliver: &mut dyn FnMut(usize, &[f32])) -> Result<(), GpuError> {
+        let r = self.collect(q, deliver);
+        if r.is_err() {
+            q.slots.clear();
+        }
+        r
+    }
+
+    fn collect(&self, q: &mut Queue, deliver: &mut dyn FnMut(usize, &[f32])) -> Result<(), GpuError> {
+        let pending = std::mem::take(&mut q.pending);
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let staging = |i: usize, n: usize| -> Result<&wgpu::Buffer, GpuError> {
+            match q.slots[i].bound.iter().find(|(k, ..)| *k == n) {
+                Some((_, _, s)) => Ok(s),
+                None => Err(GpuError::Lost("an expert in flight lost its binding".into())),
+            }
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (i, &(_, n)) in pending.iter().enumerate() {
+            let tx = tx.clone();
+            staging(i, n)?.slice(..(n * self.latent * 4) as u64).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+        }
+        drop(tx);
+        self.gpu.wait()?;
+        for _ in 0..pending.len() {
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(GpuError::Lost(format!("mapping an expert's outputs for reading: {e}"))),
+                Err(_) => return Err(GpuError::Lost("an expert's outputs were never mapped".into())),
+            }
+        }
+        for (i, &(tag, n)) in pending.iter().enumerate() {
+            let s = staging(i, n)?;
+            let slice = s.slice(..(n * self.latent * 4) as u64);
+            let data = slice.get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
+            let values = bytemuck::try_cast_slice(&data)
+                .map_err(|e| GpuError::Lost(format!("an expert's outputs as f32: {e}")))?;
+            deliver(tag, values);
+            drop(data);
+            s.unmap();
+        }
         Ok(())
     }
 }

@@ -103,3 +103,76 @@ fn mismatched_expert_shapes_are_errors() {
     assert!(p.bind(&g, &e, &x, 1, Situ { beta: 4.0, linear_beta: None }).is_ok());
     assert!(matches!(p.bind(&g, &e, &x, 2, Situ { beta: 4.0, linear_beta: None }), Err(GpuError::Shape { .. })));
 }
+
+/// The model's runner: experts submitted without waiting, more of them than it has slots (so it
+/// finishes a round in the middle of a submission), with token counts that change between
+/// experts (rebinding and regrowing its slots), each delivered once under its own tag with its
+/// own outputs.
+#[test]
+fn the_runner_delivers_every_queued_expert_under_its_tag() {
+    use deltafin_gpu::expert::{ExpertRunner, SLOTS};
+    let Some(g) = gpu("the_runner_delivers_every_queued_expert_under_its_tag") else { return };
+    let (inter, latent) = (64, 96);
+    let situ = Situ { beta: 4.0, linear_beta: Some(25.0) };
+    let runner = ExpertRunner::new(g, inter, latent, situ).unwrap();
+    let count = SLOTS + 5;
+    let experts: Vec<HostExpert> = (0..count).map(|i| HostExpert::new(inter, latent, 100 + 7 * i as u64)).collect();
+    let tokens = |i: usize| [1, 3, 2, 1, 5][i % 5];
+    let inputs: Vec<Vec<f32>> = (0..count)
+        .map(|i| bytes(tokens(i) * latent, 900 + i as u64).iter().map(|&b| (f32::from(b) - 127.5) / 32.0).collect())
+        .collect();
+    let got: std::cell::RefCell<Vec<Option<Vec<f32>>>> = std::cell::RefCell::new(vec![None; count]);
+    let mut deliver = |tag: usize, out: &[f32]| {
+        let mut got = got.borrow_mut();
+        assert!(got[tag].is_none(), "expert {tag} delivered twice");
+        got[tag] = Some(out.to_vec());
+    };
+    for (i, h) in experts.iter().enumerate() {
+        let m = |j: usize| (h.m[j].0.as_slice(), h.m[j].1.as_slice());
+        runner.enqueue(m(0), m(1), m(2), &inputs[i], tokens(i), i, &mut deliver).unwrap();
+        // Nothing comes back until the slots run out; then the first round, all of it.
+        let back = got.borrow().iter().filter(|o| o.is_some()).count();
+        assert_eq!(back, if i < SLOTS { 0 } else { SLOTS }, "delivered after submitting expert {i}");
+    }
+    runner.finish(&mut deliver).unwrap();
+    // A finish with nothing in flight delivers nothing.
+    runner.finish(&mut |t, _| panic!("expert {t} delivered after the round ended")).unwrap();
+    let got = got.into_inner();
+    let (mut act, mut want) = (vec![0f32; inter], vec![0f32; latent]);
+    for (i, h) in experts.iter().enumerate() {
+        let out = got[i].as_ref().unwrap_or_else(|| panic!("expert {i} never delivered"));
+        assert_eq!(out.len(), tokens(i) * latent, "expert {i}'s outputs");
+        for t in 0..tokens(i) {
+            expert_mxfp4(
+                h.mx(0),
+                h.mx(1),
+                h.mx(2),
+                inter,
+                latent,
+                &inputs[i][t * latent..(t + 1) * latent],
+                situ.beta,
+                situ.linear_beta,
+                &mut act,
+                &mut want,
+            );
+            let scale: f32 = want.iter().map(|v| v.abs()).sum::<f32>() / latent as f32;
+            for r in 0..latent {
+                let v = out[t * latent + r];
+                assert!(
+                    (v - want[r]).abs() <= 1e-4 * scale.max(1e-20),
+                    "expert {i}, token {t}, row {r}: gpu {v} cpu {}",
+                    want[r]
+                );
+            }
+        }
+    }
+    // Bad shapes are errors, and leave the runner usable.
+    let h = &experts[0];
+    let m = |j: usize| (h.m[j].0.as_slice(), h.m[j].1.as_slice());
+    let short = (&h.m[2].0[1..], h.m[2].1.as_slice());
+    assert!(matches!(runner.enqueue(m(0), m(1), short, &inputs[0], 1, 0, &mut |_, _| {}), Err(GpuError::Shape { .. })));
+    assert!(matches!(runner.enqueue(m(0), m(1), m(2), &inputs[0], 2, 0, &mut |_, _| {}), Err(GpuError::Shape { .. })));
+    let mut out = vec![0f32; latent];
+    runner.run(m(0), m(1), m(2), &inputs[0], 1, &mut out).unwrap();
+    assert_eq!(&out, got[0].as_ref().unwrap(), "the same expert and input, run again");
+}

@@ -194,42 +194,53 @@ impl LatentMoe {
         Ok(())
     }
 
-    /// One expert on the GPU for the tokens that chose it (`users`: token * k + slot), as one
-    /// batch when they fit `xb`, else one at a time. Shapes: xl `[T, LAT]`; xb, ob `[<= T, LAT]`
-    /// scratch; eo `[T, k, LAT]`.
+    /// Submit one expert to the GPU for the tokens that chose it (`users`: token * k + slot), as
+    /// one batch; its outputs reach `deliver` (tagged `u`) when the runner finishes the layer's
+    /// experts. Shapes: xl `[T, LAT]`; xb `[n, LAT]` scratch, grown where a pinned routing repeats
+    /// an expert past `T` users.
     #[allow(clippy::too_many_arguments)]
-    fn expert_on_gpu(
+    fn expert_to_gpu(
         &self,
         g: &ExpertRunner,
         record: &[u8],
+        u: usize,
         users: &[usize],
         k: usize,
         xl: &[f32],
-        xb: &mut [f32],
-        ob: &mut [f32],
-        eo: &mut [f32],
+        xb: &mut Vec<f32>,
+        deliver: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<()> {
         let layout = &self.layout;
         anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
         let lat = self.latent;
         let m = |p: usize| (layout.part(record, p), layout.part(record, p + 1));
         let n = users.len();
-        if n == 1 || n * lat > xb.len() {
-            for &ts in users {
-                let t = ts / k;
-                g.run(m(0), m(4), m(2), &xl[t * lat..(t + 1) * lat], 1, &mut eo[ts * lat..(ts + 1) * lat])?;
-            }
-            return Ok(());
-        }
-        for (j, &ts) in users.iter().enumerate() {
+        let x = if let [ts] = users {
             let t = ts / k;
-            xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
-        }
-        g.run(m(0), m(4), m(2), &xb[..n * lat], n, &mut ob[..n * lat])?;
-        for (j, &ts) in users.iter().enumerate() {
-            eo[ts * lat..(ts + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
-        }
+            &xl[t * lat..(t + 1) * lat]
+        } else {
+            if xb.len() < n * lat {
+                xb.resize(n * lat, 0.0);
+            }
+            for (j, &ts) in users.iter().enumerate() {
+                let t = ts / k;
+                xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
+            }
+            &xb[..n * lat]
+        };
+        g.enqueue(m(0), m(4), m(2), x, n, u, deliver)?;
         Ok(())
+    }
+
+    /// Put the GPU's outputs of expert `e` (`[n, LAT]`, one row per token that chose it, in
+    /// token order as `users` lists them) into their slots of eo `[T, k, LAT]`.
+    fn scatter(routings: &[Routing], e: usize, k: usize, lat: usize, out: &[f32], eo: &mut [f32]) {
+        let slots = routings.iter().enumerate().flat_map(|(t, r)| {
+            r.experts.iter().enumerate().filter(move |(_, x)| **x == e).map(move |(s, _)| t * k + s)
+        });
+        for (ts, row) in slots.zip(out.chunks_exact(lat)) {
+            eo[ts * lat..(ts + 1) * lat].copy_from_slice(row);
+        }
     }
 
     /// The routed sum of one token, normed (the input of the projection back). Shapes: eo
@@ -328,14 +339,24 @@ impl LatentMoe {
         let mut xb = sc.take(batch * lat); // [n, LAT] inputs of one expert's tokens
         let mut ab = sc.take(batch * i); // [n, I]
         let mut ob = sc.take(batch * lat); // [n, LAT]
-        experts.drain(&mut |u, record| {
+        if let Some(g) = run.gpu {
+            // Whatever an interrupted layer left in flight (a panic mid-layer) is not this one's.
+            g.finish(&mut |_, _| {})?;
+        }
+        let drained = experts.drain(&mut |u, record| {
             let e = union[u];
             users.clear();
             users.extend(routings.iter().enumerate().flat_map(|(t, r)| {
                 r.experts.iter().enumerate().filter(|(_, x)| **x == e).map(move |(s, _)| t * k + s)
             }));
             if let Some(g) = run.gpu {
-                self.expert_on_gpu(g, record, &users, k, &xl, &mut xb, &mut ob, &mut eo)?;
+                // Submitted now, delivered (and marked done) when the GPU finishes the layer.
+                let mut deliver = |u: usize, out: &[f32]| {
+                    Self::scatter(routings, union[u], k, lat, out, &mut eo);
+                    done[u] = 1;
+                };
+                self.expert_to_gpu(g, record, u, &users, k, &xl, &mut xb, &mut deliver)?;
+                return Ok(());
             } else if run.approx || users.len() == 1 || users.len() > batch {
                 for &ts in users.iter() {
                     let t = ts / k;
@@ -356,7 +377,19 @@ impl LatentMoe {
             }
             done[u] = 1;
             Ok(())
-        })?;
+        });
+        if let Some(g) = run.gpu {
+            // Also after a failed drain: the runner is left with nothing in flight.
+            let mut deliver = |u: usize, out: &[f32]| {
+                Self::scatter(routings, union[u], k, lat, out, &mut eo);
+                done[u] = 1;
+            };
+            let finished = g.finish(&mut deliver);
+            drained?;
+            finished?;
+        } else {
+            drained?;
+        }
         anyhow::ensure!(
             done.iter().all(|&d| d == 1),
             "expert source did not deliver every expert of layer {}",

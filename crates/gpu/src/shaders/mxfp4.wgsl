@@ -59,14 +59,33 @@ fn hi(w: u32) -> vec4<f32> {
 // each of its 4 rows (a team reads 512 contiguous bytes of each row per step). With one row per
 // team, every 16 bytes of weights cost 128 bytes of input loads, and the H100 ran the product at
 // 0.16 of its read roof (bench-results/gpu/h100-e8872cd).
+//
+// The E2M1 values come from a 16-entry table in workgroup memory rather than `e2m1`'s arithmetic:
+// decoding in registers costs about a dozen instructions per weight, which at the GPU's
+// bandwidth is more than its ALUs issue (a byte holds two weights: ~25 instructions per byte
+// against ~11 per byte that an H100's lanes issue at its memory rate). The table costs one shift,
+// one mask and one workgroup-memory load per weight, and its 16 words sit in 16 distinct banks,
+// so a warp's loads never conflict (equal indices broadcast).
+
+var<workgroup> e2m1_table: array<f32, 16>;
+
+// Word w's eight elements (nibble i is element i) against inputs a (elements 0-3), b (4-7).
+fn word_dot(w: u32, a: vec4<f32>, b: vec4<f32>) -> f32 {
+    let lo4 = vec4<f32>(e2m1_table[w & 15u], e2m1_table[(w >> 4u) & 15u], e2m1_table[(w >> 8u) & 15u], e2m1_table[(w >> 12u) & 15u]);
+    let hi4 = vec4<f32>(e2m1_table[(w >> 16u) & 15u], e2m1_table[(w >> 20u) & 15u], e2m1_table[(w >> 24u) & 15u], e2m1_table[w >> 28u]);
+    return dot(lo4, a) + dot(hi4, b);
+}
 
 fn block_dot(p: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>, x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
-    return dot(lo(p.x), x0) + dot(hi(p.x), x1) + dot(lo(p.y), x2) + dot(hi(p.y), x3)
-        + dot(lo(p.z), x4) + dot(hi(p.z), x5) + dot(lo(p.w), x6) + dot(hi(p.w), x7);
+    return word_dot(p.x, x0, x1) + word_dot(p.y, x2, x3) + word_dot(p.z, x4, x5) + word_dot(p.w, x6, x7);
 }
 
 @compute @workgroup_size(256)
 fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    if lid < 16u {
+        e2m1_table[lid] = e2m1(vec4<u32>(lid)).x;
+    }
+    workgroupBarrier();
     let row0 = (wid.x + wid.y * dims.groups_x) * ROWS + (lid / LANES) * TEAM_ROWS;
     let nb = dims.cols / 32u;
     let rows = team_rows(row0);
