@@ -10,6 +10,7 @@
 #            (warm) and a 512-token prompt, experts on the CPU's cores and on the GPU
 #   DISK=1   k3-2r (2 MoE layers x 896 experts, 31 GB of experts): cold decode through O_DIRECT
 #            beside the bench's own disk floor, experts on the CPU and on the GPU
+#   TESTS=0  skip crates/gpu's tests
 #   BASE_MODEL=1  the model runs with deltafin-base too (A/B on one machine)
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -25,7 +26,7 @@ R=/tmp/results; mkdir -p $R
 save() { (cd /tmp && tar cf "$OUT/results.tar" results); }
 trap save EXIT
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv; nproc; free -g; df -h /tmp; } > "$OUT/gpu-tests.log" 2>&1
-for t in mxfp4 int8 expert dense_ops; do
+for t in $([ "${TESTS:-1}" = 1 ] && echo mxfp4 int8 expert dense_ops); do
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
