@@ -62,23 +62,24 @@ fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid:
 
 // ---- A chunk of tokens ---------------------------------------------------------------------------
 
+// Row r's 4 values from column c, zeros past the matrix.
+fn four_in(r: u32, c: u32) -> vec4<f32> {
+    if r >= dims.rows {
+        return vec4<f32>(0.0);
+    }
+    return four(r, c);
+}
+
 @compute @workgroup_size(256)
 fn matmat(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let row0 = wid.x * TR;
     let tok0 = wid.y * TT;
     let r = row0 + 4u * (lid / 8u);
     let kq = lid % 8u;
-    var acc: array<vec4<f32>, 8>;
+    var acc: Acc;
     for (var b = 0u; b < dims.cols / 32u; b++) {
         let c = 32u * b + 4u * kq;
-        var v: array<vec4<f32>, 4>;
-        for (var i = 0u; i < 4u; i++) {
-            v[i] = vec4<f32>(0.0);
-            if r + i < dims.rows {
-                v[i] = four(r + i, c);
-            }
-        }
-        put_weights(lid, v[0], v[1], v[2], v[3]);
+        put_weights(lid, four_in(r, c), four_in(r + 1u, c), four_in(r + 2u, c), four_in(r + 3u, c));
         put_inputs(lid, tok0, b);
         workgroupBarrier();
         multiply_tile(lid, &acc);

@@ -80,7 +80,7 @@ fn matmat(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid:
     let chunks = dims.cols / 16u;
     let r = row0 + 4u * (lid / 8u);
     let kq = lid % 8u;
-    var acc: array<vec4<f32>, 8>;
+    var acc: Acc;
     for (var b = 0u; b < dims.cols / 32u; b++) {
         put_weights(lid, word_of(r, b, kq, chunks), word_of(r + 1u, b, kq, chunks), word_of(r + 2u, b, kq, chunks), word_of(r + 3u, b, kq, chunks));
         put_inputs(lid, tok0, b);

@@ -100,10 +100,12 @@ fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid:
         let x5 = xs[x + 5u];
         let x6 = xs[x + 6u];
         let x7 = xs[x + 7u];
-        for (var i = 0u; i < TEAM_ROWS; i++) {
-            let blk = rows[i] * nb + b;
-            acc[i] += block_dot(packed[blk], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(blk);
-        }
+        // The team's 4 rows written out, not looped: no vector indexed by a variable.
+        let k = vec4<u32>(rows * nb + b);
+        acc.x += block_dot(packed[k.x], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(k.x);
+        acc.y += block_dot(packed[k.y], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(k.y);
+        acc.z += block_dot(packed[k.z], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(k.z);
+        acc.w += block_dot(packed[k.w], x0, x1, x2, x3, x4, x5, x6, x7) * scale_of(k.w);
     }
     team_sum_store(lid, row0, acc);
 }
@@ -129,7 +131,7 @@ fn matmat(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid:
     let nb = dims.cols / 32u;
     let r = row0 + 4u * (lid / 8u);
     let kq = lid % 8u;
-    var acc: array<vec4<f32>, 8>;
+    var acc: Acc;
     for (var b = 0u; b < nb; b++) {
         put_weights(lid, block_quarter(r, b, kq, nb), block_quarter(r + 1u, b, kq, nb), block_quarter(r + 2u, b, kq, nb), block_quarter(r + 3u, b, kq, nb));
         put_inputs(lid, tok0, b);
