@@ -60,32 +60,35 @@ fn hi(w: u32) -> vec4<f32> {
 // team, every 16 bytes of weights cost 128 bytes of input loads, and the H100 ran the product at
 // 0.16 of its read roof (bench-results/gpu/h100-e8872cd).
 //
-// The E2M1 values come from a 16-entry table in workgroup memory rather than `e2m1`'s arithmetic:
-// decoding in registers costs about a dozen instructions per weight, which at the GPU's
-// bandwidth is more than its ALUs issue (a byte holds two weights: ~25 instructions per byte
-// against ~11 per byte that an H100's lanes issue at its memory rate). The table costs one shift,
-// one mask and one workgroup-memory load per weight, and its 16 words sit in 16 distinct banks,
-// so a warp's loads never conflict (equal indices broadcast).
+// Decoding the E2M1 values with `e2m1`'s arithmetic costs about a dozen instructions per weight,
+// more than the GPU's lanes issue at its memory rate (a byte holds two weights). Here each pair of
+// nibbles i and i + 4 of a word becomes two half floats at once: the nibble's magnitude bits go to
+// bits 9-11 of its half (exponent bits 10-11, mantissa bit 9) and its sign to bit 15, which is
+// the E2M1 value times 2^-14 exactly (e = 0 lands on the half subnormals 0 and 2^-15), widened
+// by `unpack2x16float`; the block's sum is scaled back by 2^14 (exact: a power of two). On an
+// H100 (bench-results/gpu/h100-df2a91d) the product ran at 0.39-0.41 of the read roof this way,
+// 0.32 with a 16-entry table in workgroup memory and 0.25 with `e2m1`.
 
-var<workgroup> e2m1_table: array<f32, 16>;
+fn half_pair(t: u32) -> vec2<f32> {
+    return unpack2x16float(((t & 0x00070007u) << 9u) | ((t & 0x00080008u) << 12u));
+}
 
-// Word w's eight elements (nibble i is element i) against inputs a (elements 0-3), b (4-7).
+// Word w's eight elements (nibble i is element i) against inputs a (elements 0-3), b (4-7),
+// times 2^-14.
 fn word_dot(w: u32, a: vec4<f32>, b: vec4<f32>) -> f32 {
-    let lo4 = vec4<f32>(e2m1_table[w & 15u], e2m1_table[(w >> 4u) & 15u], e2m1_table[(w >> 8u) & 15u], e2m1_table[(w >> 12u) & 15u]);
-    let hi4 = vec4<f32>(e2m1_table[(w >> 16u) & 15u], e2m1_table[(w >> 20u) & 15u], e2m1_table[(w >> 24u) & 15u], e2m1_table[w >> 28u]);
-    return dot(lo4, a) + dot(hi4, b);
+    let p0 = half_pair(w);
+    let p1 = half_pair(w >> 4u);
+    let p2 = half_pair(w >> 8u);
+    let p3 = half_pair(w >> 12u);
+    return dot(vec4<f32>(p0.x, p1.x, p2.x, p3.x), a) + dot(vec4<f32>(p0.y, p1.y, p2.y, p3.y), b);
 }
 
 fn block_dot(p: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>, x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
-    return word_dot(p.x, x0, x1) + word_dot(p.y, x2, x3) + word_dot(p.z, x4, x5) + word_dot(p.w, x6, x7);
+    return (word_dot(p.x, x0, x1) + word_dot(p.y, x2, x3) + word_dot(p.z, x4, x5) + word_dot(p.w, x6, x7)) * 16384.0;
 }
 
 @compute @workgroup_size(256)
 fn matvec(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    if lid < 16u {
-        e2m1_table[lid] = e2m1(vec4<u32>(lid)).x;
-    }
-    workgroupBarrier();
     let row0 = (wid.x + wid.y * dims.groups_x) * ROWS + (lid / LANES) * TEAM_ROWS;
     let nb = dims.cols / 32u;
     let rows = team_rows(row0);
