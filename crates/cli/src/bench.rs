@@ -239,6 +239,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         if let Some(name) = &m.gpu_adapter {
             gen_args.extend(["--gpu-adapter".into(), name.clone()]);
         }
+        if let Some(b) = m.gpu_memory {
+            gen_args.extend(["--gpu-memory".into(), b.to_string()]);
+        }
     }
     if a.warm {
         gen_args.extend(["--repeat".into(), "2".into()]);
@@ -648,6 +651,7 @@ impl Acc {
         // Where the routed experts computed (the literal above is at serde_json's macro depth).
         out["device"] = first["device"].clone();
         out["adapter"] = first["adapter"].clone();
+        out["gpu_spine"] = first["gpu_spine"].clone();
         if let Some(o) = out.as_object_mut() {
             for part in [prefill, decode, disk] {
                 if let Value::Object(p) = part {

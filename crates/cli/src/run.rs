@@ -78,15 +78,21 @@ pub struct ModelArgs {
     /// every output says so).
     #[arg(long)]
     pub approx: bool,
-    /// Where the routed experts compute: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12; each
-    /// record is uploaded as it arrives). With no usable adapter, gpu is an error that says
-    /// why. The spine runs on the CPU either way so far. With `bench --kernels`: whose kernels.
+    /// Where the model computes: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12): the routed
+    /// experts (each record uploaded as it arrives) and a prompt chunk's spine products (each
+    /// matrix kept on the GPU within --gpu-memory); attention, and decode steps' spine, stay on
+    /// the CPU. With no usable adapter, gpu is an error that says why. With `bench --kernels`:
+    /// whose kernels.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// With --device gpu: the adapter whose name contains this (case-insensitive); a CPU-type
     /// adapter such as Mesa's llvmpipe is taken only when named here.
     #[arg(long, value_name = "NAME")]
     pub gpu_adapter: Option<String>,
+    /// With --device gpu: bytes of spine matrices that prompt chunks keep on the GPU (e.g. 24G;
+    /// 0 keeps the spine on the CPU; past it, a matrix stays on the CPU) [default: 8G]
+    #[arg(long, value_parser = parse_size, value_name = "BYTES")]
+    pub gpu_memory: Option<u64>,
     /// Never touch the network: on a streaming store (`install --mode stream`), an expert not
     /// fetched yet is an error that says how to fetch it.
     #[arg(long)]
@@ -106,6 +112,20 @@ pub struct ModelArgs {
     pub prefill_chunk: Option<u64>,
 }
 
+/// Where the model computes, said at start when it is the GPU.
+pub fn say_device(session: &Session) {
+    if let Some(a) = session.adapter() {
+        eprintln!("routed experts on the GPU: {a}");
+        match session.gpu_spine_bytes() {
+            Some((_, budget)) => eprintln!(
+                "prompt chunks' spine products on the GPU, up to {} of matrices (--gpu-memory)",
+                deltafin_engine::units::human(budget as u64)
+            ),
+            None => eprintln!("spine on the CPU (--gpu-memory 0)"),
+        }
+    }
+}
+
 impl ModelArgs {
     /// The store directory; `--model` is optional only so `bench --kernels` can run without one.
     pub fn store_path(&self) -> Result<&std::path::Path> {
@@ -113,6 +133,9 @@ impl ModelArgs {
     }
 
     pub fn run_options(&self) -> Result<RunOptions> {
+        if self.gpu_memory.is_some() && self.device != Device::Gpu {
+            bail!("--gpu-memory sizes what the GPU holds: it needs --device gpu");
+        }
         let backend = match self.io_backend.as_str() {
             "auto" => None,
             other => Some(other.parse().map_err(|e: String| anyhow::anyhow!(e))?),
@@ -140,6 +163,7 @@ impl ModelArgs {
             load_progress: None,
             gpu: (self.device == Device::Gpu)
                 .then(|| deltafin_gpu::GpuOptions { allow_software: false, name: self.gpu_adapter.clone() }),
+            gpu_memory: self.gpu_memory,
         })
     }
 
@@ -181,9 +205,7 @@ impl ModelArgs {
         if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }
-        if let Some(a) = session.adapter() {
-            eprintln!("routed experts on the GPU: {a}");
-        }
+        crate::run::say_device(&session);
         Ok((store, session))
     }
 }
@@ -454,6 +476,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "approximate": s.model.run().approx,
             "device": s.device(),
             "adapter": s.adapter(),
+            "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget})),
             "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),

@@ -202,9 +202,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if session.model.run().approx {
             eprintln!("note: APPROXIMATE numerics: {}", session.numerics());
         }
-        if let Some(a) = session.adapter() {
-            eprintln!("routed experts on the GPU: {a}");
-        }
+        crate::run::say_device(&session);
         Ok(session)
     })
 }

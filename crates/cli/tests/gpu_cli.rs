@@ -44,44 +44,54 @@ fn gpu_kernel_bench_reports_the_adapter_roofs_and_parity() {
     }
 }
 
-/// The routed experts on the GPU (llvmpipe) against the upstream reference: logits within 1e-3
-/// relative with an f32 spine, and the same 12-token greedy continuation; outputs name the device.
+/// The model on the GPU (llvmpipe) against the upstream reference: logits within 1e-3 relative
+/// with an f32 spine, and the same 12-token greedy continuation; outputs name the device. A
+/// 5-token prompt (routed experts on the GPU, its spine on the CPU: below the chunk size that
+/// goes there) and a 40-token one (its spine products on the GPU too, which the output shows as
+/// matrices held there).
 #[test]
-fn experts_on_the_gpu_match_the_reference() {
+fn the_model_on_the_gpu_matches_the_reference() {
     let store = convert_small();
     let s = store.path().to_str().unwrap();
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("k3-small").join("reference.json")).unwrap()).unwrap();
-    let p = &reference["prompts"][1];
-    let ids: Vec<String> = p["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
-    let ids = ids.join(",");
-    let gpu = ["--device", "gpu", "--gpu-adapter", "llvmpipe"];
-    let mut args = vec!["logits", "--model", s, "--prompt-tokens", &ids];
-    args.extend(gpu);
-    let o = run(&args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    if skipped_for_want_of_a_gpu(&o) {
-        return;
+    for (i, spine_on_gpu) in [(1, false), (3, true)] {
+        let p = &reference["prompts"][i];
+        let ids: Vec<String> = p["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+        let ids = ids.join(",");
+        let gpu = ["--device", "gpu", "--gpu-adapter", "llvmpipe"];
+        let mut args = vec!["logits", "--model", s, "--prompt-tokens", &ids];
+        args.extend(gpu);
+        let o = run(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        if skipped_for_want_of_a_gpu(&o) {
+            return;
+        }
+        assert!(o.status.success(), "logits --device gpu failed: {err}");
+        assert!(err.contains("routed experts on the GPU: llvmpipe"), "{err}");
+        assert!(err.contains("prompt chunks' spine products on the GPU, up to 8.00 GiB"), "{err}");
+        assert!(!err.contains("stays on the CPU") && !err.contains("failed"), "{err}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["device"], "gpu");
+        assert!(v["adapter"].as_str().unwrap().contains("llvmpipe"));
+        let got: Vec<f64> = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let want: Vec<f64> = p["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert_eq!(got.len(), want.len());
+        let d = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        let scale = want.iter().fold(0f64, |m, b| m.max(b.abs()));
+        assert!(d / scale < 1e-3, "prompt {i}: rel err {}", d / scale);
+        let mut args =
+            vec!["generate", "--model", s, "--prompt-tokens", &ids, "--max-tokens", "12", "--json", "--ignore-eos"];
+        args.extend(gpu);
+        let o = run(&args);
+        assert!(o.status.success(), "generate --device gpu failed: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["tokens"], p["greedy"], "prompt {i}");
+        assert_eq!(v["device"], "gpu");
+        let held = v["gpu_spine"]["bytes_on_gpu"].as_u64().unwrap();
+        assert_eq!(held > 0, spine_on_gpu, "prompt {i}: {} bytes of spine on the GPU", held);
+        assert_eq!(v["gpu_spine"]["budget_bytes"].as_u64(), Some(8 << 30));
     }
-    assert!(o.status.success(), "logits --device gpu failed: {err}");
-    assert!(err.contains("routed experts on the GPU: llvmpipe"), "{err}");
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["device"], "gpu");
-    assert!(v["adapter"].as_str().unwrap().contains("llvmpipe"));
-    let got: Vec<f64> = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-    let want: Vec<f64> = p["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-    assert_eq!(got.len(), want.len());
-    let d = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    let scale = want.iter().fold(0f64, |m, b| m.max(b.abs()));
-    assert!(d / scale < 1e-3, "rel err {}", d / scale);
-    let mut args =
-        vec!["generate", "--model", s, "--prompt-tokens", &ids, "--max-tokens", "12", "--json", "--ignore-eos"];
-    args.extend(gpu);
-    let o = run(&args);
-    assert!(o.status.success(), "generate --device gpu failed: {}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["tokens"], p["greedy"]);
-    assert_eq!(v["device"], "gpu");
 }
 
 #[test]
@@ -113,6 +123,12 @@ fn device_gpu_errors_say_why() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && !err.contains("panicked"), "{err}");
     assert!(err.contains("does not combine with --device gpu"), "{err}");
+    let o = run(&["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "3", "--gpu-memory", "2G"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--gpu-memory sizes what the GPU holds: it needs --device gpu"),
+        "{err}"
+    );
 }
 
 fn fixture(name: &str) -> std::path::PathBuf {

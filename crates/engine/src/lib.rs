@@ -23,6 +23,7 @@ pub mod plan;
 pub mod prefix_store;
 pub mod scratch;
 pub mod session;
+pub mod spine_gpu;
 pub mod stream;
 pub mod study;
 pub mod units;

@@ -17,6 +17,11 @@ use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
 
+/// Bytes of spine matrices prompt chunks keep on the GPU unless `--gpu-memory` says otherwise:
+/// what a GPU with 12 GB or more has room for beside the experts' slots (wgpu does not say how
+/// much memory an adapter has).
+pub const DEFAULT_GPU_SPINE_BYTES: u64 = 8 << 30;
+
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Bytes; `None` = 85% of what this process may use (MemAvailable, or the headroom under
@@ -56,6 +61,9 @@ pub struct RunOptions {
     /// Compute the routed experts on a GPU chosen by these options (`--device gpu`); `None`:
     /// on the CPU. No usable adapter is an error at start, never a fall-back.
     pub gpu: Option<deltafin_gpu::GpuOptions>,
+    /// With `gpu`: bytes of spine matrices that prompt chunks may keep on the GPU (`None`:
+    /// [`DEFAULT_GPU_SPINE_BYTES`]; 0 keeps the spine on the CPU).
+    pub gpu_memory: Option<u64>,
 }
 
 impl Default for RunOptions {
@@ -79,6 +87,7 @@ impl Default for RunOptions {
             log_reads: false,
             load_progress: None,
             gpu: None,
+            gpu_memory: None,
         }
     }
 }
@@ -158,7 +167,7 @@ impl Session {
         let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let plan = Self::plan(store, opts)?;
-        let gpu_experts = match &opts.gpu {
+        let (gpu_experts, gpu_spine) = match &opts.gpu {
             Some(g) => {
                 anyhow::ensure!(
                     !opts.approx,
@@ -168,14 +177,14 @@ impl Session {
                 let gpu = deltafin_gpu::Gpu::open(g)?;
                 let situ =
                     deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
-                Some(Arc::new(deltafin_gpu::expert::ExpertRunner::new(
-                    gpu,
-                    c.moe_intermediate_size,
-                    c.expert_input_dim(),
-                    situ,
-                )?))
+                let spine_bytes = opts.gpu_memory.unwrap_or(DEFAULT_GPU_SPINE_BYTES);
+                let spine = (spine_bytes > 0)
+                    .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
+                let experts =
+                    deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?;
+                (Some(Arc::new(experts)), spine)
             }
-            None => None,
+            None => (None, None),
         };
         let model = K3Model::load(
             store,
@@ -188,6 +197,7 @@ impl Session {
                 latent_cache: Some(latent_cache),
                 approx: opts.approx,
                 gpu_experts,
+                gpu_spine,
                 io_backend: opts.backend,
                 prefill_chunk: plan.prefill_chunk,
                 prompt_borrowing: (plan.prefill_chunk_lent > plan.prefill_chunk).then_some(PromptBorrowing {
@@ -255,11 +265,21 @@ impl Session {
         self.model.run().gpu_experts.as_ref().map(|g| g.gpu().adapter().to_string())
     }
 
+    /// With `--device gpu`: the bytes of spine matrices on the GPU now, and the most it may keep.
+    pub fn gpu_spine_bytes(&self) -> Option<(usize, usize)> {
+        self.model.run().gpu_spine.as_ref().map(|g| (g.used(), g.budget()))
+    }
+
     /// What a prompt state on disk must match beyond the store: the numerics and the latent
     /// cache's dtype (a bf16 cache's states are not an f32 cache's).
     pub fn state_numerics(&self) -> String {
-        // Experts on the GPU sum in another order than the CPU's: their states are their own.
-        let device = if self.device() == "gpu" { "|experts on gpu" } else { "" };
+        // Experts on the GPU sum in another order than the CPU's, and so do prompt chunks'
+        // spine products there: their states are their own.
+        let device = match (self.device(), self.model.run().gpu_spine.is_some()) {
+            ("gpu", true) => "|experts on gpu|spine chunks on gpu",
+            ("gpu", false) => "|experts on gpu",
+            _ => "",
+        };
         format!("{}|latent {}{device}", self.numerics(), self.model.latent_cache().name())
     }
 

@@ -2,6 +2,7 @@
 //! dtype, vectors as plain f32.
 
 use anyhow::{Context, Result, bail};
+use deltafin_gpu::spine::{SpineRunner, SpineWeights};
 use deltafin_kernels as k;
 use deltafin_store::{LoadedTensor, SpineData, SpineSource};
 use half::bf16;
@@ -12,6 +13,9 @@ pub struct Linear {
     pub rows: usize,
     pub cols: usize,
     data: SpineData,
+    /// Its copy on the GPU, made the first time a prompt chunk runs it there (`None` inside:
+    /// the budget had no room, or the GPU refused it; it stays on the CPU).
+    gpu: std::sync::OnceLock<Option<deltafin_gpu::spine::GpuMatrix>>,
 }
 
 impl Linear {
@@ -19,7 +23,7 @@ impl Linear {
         if t.shape.len() != 2 {
             bail!("spine tensor '{}' has shape {:?}, expected a matrix", t.name, t.shape);
         }
-        Ok(Linear { name: t.name, rows: t.shape[0], cols: t.shape[1], data: t.data })
+        Ok(Linear { name: t.name, rows: t.shape[0], cols: t.shape[1], data: t.data, gpu: Default::default() })
     }
 
     pub fn load(store: &dyn SpineSource, name: &str) -> Result<Self> {
@@ -67,6 +71,12 @@ impl Linear {
         if t_n == 1 {
             return self.forward(&xs[..cols], outs);
         }
+        if t_n >= SpineRunner::MIN_TOKENS
+            && let Some(g) = crate::spine_gpu::current()
+            && self.forward_batch_gpu(&g, &xs[..t_n * cols], t_n, outs)
+        {
+            return;
+        }
         if let SpineData::Int8 { q, scales, group } = &self.data {
             return k::int8_matmat(q, scales, *group, rows, cols, &xs[..t_n * cols], t_n, outs);
         }
@@ -83,6 +93,31 @@ impl Linear {
                 }
             }
         });
+    }
+
+    /// [`Self::forward_batch`] on the GPU, the matrix uploaded on first use; false (the caller
+    /// computes on the CPU) when it is not there or the GPU failed, which is logged: the result
+    /// is the same either way, to f32 rounding. Shapes: xs `[T, cols]`, outs `[T, rows]`.
+    fn forward_batch_gpu(&self, g: &SpineRunner, xs: &[f32], t_n: usize, outs: &mut [f32]) -> bool {
+        let m = self.gpu.get_or_init(|| {
+            let w = match &self.data {
+                SpineData::F32(w) => SpineWeights::F32(w),
+                SpineData::Bf16(w) => SpineWeights::Bf16(w),
+                SpineData::Int8 { q, scales, group } => SpineWeights::Int8 { q, scales, group: *group },
+            };
+            g.upload(w, self.rows, self.cols)
+                .inspect_err(|e| tracing::warn!("{} stays on the CPU: {e}", self.name))
+                .ok()
+                .flatten()
+        });
+        let Some(m) = m else { return false };
+        match g.product(m, xs, t_n, outs) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("{} on the GPU failed, computed on the CPU instead: {e}", self.name);
+                false
+            }
+        }
     }
 
     /// Rows `r0 .. r0+n` of `W x`. Shapes: x `[cols]`, out `[n]`.
@@ -200,6 +235,7 @@ mod tests {
             rows,
             cols,
             data: SpineData::Int8 { q: q.into(), scales: s.into(), group: cols },
+            gpu: Default::default(),
         };
         let (mut a, mut b) = (vec![0f32; 900], vec![0f32; 900]);
         m.forward_rows(50, 900, &x, &mut a);
@@ -222,6 +258,7 @@ mod tests {
                 rows,
                 cols,
                 data: SpineData::Int8 { q: q.into(), scales: s.into(), group },
+                gpu: Default::default(),
             }
         };
         for m in [int8(512, 512), int8(512, 32)] {
@@ -231,13 +268,20 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
         let (q, s) = quantize_int8(&w, cols, 5);
         let mats = [
-            Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q: q.into(), scales: s.into(), group: 5 } },
-            Linear { name: "f".into(), rows, cols, data: SpineData::F32(w.clone().into()) },
+            Linear {
+                name: "q".into(),
+                rows,
+                cols,
+                data: SpineData::Int8 { q: q.into(), scales: s.into(), group: 5 },
+                gpu: Default::default(),
+            },
+            Linear { name: "f".into(), rows, cols, data: SpineData::F32(w.clone().into()), gpu: Default::default() },
             Linear {
                 name: "b".into(),
                 rows,
                 cols,
                 data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<_>>().into()),
+                gpu: Default::default(),
             },
         ];
         for m in &mats {
@@ -269,14 +313,20 @@ mod tests {
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.21).sin()).collect();
         let (q, s) = quantize_int8(&w, cols, 32);
         let deq = dequantize_int8(&q, &s, 32);
-        let int8 =
-            Linear { name: "q".into(), rows, cols, data: SpineData::Int8 { q: q.into(), scales: s.into(), group: 32 } };
-        let f32m = Linear { name: "f".into(), rows, cols, data: SpineData::F32(deq.into()) };
+        let int8 = Linear {
+            name: "q".into(),
+            rows,
+            cols,
+            data: SpineData::Int8 { q: q.into(), scales: s.into(), group: 32 },
+            gpu: Default::default(),
+        };
+        let f32m = Linear { name: "f".into(), rows, cols, data: SpineData::F32(deq.into()), gpu: Default::default() };
         let bf16m = Linear {
             name: "b".into(),
             rows,
             cols,
             data: SpineData::Bf16(w.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<_>>().into()),
+            gpu: Default::default(),
         };
         let (mut a, mut b) = (vec![0f32; 5], vec![0f32; 5]);
         int8.forward_rows(4, 5, &x, &mut a);

@@ -60,7 +60,9 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
-/// An open GPU: device, queue and what it is.
+/// An open GPU: device, queue and what it is. Clones share the device (the expert and spine
+/// runners use one).
+#[derive(Clone)]
 pub struct Gpu {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,

@@ -288,8 +288,7 @@ impl ExpertRunner {
             slot.bound.push((n, b, self.gpu.staging(n * latent)));
         }
         let Some((_, b, staging)) = slot.bound.iter().find(|(k, ..)| *k == n) else { unreachable!("bound above") };
-        let mut enc =
-            self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
             self.program.encode(&mut pass, b);

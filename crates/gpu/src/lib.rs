@@ -22,6 +22,7 @@ pub mod mxfp4;
 pub mod ops;
 mod product;
 pub mod roofline;
+pub mod spine;
 
 pub use buffers::{DenseValues, GpuDense, GpuInt8, GpuMxfp4, GpuVec};
 pub use device::{AdapterSummary, Gpu, GpuOptions};

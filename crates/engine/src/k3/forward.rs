@@ -155,6 +155,10 @@ impl K3Model {
         }
         // Sequence i's tokens are rows starts[i]..starts[i + 1] of every [T, ..] buffer.
         let t_n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        // A prompt chunk of one sequence sends its spine products to the GPU; a batch of
+        // sequences stays on the CPU, so that each sequence's arithmetic does not depend on
+        // what it is batched with.
+        let _gpu = crate::spine_gpu::Scope::enter(self.run.gpu_spine.clone().filter(|_| seqs.len() == 1));
         let BatchBuffers { scratch: sc, blocks, routing: chunk_routing, routed_layer } = bufs;
         *routed_layer = None;
         while blocks.len() < t_n {

@@ -55,6 +55,9 @@ pub struct RunConfig {
     pub approx: bool,
     /// Routed experts computed on the GPU (`--device gpu`), each record uploaded as it arrives.
     pub gpu_experts: Option<Arc<deltafin_gpu::expert::ExpertRunner>>,
+    /// Prompt chunks' spine products on the GPU (`--device gpu`), matrices kept there within
+    /// its budget ([`crate::spine_gpu`]).
+    pub gpu_spine: Option<Arc<deltafin_gpu::spine::SpineRunner>>,
     /// Reader back-end for streamed spine layers; `None` picks io_uring when available.
     pub io_backend: Option<BackendKind>,
     /// Prompt tokens processed together (the memory plan sizes it from the budget).
@@ -103,6 +106,7 @@ impl Default for RunConfig {
             latent_cache: None,
             approx: false,
             gpu_experts: None,
+            gpu_spine: None,
             io_backend: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             prompt_borrowing: None,

@@ -1,0 +1,175 @@
+//! The spine's products of a prompt chunk on the GPU: each int8, bf16 or f32 matrix is uploaded
+//! the first time a chunk needs it and stays for the run while a GPU memory budget has room
+//! (past it, the matrix stays on the CPU); a chunk's inputs go up and its outputs come back with
+//! one wait per product. Decode steps (one token) stay on the CPU: their products are
+//! memory-bound there too, and a round trip per product would cost more than it saves.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::dense::DenseProduct;
+use crate::int8::Int8Product;
+use crate::{DenseValues, Gpu, GpuDense, GpuError, GpuInt8, GpuVec};
+
+/// A spine matrix on the host, as the model holds it. Shapes: `[rows, cols]` row-major; int8
+/// scales `[rows, cols / group]`.
+#[derive(Clone, Copy)]
+pub enum SpineWeights<'a> {
+    F32(&'a [f32]),
+    /// bf16 as raw bits.
+    Bf16(&'a [u16]),
+    Int8 {
+        q: &'a [i8],
+        scales: &'a [f32],
+        group: usize,
+    },
+}
+
+/// A spine matrix in GPU memory; its bytes go back to the budget when it is dropped.
+pub struct GpuMatrix {
+    m: Matrix,
+    bytes: usize,
+    used: Arc<AtomicUsize>,
+}
+
+enum Matrix {
+    Int8(GpuInt8),
+    Dense(GpuDense),
+}
+
+impl GpuMatrix {
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for GpuMatrix {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// Runs spine products of chunks on one GPU within a memory budget.
+pub struct SpineRunner {
+    gpu: Gpu,
+    int8: Int8Product,
+    dense: DenseProduct,
+    budget: usize,
+    used: Arc<AtomicUsize>,
+    /// Inputs, outputs and the read-back buffer, grown to the largest product seen.
+    work: Mutex<Option<Work>>,
+}
+
+struct Work {
+    xs: GpuVec,
+    out: GpuVec,
+    staging: wgpu::Buffer,
+}
+
+impl std::fmt::Debug for SpineRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SpineRunner({} of {} bytes on {})", self.used(), self.budget, self.gpu.adapter())
+    }
+}
+
+impl SpineRunner {
+    /// Chunks of fewer tokens stay on the CPU: below this, a product's inputs and outputs cost
+    /// the bus about what the GPU saves.
+    pub const MIN_TOKENS: usize = 16;
+
+    /// `budget`: bytes of spine matrices kept on the GPU at most.
+    pub fn new(gpu: Gpu, budget: usize) -> Self {
+        SpineRunner {
+            int8: Int8Product::new(&gpu),
+            dense: DenseProduct::new(&gpu),
+            gpu,
+            budget,
+            used: Arc::new(AtomicUsize::new(0)),
+            work: Mutex::new(None),
+        }
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Bytes of matrices on the GPU now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Upload a matrix if the budget has room for it (`Ok(None)` when it has not: the caller
+    /// keeps computing it on the CPU).
+    pub fn upload(&self, w: SpineWeights<'_>, rows: usize, cols: usize) -> Result<Option<GpuMatrix>, GpuError> {
+        let bytes = match w {
+            SpineWeights::F32(v) => v.len() * 4,
+            SpineWeights::Bf16(v) => v.len() * 2,
+            SpineWeights::Int8 { q, scales, .. } => q.len() + scales.len() * 4,
+        };
+        // Claimed before the upload, so two callers cannot both take the last room.
+        let claimed = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + bytes <= self.budget).then_some(u + bytes));
+        if claimed.is_err() {
+            return Ok(None);
+        }
+        let m = match w {
+            SpineWeights::F32(v) => self.gpu.upload_dense(DenseValues::F32(v), rows, cols).map(Matrix::Dense),
+            SpineWeights::Bf16(v) => self.gpu.upload_dense(DenseValues::Bf16(v), rows, cols).map(Matrix::Dense),
+            SpineWeights::Int8 { q, scales, group } => {
+                self.gpu.upload_int8(q, scales, group, rows, cols).map(Matrix::Int8)
+            }
+        };
+        match m {
+            Ok(m) => Ok(Some(GpuMatrix { m, bytes, used: self.used.clone() })),
+            Err(e) => {
+                self.used.fetch_sub(bytes, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// `out[t] = W xs[t]` for `n` tokens, waiting for the result. Shapes: xs `[n, cols]`, out
+    /// `[n, rows]`.
+    pub fn product(&self, m: &GpuMatrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
+        let (rows, cols) = match &m.m {
+            Matrix::Int8(w) => (w.rows, w.cols),
+            Matrix::Dense(w) => (w.rows, w.cols),
+        };
+        if n == 0 || xs.len() != n * cols || out.len() != n * rows {
+            return Err(GpuError::Shape {
+                what: "a spine product",
+                why: format!("{rows} x {cols} for {n} tokens: xs {}, out {}", xs.len(), out.len()),
+            });
+        }
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        if work.as_ref().is_none_or(|w| w.xs.len < xs.len() || w.out.len < out.len()) {
+            let (nx, no) = match work.as_ref() {
+                Some(w) => (w.xs.len.max(xs.len()), w.out.len.max(out.len())),
+                None => (xs.len(), out.len()),
+            };
+            *work =
+                Some(Work { xs: self.gpu.zeros_f32(nx)?, out: self.gpu.zeros_f32(no)?, staging: self.gpu.staging(no) });
+        }
+        let Some(w) = work.as_ref() else { unreachable!("made above") };
+        self.gpu.queue.write_buffer(&w.xs.buf, 0, bytemuck::cast_slice(xs));
+        let xv = GpuVec { buf: w.xs.buf.clone(), len: xs.len() };
+        let ov = GpuVec { buf: w.out.buf.clone(), len: out.len() };
+        let bound = match &m.m {
+            Matrix::Int8(g) => self.int8.bind(&self.gpu, g, &xv, n, &ov)?,
+            Matrix::Dense(g) => self.dense.bind(&self.gpu, g, &xv, n, &ov)?,
+        };
+        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("spine") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            bound.encode(&mut pass);
+        }
+        self.gpu.queue.submit([enc.finish()]);
+        // Copies the outputs behind the product and waits for both.
+        self.gpu.read_f32_into(&ov, &w.staging, out)
+    }
+}
