@@ -7,7 +7,7 @@
 # files come back from a call.
 #   ROUNDS   kernel benches per build (default 2)     SECS  seconds per kernel (default 0.5)
 #   MODEL=1  k3-real4 (KDA x3 + MLA, 64 experts, K3's real spine): decode at a context of 1,000
-#            (warm) and a 512-token prompt, experts on the CPU's cores and on the GPU
+#            (warm) and a PROMPT_LEN-token prompt (default 512), on the CPU's cores and on the GPU
 #   DISK=1   k3-2r (2 MoE layers x 896 experts, 31 GB of experts): cold decode through O_DIRECT
 #            beside the bench's own disk floor, experts on the CPU and on the GPU
 #   TESTS=0  skip crates/gpu's tests
@@ -15,7 +15,7 @@
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$1"; fi; }
-mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert gpu-tests-dense_ops; do
+mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert gpu-tests-dense_ops gpu-tests-spine; do
   [ -f .devbin/$b.xz ] && unxz .devbin/$b.xz > /tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
@@ -26,7 +26,7 @@ R=/tmp/results; mkdir -p $R
 save() { (cd /tmp && tar cf "$OUT/results.tar" results); }
 trap save EXIT
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv; nproc; free -g; df -h /tmp; } > "$OUT/gpu-tests.log" 2>&1
-for t in $([ "${TESTS:-1}" = 1 ] && echo mxfp4 int8 expert dense_ops); do
+for t in $([ "${TESTS:-1}" = 1 ] && echo mxfp4 int8 expert dense_ops spine); do
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
 done
@@ -48,8 +48,8 @@ if [ "${MODEL:-0}" = 1 ]; then
     log "$b k3-real4 decode, experts on $dev"
     /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --context-fill 1000 --warm --max-tokens 8 --device $dev --json > "$R/decode-$b-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
-    log "$b k3-real4 prompt 512, experts on $dev"
-    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length 512 --max-tokens 3 --device $dev --json > "$R/prompt-$b-$dev.json" 2>> "$OUT/bench.log"
+    log "$b k3-real4 prompt ${PROMPT_LEN:-512}, experts (and chunks' spine) on $dev"
+    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length ${PROMPT_LEN:-512} --context $(( ${PROMPT_LEN:-512} + 64 )) --max-tokens 3 --device $dev --json > "$R/prompt-$b-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"; save
   done; done
   rm -rf /tmp/k3-real4
