@@ -15,7 +15,7 @@ pub struct Linear {
     data: SpineData,
     /// Its copy on the GPU, made the first time a prompt chunk runs it there (`None` inside:
     /// the budget had no room, or the GPU refused it; it stays on the CPU).
-    gpu: std::sync::OnceLock<Option<deltafin_gpu::spine::GpuMatrix>>,
+    gpu: std::sync::OnceLock<Option<Box<deltafin_gpu::spine::GpuMatrix>>>,
 }
 
 impl Linear {
@@ -109,6 +109,7 @@ impl Linear {
                 .inspect_err(|e| tracing::warn!("{} stays on the CPU: {e}", self.name))
                 .ok()
                 .flatten()
+                .map(Box::new)
         });
         let Some(m) = m else { return false };
         match g.product(m, xs, t_n, outs) {
