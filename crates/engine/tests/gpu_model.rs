@@ -1,0 +1,92 @@
+//! The model with its routed experts and a prompt chunk's spine products on the GPU (Mesa's
+//! llvmpipe in CI): a step that fails part-way through a layer's experts leaves the GPU's
+//! runners clean, and the next request computes what it would have computed alone.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use deltafin_engine::experts::{ExpertSource, StoreExperts};
+use deltafin_engine::generate::generate_greedy;
+use deltafin_engine::k3::{K3Model, RunConfig};
+use deltafin_gpu::expert::{ExpertRunner, Situ};
+use deltafin_gpu::spine::SpineRunner;
+use deltafin_gpu::{Gpu, GpuOptions};
+use deltafin_store::{ExpertLayout, SpineDtype, Store};
+
+fn gpu(test: &str) -> Option<Gpu> {
+    let opts = GpuOptions { allow_software: true, name: std::env::var("DELTAFIN_GPU_ADAPTER").ok() };
+    match Gpu::open(&opts) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var("DELTAFIN_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("{test}: DELTAFIN_REQUIRE_GPU=1 but no GPU adapter opened: {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+/// A source whose `fail_at`-th drain hands over one record and then fails (a read fault in the
+/// middle of a layer, with an expert already on the GPU).
+struct FailMidDrain<'a> {
+    inner: StoreExperts<'a>,
+    drains: usize,
+    fail_at: usize,
+}
+
+impl ExpertSource for FailMidDrain<'_> {
+    fn begin(&mut self, layer: usize, experts: &[usize]) -> anyhow::Result<()> {
+        self.inner.begin(layer, experts)
+    }
+    fn drain(&mut self, f: &mut dyn FnMut(usize, &[u8]) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.drains += 1;
+        if self.drains != self.fail_at {
+            return self.inner.drain(f);
+        }
+        let mut handed = 0;
+        let r = self.inner.drain(&mut |u, rec| {
+            anyhow::ensure!(handed == 0, "injected read fault");
+            handed += 1;
+            f(u, rec)
+        });
+        anyhow::ensure!(r.is_err(), "the fixture's layer has more than one expert to fail between");
+        r
+    }
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+}
+
+#[test]
+fn a_layer_that_fails_on_the_gpu_leaves_the_next_request_its_own_results() {
+    let Some(g) = gpu("a_layer_that_fails_on_the_gpu_leaves_the_next_request_its_own_results") else { return };
+    let name = "k3-small";
+    let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let c = &store.manifest.config;
+    let situ = Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
+    let experts = ExpertRunner::new(g.clone(), c.moe_intermediate_size, c.expert_input_dim(), situ).unwrap();
+    let spine = Arc::new(SpineRunner::new(g, 1 << 30));
+    let run = RunConfig { gpu_experts: Some(Arc::new(experts)), gpu_spine: Some(spine.clone()), ..Default::default() };
+    let model = K3Model::load(&store, &run).unwrap();
+    // 40 tokens: a chunk whose spine products go to the GPU too.
+    let prompt = reference(name).prompts[3].tokens.clone();
+    assert!(prompt.len() >= SpineRunner::MIN_TOKENS);
+    let clean = generate_greedy(&model, &mut StoreExperts::new(&store), &prompt, 4, None).unwrap();
+    assert!(spine.used() > 0, "the prompt's spine products ran on the GPU");
+    for fail_at in [1, 5] {
+        let mut src = FailMidDrain { inner: StoreExperts::new(&store), drains: 0, fail_at };
+        let e = generate_greedy(&model, &mut src, &prompt, 4, None).unwrap_err();
+        assert!(format!("{e:#}").contains("injected read fault"), "{e:#}");
+        src.reset();
+        let again = generate_greedy(&model, &mut src, &prompt, 4, None).unwrap();
+        assert_eq!(again.tokens, clean.tokens, "after a failure at drain {fail_at}");
+        assert_eq!(again.prompt_logits, clean.prompt_logits, "after a failure at drain {fail_at}: logits");
+    }
+}
