@@ -273,7 +273,7 @@ impl Gpu {
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("dims"),
             contents: &bytes,
-            usage: wgpu::BufferUsages::UNIFORM,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         })
     }
 }

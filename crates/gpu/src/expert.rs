@@ -51,14 +51,17 @@ pub struct ExpertProgram {
     situ: wgpu::ComputePipeline,
 }
 
-/// One expert bound to its inputs and to the buffers of its intermediates and output.
-/// Shapes: xs `[n, latent]`; gate, up, act `[n, inter]`; out `[n, latent]`.
+/// One expert bound to its inputs and to the buffers of its intermediates and output, for up to
+/// the `n` tokens it was bound for ([`BoundExpert::set_tokens`]). Shapes: xs `[n, latent]`;
+/// gate, up, act `[n, inter]`; out `[n, latent]`.
 pub struct BoundExpert {
     gate: BoundProduct,
     up: BoundProduct,
     down: BoundProduct,
     situ: wgpu::BindGroup,
+    situ_params: wgpu::Buffer,
     situ_groups: (u32, u32),
+    inter: usize,
     pub out: GpuVec,
     /// Work per call: FLOPs of the three products, and the expert's stored bytes.
     pub flops: f64,
@@ -107,8 +110,6 @@ impl ExpertProgram {
                 wgpu::BindGroupEntry { binding: 3, resource: params.as_entire_binding() },
             ],
         });
-        let groups = len.div_ceil(256);
-        let situ_groups = (groups.min(65_535) as u32, groups.div_ceil(65_535) as u32);
         Ok(BoundExpert {
             flops: g.flops + u.flops + d.flops,
             weight_bytes: e.bytes() as f64,
@@ -116,7 +117,9 @@ impl ExpertProgram {
             up: u,
             down: d,
             situ: bind,
-            situ_groups,
+            situ_params: params,
+            situ_groups: situ_groups(len),
+            inter,
             out,
             _intermediates: [gate, up, act],
         })
@@ -135,6 +138,27 @@ impl ExpertProgram {
     /// Run the expert now and wait for it.
     pub fn run(&self, gpu: &Gpu, b: &BoundExpert) -> Result<(), GpuError> {
         gpu.run_passes(1, |pass| self.encode(pass, b))
+    }
+}
+
+/// Workgroups of SiTU over `len` values (256 per group, spilling into y past 65,535).
+fn situ_groups(len: usize) -> (u32, u32) {
+    let groups = len.div_ceil(256);
+    (groups.min(65_535) as u32, groups.div_ceil(65_535) as u32)
+}
+
+impl BoundExpert {
+    /// Make the next encodings compute the first `n` tokens, at most the number it was bound
+    /// for (one token only on a one-token binding, as its products' kernels differ).
+    pub fn set_tokens(&mut self, gpu: &Gpu, n: usize) -> Result<(), GpuError> {
+        self.gate.set_tokens(gpu, n)?;
+        self.up.set_tokens(gpu, n)?;
+        self.down.set_tokens(gpu, n)?;
+        let len = (n * self.inter) as u32;
+        gpu.queue.write_buffer(&self.situ_params, 0, &len.to_le_bytes());
+        self.situ_groups = situ_groups(n * self.inter);
+        self.flops = self.gate.flops + self.up.flops + self.down.flops;
+        Ok(())
     }
 }
 
@@ -163,14 +187,24 @@ impl std::fmt::Debug for ExpertRunner {
     }
 }
 
-/// The buffers of one expert on the GPU: its matrices and the inputs of up to `tokens` tokens.
+/// The buffers of one expert on the GPU: its matrices, and the bindings that run them for one
+/// token and for a chunk.
 struct Slot {
     expert: GpuExpert,
-    xs: GpuVec,
+    one: Option<Work>,
+    many: Option<Work>,
+}
+
+/// Inputs for up to `tokens` tokens, the expert bound to them (with its intermediates and
+/// outputs), and the buffer its outputs are read back through (`[tokens, latent]` f32). A chunk's
+/// binding grows (at least doubling) when a chunk has more tokens for the expert than it holds,
+/// and serves every smaller one: a long prompt's experts, each with its own number of tokens, do
+/// not each make buffers.
+struct Work {
     tokens: usize,
-    /// Bindings per token count seen so far (a decode step has 1; a prompt chunk a few), each
-    /// with the buffer its outputs are read back through (`[n, latent]` f32).
-    bound: Vec<(usize, BoundExpert, wgpu::Buffer)>,
+    xs: GpuVec,
+    bound: BoundExpert,
+    staging: wgpu::Buffer,
 }
 
 /// The slots, and the experts submitted since the last [`ExpertRunner::finish`]: for each, the
@@ -263,37 +297,36 @@ impl ExpertRunner {
             self.finish_locked(&mut q, deliver)?;
         }
         let i = q.pending.len();
-        if q.slots.get(i).is_none_or(|s| s.tokens < n) {
-            // Made, or grown to the chunk (a longer chunk than any before); never in flight.
+        if q.slots.len() == i {
             let zeros = |r: usize, c: usize| (vec![0u8; r * c / 2], vec![0u8; r * c / 32]);
             let (a, b, c) = (zeros(inter, latent), zeros(inter, latent), zeros(latent, inter));
             let expert = GpuExpert::upload(&self.gpu, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), inter, latent)?;
-            let slot = Slot { expert, xs: self.gpu.zeros_f32(n * latent)?, tokens: n, bound: Vec::new() };
-            if i < q.slots.len() {
-                q.slots[i] = slot;
-            } else {
-                q.slots.push(slot);
-            }
+            q.slots.push(Slot { expert, one: None, many: None });
         }
-        let slot = &mut q.slots[i];
+        let Slot { expert, one, many } = &mut q.slots[i];
+        let work = if n == 1 { one } else { many };
+        if work.as_ref().is_none_or(|w| w.tokens < n) {
+            // Never in flight: slot i holds the i-th pending expert, and i is not pending yet.
+            let tokens = if n == 1 { 1 } else { n.max(work.as_ref().map_or(0, |w| 2 * w.tokens)) };
+            let xs = self.gpu.zeros_f32(tokens * latent)?;
+            let bound = self.program.bind(&self.gpu, expert, &xs, tokens, self.situ)?;
+            *work = Some(Work { tokens, xs, bound, staging: self.gpu.staging(tokens * latent) });
+        }
+        let Some(w) = work.as_mut() else { unreachable!("made above") };
+        w.bound.set_tokens(&self.gpu, n)?;
         let wq = &self.gpu.queue;
-        for (m, (p, s)) in [(&slot.expert.w1, w1), (&slot.expert.w3, w3), (&slot.expert.w2, w2)] {
+        for (m, (p, s)) in [(&expert.w1, w1), (&expert.w3, w3), (&expert.w2, w2)] {
             write_padded(wq, &m.packed, p);
             write_padded(wq, &m.scales, s);
         }
-        write_padded(wq, &slot.xs.buf, bytemuck::cast_slice(xs));
-        if !slot.bound.iter().any(|(k, ..)| *k == n) {
-            let view = GpuVec { buf: slot.xs.buf.clone(), len: n * latent };
-            let b = self.program.bind(&self.gpu, &slot.expert, &view, n, self.situ)?;
-            slot.bound.push((n, b, self.gpu.staging(n * latent)));
-        }
-        let Some((_, b, staging)) = slot.bound.iter().find(|(k, ..)| *k == n) else { unreachable!("bound above") };
-        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+        write_padded(wq, &w.xs.buf, bytemuck::cast_slice(xs));
+        let mut enc =
+            self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            self.program.encode(&mut pass, b);
+            self.program.encode(&mut pass, &w.bound);
         }
-        enc.copy_buffer_to_buffer(&b.out.buf, 0, staging, 0, (n * latent * 4) as u64);
+        enc.copy_buffer_to_buffer(&w.bound.out.buf, 0, &w.staging, 0, (n * latent * 4) as u64);
         wq.submit([enc.finish()]);
         q.pending.push((tag, n));
         Ok(())
@@ -322,8 +355,9 @@ impl ExpertRunner {
             return Ok(());
         }
         let staging = |i: usize, n: usize| -> Result<&wgpu::Buffer, GpuError> {
-            match q.slots[i].bound.iter().find(|(k, ..)| *k == n) {
-                Some((_, _, s)) => Ok(s),
+            let slot = &q.slots[i];
+            match if n == 1 { &slot.one } else { &slot.many } {
+                Some(w) => Ok(&w.staging),
                 None => Err(GpuError::Lost("an expert in flight lost its binding".into())),
             }
         };

@@ -19,11 +19,18 @@ pub(crate) struct Pipelines {
     matmat: wgpu::ComputePipeline,
 }
 
-/// One product's arguments bound to its pipeline, ready to be encoded any number of times.
+/// One product's arguments bound to its pipeline, ready to be encoded any number of times. A
+/// chunk product bound for `n` tokens also runs any smaller chunk ([`Self::set_tokens`]).
 pub struct BoundProduct {
     bind: wgpu::BindGroup,
     pipeline: wgpu::ComputePipeline,
     groups: (u32, u32),
+    /// The shader's dimension words, and what they are made from.
+    dims: wgpu::Buffer,
+    shape: (usize, usize),
+    extra: [u32; 4],
+    /// Tokens bound for: the most [`Self::set_tokens`] may ask.
+    capacity: usize,
     /// Work per dispatch: 2 FLOP per weight per token, and the matrix's stored bytes.
     pub flops: f64,
     pub weight_bytes: f64,
@@ -103,18 +110,8 @@ impl Pipelines {
                 ),
             });
         }
-        let one_token = n == 1;
-        let groups = if one_token {
-            let g = w.rows.div_ceil(MATVEC_ROWS);
-            (g.min(MAX_GROUPS), g.div_ceil(MAX_GROUPS))
-        } else {
-            (w.rows.div_ceil(TILE_ROWS), n.div_ceil(TILE_TOKENS))
-        };
-        if groups.0 > MAX_GROUPS || groups.1 > MAX_GROUPS {
-            return Err(GpuError::Shape { what, why: format!("{} rows x {n} tokens is past one dispatch", w.rows) });
-        }
-        let [e0, e1, e2, e3] = w.extra;
-        let dims = gpu.uniform(&[w.rows as u32, w.cols as u32, n as u32, groups.0 as u32, e0, e1, e2, e3]);
+        let groups = dispatch(w.rows, n).map_err(|why| GpuError::Shape { what, why })?;
+        let dims = gpu.uniform(&dims_words(w.rows, w.cols, n, groups, w.extra));
         let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(what),
             layout: &self.layout,
@@ -128,15 +125,58 @@ impl Pipelines {
         });
         Ok(BoundProduct {
             bind,
-            pipeline: if one_token { self.matvec.clone() } else { self.matmat.clone() },
-            groups: (groups.0 as u32, groups.1 as u32),
+            pipeline: if n == 1 { self.matvec.clone() } else { self.matmat.clone() },
+            groups,
+            dims,
+            shape: (w.rows, w.cols),
+            extra: w.extra,
+            capacity: n,
             flops: 2.0 * (w.rows * w.cols * n) as f64,
             weight_bytes: w.bytes as f64,
         })
     }
 }
 
+/// Workgroups along x and y for `rows` x `n` tokens: the one-token kernel's row groups (spilling
+/// into y past WebGPU's 65,535 per dimension), or the chunk kernel's tiles.
+fn dispatch(rows: usize, n: usize) -> Result<(u32, u32), String> {
+    let groups = if n == 1 {
+        let g = rows.div_ceil(MATVEC_ROWS);
+        (g.min(MAX_GROUPS), g.div_ceil(MAX_GROUPS))
+    } else {
+        (rows.div_ceil(TILE_ROWS), n.div_ceil(TILE_TOKENS))
+    };
+    if groups.0 > MAX_GROUPS || groups.1 > MAX_GROUPS {
+        return Err(format!("{rows} rows x {n} tokens is past one dispatch"));
+    }
+    Ok((groups.0 as u32, groups.1 as u32))
+}
+
+/// The dimension words the shaders read: rows, cols, tokens, groups along x, then the format's.
+fn dims_words(rows: usize, cols: usize, n: usize, groups: (u32, u32), extra: [u32; 4]) -> [u32; 8] {
+    let [e0, e1, e2, e3] = extra;
+    [rows as u32, cols as u32, n as u32, groups.0, e0, e1, e2, e3]
+}
+
 impl BoundProduct {
+    /// Make the next encodings compute `n` tokens, at most the `n` it was bound for, through the
+    /// same kernel (one token, or a chunk): the dimensions are rewritten in the queue, ahead of
+    /// whatever is submitted next. Shapes: the first `n` rows of xs and out.
+    pub fn set_tokens(&mut self, gpu: &Gpu, n: usize) -> Result<(), GpuError> {
+        if n == 0 || n > self.capacity || (n == 1) != (self.capacity == 1) {
+            return Err(GpuError::Shape {
+                what: "a bound product",
+                why: format!("{n} tokens on a binding for {}", self.capacity),
+            });
+        }
+        let (rows, cols) = self.shape;
+        self.groups = dispatch(rows, n).map_err(|why| GpuError::Shape { what: "a bound product", why })?;
+        let words = dims_words(rows, cols, n, self.groups, self.extra);
+        gpu.queue.write_buffer(&self.dims, 0, bytemuck::cast_slice(&words));
+        self.flops = 2.0 * (rows * cols * n) as f64;
+        Ok(())
+    }
+
     /// Record the product into a compute pass.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
