@@ -358,7 +358,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             );
             if a.prompt_length.is_some() {
                 eprintln!(
-                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak",
+                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak; {:.3} s in attention, {:.3} s in feed-forward blocks",
                     prompt.len(),
                     acc.ttft.last().copied().unwrap_or(f64::NAN),
                     acc.ttft_floor.last().copied().unwrap_or(f64::NAN),
@@ -367,6 +367,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     human(acc.prefill_spine.last().copied().unwrap_or(0.0) as u64),
                     acc.prefill_flops.last().copied().unwrap_or(f64::NAN) / 1e9,
                     peak_gflops,
+                    last(&acc.prefill_attention_s),
+                    last(&acc.prefill_ffn_s),
                 );
             }
             acc.records.push(records.as_ref().and_then(|r| r["gbps"].as_f64()).unwrap_or(f64::NAN));
@@ -468,6 +470,9 @@ struct Acc {
     decode_bytes_touched: Vec<f64>,
     kv_bytes: Vec<f64>,
     prefill_attention_flops: Vec<f64>,
+    /// Seconds of each run's prompt in attention and in the feed-forward blocks.
+    prefill_attention_s: Vec<f64>,
+    prefill_ffn_s: Vec<f64>,
     rss: Vec<f64>,
     iow: Vec<f64>,
     /// Time to first token and what bounds it: distinct expert bytes of the prompt, streamed
@@ -553,6 +558,8 @@ impl Acc {
         self.prefill_expert_read.push(pr["expert_bytes_read"].as_f64().unwrap_or(f64::NAN));
         self.prefill_spine.push(pr["spine_bytes_read"].as_f64().unwrap_or(f64::NAN));
         self.prefill_flops.push(flops);
+        self.prefill_attention_s.push(pr["attention_s"].as_f64().unwrap_or(f64::NAN));
+        self.prefill_ffn_s.push(pr["ffn_s"].as_f64().unwrap_or(f64::NAN));
         self.peak_gflops.push(peak_gflops);
         let idle = list(&g["timing"]["decode_step_disk_idle_s"]);
         let s_idle = &idle[1.min(idle.len())..];
@@ -574,6 +581,8 @@ impl Acc {
             "prefill_spine_bytes": med(&self.prefill_spine),
             "prefill_flops": med(&self.prefill_flops),
             "prefill_attention_flops": med(&self.prefill_attention_flops),
+            "prefill_attention_s": med(&self.prefill_attention_s),
+            "prefill_ffn_s": med(&self.prefill_ffn_s),
             "peak_gflops": med(&self.peak_gflops),
         });
         // The disk limit: the run's own reads replayed right after it, and fio's random records.

@@ -88,6 +88,10 @@ pub struct PromptStats {
     /// Expert cache memory the prompt borrowed for its larger chunks (given back before the
     /// first new token).
     pub borrowed_bytes: u64,
+    /// Seconds of the prompt in attention and in the feed-forward blocks ([`crate::k3::PhaseTimes`]);
+    /// the rest went to embedding, norms, the head and waits for streamed spine layers.
+    pub attention_s: f64,
+    pub ffn_s: f64,
 }
 
 impl GenerateHooks<'_> {
@@ -109,6 +113,7 @@ pub fn run(
 ) -> Result<Ended> {
     let (mut chunk, borrow) = prompt_chunking(model.run(), prompt.len(), hooks.per_token());
     let (bytes0, spine0) = (experts.bytes_read(), model.spine_bytes_read());
+    let phases0 = model.phases.seconds();
     let mut borrowed = 0;
     let fed = {
         // Gives the memory back when the prompt is through, on every way out of it (an error,
@@ -139,6 +144,8 @@ pub fn run(
         distinct_experts: seen,
         spine_bytes_read: model.spine_bytes_read() - spine0,
         borrowed_bytes: borrowed,
+        attention_s: model.phases.seconds().0 - phases0.0,
+        ffn_s: model.phases.seconds().1 - phases0.1,
     });
     while let Some(token) = driver.next(logits)? {
         step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;

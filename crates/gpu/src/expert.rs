@@ -320,8 +320,7 @@ impl ExpertRunner {
             write_padded(wq, &m.scales, s);
         }
         write_padded(wq, &w.xs.buf, bytemuck::cast_slice(xs));
-        let mut enc =
-            self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
             self.program.encode(&mut pass, &w.bound);

@@ -193,6 +193,7 @@ impl K3Model {
                 let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
                 self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
             }
+            let attention_start = std::time::Instant::now();
             let mut t0 = 0;
             for s in seqs.iter_mut() {
                 let n = s.tokens.len();
@@ -204,10 +205,12 @@ impl K3Model {
                 }
                 t0 += n;
             }
+            let attention = attention_start.elapsed();
             for t in 0..t_n {
                 let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
                 self.post_attention(&layer, &mut blocks[t], restart, x, &ys[t * h..(t + 1) * h], &mut hmix, nm);
             }
+            let ffn_start = std::time::Instant::now();
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward_batch(&normed, t_n, &mut ys, sc),
                 Ffn::Moe(m) => {
@@ -240,6 +243,7 @@ impl K3Model {
                     }
                 }
             }
+            self.phases.add(attention, ffn_start.elapsed());
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
             if !on_layer(l) && l + 1 < self.layers.len() {
                 // Stopped between layers: no read is open, the buffers go back.

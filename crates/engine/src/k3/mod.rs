@@ -189,6 +189,32 @@ pub struct K3Model {
     pub output_res_w: Option<Vec<f32>>,
     /// `[vocab, H]`; `None` when tied to the embedding.
     pub lm_head: Option<Linear>,
+    /// Where the model's steps spent their time so far.
+    pub phases: PhaseTimes,
+}
+
+/// Wall time the model's steps spent in attention (each sequence's KDA or MLA over its state,
+/// projections included) and in the feed-forward blocks (router, shared and routed experts,
+/// waits for expert reads included), summed over every step of the process; a prompt's share is
+/// the difference across it ([`PhaseTimes::seconds`]).
+#[derive(Debug, Default)]
+pub struct PhaseTimes {
+    attention_ns: std::sync::atomic::AtomicU64,
+    ffn_ns: std::sync::atomic::AtomicU64,
+}
+
+impl PhaseTimes {
+    pub(crate) fn add(&self, attention: std::time::Duration, ffn: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.attention_ns.fetch_add(attention.as_nanos() as u64, Relaxed);
+        self.ffn_ns.fetch_add(ffn.as_nanos() as u64, Relaxed);
+    }
+
+    /// (attention, feed-forward) seconds so far.
+    pub fn seconds(&self) -> (f64, f64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.attention_ns.load(Relaxed) as f64 * 1e-9, self.ffn_ns.load(Relaxed) as f64 * 1e-9)
+    }
 }
 
 /// One decoder layer's spine weights, from the store file or a streamed image of it.
@@ -296,6 +322,7 @@ impl K3Model {
             spine_stream,
             layers,
             config: c,
+            phases: PhaseTimes::default(),
         })
     }
 
