@@ -10,7 +10,8 @@
 #            (warm) and a PROMPT_LEN-token prompt (default 512), on the CPU's cores and on the GPU
 #   DISK=1   k3-2r (2 MoE layers x 896 experts, 31 GB of experts): cold decode through O_DIRECT
 #            beside the bench's own disk floor, experts on the CPU and on the GPU
-#   TESTS=0  skip crates/gpu's tests
+#   TESTS=0  skip crates/gpu's tests     PROMPT_LEN=0  no prompt runs
+#   GPU_MEMORY  --gpu-memory for the GPU runs (e.g. 16G: k3-real4's spine and all its experts)
 #   BASE_MODEL=1  the model runs with deltafin-base too (A/B on one machine)
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -45,11 +46,13 @@ if [ "${MODEL:-0}" = 1 ]; then
   /tmp/bin/deltafin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out /tmp/k3-real4 >> "$OUT/bench.log" 2>&1
   for dev in cpu gpu; do for b in "${mbins[@]}"; do
     [ $dev = cpu ] && [ $b = deltafin-base ] && continue
-    log "$b k3-real4 decode, experts on $dev"
-    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --context-fill 1000 --warm --max-tokens 8 --device $dev --json > "$R/decode-$b-$dev.json" 2>> "$OUT/bench.log"
+    gm=(); [ $dev = gpu ] && [ -n "${GPU_MEMORY:-}" ] && gm=(--gpu-memory "$GPU_MEMORY")
+    log "$b k3-real4 decode, experts on $dev ${gm[*]}"
+    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --context-fill 1000 --warm --max-tokens 8 --device $dev "${gm[@]}" --json > "$R/decode-$b-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
+    [ "${PROMPT_LEN:-512}" = 0 ] && continue
     log "$b k3-real4 prompt ${PROMPT_LEN:-512}, experts (and chunks' spine) on $dev"
-    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length ${PROMPT_LEN:-512} --context $(( ${PROMPT_LEN:-512} + 64 )) --max-tokens 3 --device $dev --json > "$R/prompt-$b-$dev.json" 2>> "$OUT/bench.log"
+    /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length ${PROMPT_LEN:-512} --context $(( ${PROMPT_LEN:-512} + 64 )) --max-tokens 3 --device $dev "${gm[@]}" --json > "$R/prompt-$b-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"; save
   done; done
   rm -rf /tmp/k3-real4

@@ -661,6 +661,7 @@ impl Acc {
         out["device"] = first["device"].clone();
         out["adapter"] = first["adapter"].clone();
         out["gpu_spine"] = first["gpu_spine"].clone();
+        out["gpu_expert_cache"] = first["gpu_expert_cache"].clone();
         if let Some(o) = out.as_object_mut() {
             for part in [prefill, decode, disk] {
                 if let Value::Object(p) = part {

@@ -89,8 +89,9 @@ pub struct ModelArgs {
     /// adapter such as Mesa's llvmpipe is taken only when named here.
     #[arg(long, value_name = "NAME")]
     pub gpu_adapter: Option<String>,
-    /// With --device gpu: bytes of spine matrices that prompt chunks keep on the GPU (e.g. 24G;
-    /// 0 keeps the spine on the CPU; past it, a matrix stays on the CPU) [default: 8G]
+    /// With --device gpu: GPU memory for the spine's matrices (which prompt chunks run there; a
+    /// matrix past it stays on the CPU) and, in what they leave, routed experts cached between
+    /// uses (e.g. 24G; 0: neither) [default: 8G]
     #[arg(long, value_parser = parse_size, value_name = "BYTES")]
     pub gpu_memory: Option<u64>,
     /// Never touch the network: on a streaming store (`install --mode stream`), an expert not
@@ -116,12 +117,13 @@ pub struct ModelArgs {
 pub fn say_device(session: &Session) {
     if let Some(a) = session.adapter() {
         eprintln!("routed experts on the GPU: {a}");
+        let cached = session.gpu_expert_cache().map_or(0, |c| c.0);
         match session.gpu_spine_bytes() {
             Some((_, budget)) => eprintln!(
-                "prompt chunks' spine products on the GPU, up to {} of matrices (--gpu-memory)",
+                "GPU memory (--gpu-memory): prompt chunks' spine products there, up to {} of matrices; {cached} routed experts cached there",
                 deltafin_engine::units::human(budget as u64)
             ),
-            None => eprintln!("spine on the CPU (--gpu-memory 0)"),
+            None => eprintln!("spine on the CPU and no expert cached on the GPU (--gpu-memory 0)"),
         }
     }
 }
@@ -477,6 +479,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "device": s.device(),
             "adapter": s.adapter(),
             "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget})),
+            "gpu_expert_cache": s.gpu_expert_cache().map(|(capacity, held, hits, misses)| serde_json::json!({"capacity": capacity, "held": held, "hits": hits, "misses": misses})),
             "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),
             "threads": deltafin_engine::threads(),

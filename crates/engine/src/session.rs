@@ -17,10 +17,10 @@ use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
 
-/// Bytes of spine matrices prompt chunks keep on the GPU unless `--gpu-memory` says otherwise:
-/// what a GPU with 12 GB or more has room for beside the experts' slots (wgpu does not say how
-/// much memory an adapter has).
-pub const DEFAULT_GPU_SPINE_BYTES: u64 = 8 << 30;
+/// GPU memory for spine matrices and cached routed experts unless `--gpu-memory` says otherwise:
+/// what a GPU with 12 GB or more has room for beside the experts' slots and a chunk's buffers
+/// (wgpu does not say how much memory an adapter has).
+pub const DEFAULT_GPU_MEMORY: u64 = 8 << 30;
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -61,8 +61,9 @@ pub struct RunOptions {
     /// Compute the routed experts on a GPU chosen by these options (`--device gpu`); `None`:
     /// on the CPU. No usable adapter is an error at start, never a fall-back.
     pub gpu: Option<deltafin_gpu::GpuOptions>,
-    /// With `gpu`: bytes of spine matrices that prompt chunks may keep on the GPU (`None`:
-    /// [`DEFAULT_GPU_SPINE_BYTES`]; 0 keeps the spine on the CPU).
+    /// With `gpu`: bytes of GPU memory for the spine's matrices (used by prompt chunks) and,
+    /// in what they leave, cached routed experts (`None`: [`DEFAULT_GPU_MEMORY`]; 0 keeps the
+    /// spine on the CPU and caches no expert there).
     pub gpu_memory: Option<u64>,
 }
 
@@ -177,11 +178,16 @@ impl Session {
                 let gpu = deltafin_gpu::Gpu::open(g)?;
                 let situ =
                     deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
-                let spine_bytes = opts.gpu_memory.unwrap_or(DEFAULT_GPU_SPINE_BYTES);
+                // The GPU's memory: the spine's matrices first (what prompt chunks use every
+                // time), then as many routed experts as the rest holds.
+                let total = opts.gpu_memory.unwrap_or(DEFAULT_GPU_MEMORY);
+                let spine_bytes = total.min(plan.spine_bytes);
+                let cached_experts = ((total - spine_bytes) / plan.record_bytes.max(1)) as usize;
                 let spine = (spine_bytes > 0)
                     .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
                 let experts =
-                    deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?;
+                    deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?
+                        .with_cache(cached_experts);
                 (Some(Arc::new(experts)), spine)
             }
             None => (None, None),
@@ -268,6 +274,11 @@ impl Session {
     /// With `--device gpu`: the bytes of spine matrices on the GPU now, and the most it may keep.
     pub fn gpu_spine_bytes(&self) -> Option<(usize, usize)> {
         self.model.run().gpu_spine.as_ref().map(|g| (g.used(), g.budget()))
+    }
+
+    /// With `--device gpu`: the GPU's expert cache, (capacity in experts, held, hits, misses).
+    pub fn gpu_expert_cache(&self) -> Option<(usize, usize, u64, u64)> {
+        self.model.run().gpu_experts.as_ref().map(|g| g.cache_stats())
     }
 
     /// What a prompt state on disk must match beyond the store: the numerics and the latent

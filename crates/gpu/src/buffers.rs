@@ -150,6 +150,31 @@ impl Gpu {
         })
     }
 
+    /// An MXFP4 matrix's buffers, to be written later (an expert slot, a cached expert).
+    pub(crate) fn empty_mxfp4(&self, rows: usize, cols: usize) -> Result<GpuMxfp4, GpuError> {
+        if cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
+            return Err(GpuError::Shape {
+                what: "an MXFP4 matrix",
+                why: format!("{rows} x {cols}: cols must be a positive multiple of 32"),
+            });
+        }
+        self.check_size("an MXFP4 matrix", rows * cols / 2)?;
+        let buffer = |label: &str, size: usize| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: size as u64,
+                usage: STORAGE,
+                mapped_at_creation: false,
+            })
+        };
+        Ok(GpuMxfp4 {
+            packed: buffer("mxfp4 packed", rows * cols / 2),
+            scales: buffer("mxfp4 scales", (rows * cols / 32).next_multiple_of(4)),
+            rows,
+            cols,
+        })
+    }
+
     /// Upload an int8 matrix. Shapes: q `[rows, cols]`, scales `[rows, cols/group]`; `cols` a
     /// multiple of 32 (a step of the chunk kernel) and `group` of 16 (the shader reads 16 values
     /// at a time from one group).

@@ -36,6 +36,23 @@ impl GpuExpert {
     pub fn bytes(&self) -> usize {
         self.w1.bytes() + self.w3.bytes() + self.w2.bytes()
     }
+
+    /// An expert's buffers, written later.
+    fn empty(gpu: &Gpu, inter: usize, latent: usize) -> Result<Self, GpuError> {
+        Ok(GpuExpert {
+            w1: gpu.empty_mxfp4(inter, latent)?,
+            w3: gpu.empty_mxfp4(inter, latent)?,
+            w2: gpu.empty_mxfp4(latent, inter)?,
+        })
+    }
+
+    /// Record copies of every buffer of `self` into `to` (same shapes), in queue order.
+    fn copy_into(&self, enc: &mut wgpu::CommandEncoder, to: &GpuExpert) {
+        for (a, b) in [(&self.w1, &to.w1), (&self.w3, &to.w3), (&self.w2, &to.w2)] {
+            enc.copy_buffer_to_buffer(&a.packed, 0, &b.packed, 0, a.packed.size());
+            enc.copy_buffer_to_buffer(&a.scales, 0, &b.scales, 0, a.scales.size());
+        }
+    }
 }
 
 /// SiTU's two constants: `beta` bounds the gate, `linear_beta` (if any) the up projection.
@@ -178,6 +195,21 @@ pub struct ExpertRunner {
     queue: std::sync::Mutex<Queue>,
 }
 
+/// Experts kept in GPU memory between uses, keyed by (layer, expert): a record the engine hands
+/// over again is copied into its slot on the GPU instead of crossing the bus. The least recently
+/// used entry makes room; an entry copied into a slot earlier in a round can be overwritten
+/// later in it, since the queue runs the copies in order.
+#[derive(Default)]
+struct ExpertCache {
+    capacity: usize,
+    entries: std::collections::HashMap<(usize, usize), usize>,
+    /// Each entry's buffers, key and last use.
+    store: Vec<(GpuExpert, (usize, usize), u64)>,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+}
+
 /// Experts in flight at once: a decode step's layer (top-k = 16 in Kimi K3) fits in one round.
 pub const SLOTS: usize = 16;
 
@@ -213,6 +245,7 @@ struct Work {
 struct Queue {
     slots: Vec<Slot>,
     pending: Vec<(usize, usize)>,
+    cache: ExpertCache,
 }
 
 impl ExpertRunner {
@@ -227,6 +260,18 @@ impl ExpertRunner {
         }
         let program = ExpertProgram::new(&gpu);
         Ok(ExpertRunner { gpu, program, inter, latent, situ, queue: std::sync::Mutex::new(Queue::default()) })
+    }
+
+    /// Keep up to `experts` experts in GPU memory between uses (0, the default: none).
+    pub fn with_cache(self, experts: usize) -> Self {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).cache.capacity = experts;
+        self
+    }
+
+    /// The GPU's expert cache: (capacity in experts, entries, hits, misses) so far.
+    pub fn cache_stats(&self) -> (usize, usize, u64, u64) {
+        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        (q.cache.capacity, q.cache.store.len(), q.cache.hits, q.cache.misses)
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -256,7 +301,7 @@ impl ExpertRunner {
             });
         }
         let mut put = |_: usize, o: &[f32]| out.copy_from_slice(o);
-        self.enqueue(w1, w3, w2, xs, n, 0, &mut put)?;
+        self.enqueue(None, w1, w3, w2, xs, n, 0, &mut put)?;
         self.finish(&mut put)
     }
 
@@ -264,10 +309,13 @@ impl ExpertRunner {
     /// it; its outputs (`[n, latent]`) reach `deliver(tag, ..)` at the next [`Self::finish`], or
     /// during this call when every slot was taken (the experts in flight are finished first).
     /// Shapes: each matrix as its `(packed, scales)` bytes (w1, w3 `[inter, latent]`, w2
-    /// `[latent, inter]`), xs `[n, latent]`.
+    /// `[latent, inter]`), xs `[n, latent]`. `key` (layer, expert) names the record for the GPU's
+    /// expert cache ([`Self::with_cache`]): a key it holds is computed from the cached copy and
+    /// the bytes passed are not read, so one key must always name the same record.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue(
         &self,
+        key: Option<(usize, usize)>,
         w1: (&[u8], &[u8]),
         w3: (&[u8], &[u8]),
         w2: (&[u8], &[u8]),
@@ -298,12 +346,11 @@ impl ExpertRunner {
         }
         let i = q.pending.len();
         if q.slots.len() == i {
-            let zeros = |r: usize, c: usize| (vec![0u8; r * c / 2], vec![0u8; r * c / 32]);
-            let (a, b, c) = (zeros(inter, latent), zeros(inter, latent), zeros(latent, inter));
-            let expert = GpuExpert::upload(&self.gpu, (&a.0, &a.1), (&b.0, &b.1), (&c.0, &c.1), inter, latent)?;
+            let expert = GpuExpert::empty(&self.gpu, inter, latent)?;
             q.slots.push(Slot { expert, one: None, many: None });
         }
-        let Slot { expert, one, many } = &mut q.slots[i];
+        let Queue { slots, cache, .. } = &mut *q;
+        let Slot { expert, one, many } = &mut slots[i];
         let work = if n == 1 { one } else { many };
         if work.as_ref().is_none_or(|w| w.tokens < n) {
             // Never in flight: slot i holds the i-th pending expert, and i is not pending yet.
@@ -314,13 +361,17 @@ impl ExpertRunner {
         }
         let Some(w) = work.as_mut() else { unreachable!("made above") };
         w.bound.set_tokens(&self.gpu, n)?;
+        // Nothing fails from here to the submission: a key the cache takes on is always written.
+        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+        let cached = self.cache_lookup(cache, key, expert, &mut enc)?;
         let wq = &self.gpu.queue;
-        for (m, (p, s)) in [(&expert.w1, w1), (&expert.w3, w3), (&expert.w2, w2)] {
-            write_padded(wq, &m.packed, p);
-            write_padded(wq, &m.scales, s);
+        if !cached {
+            for (m, (p, s)) in [(&expert.w1, w1), (&expert.w3, w3), (&expert.w2, w2)] {
+                write_padded(wq, &m.packed, p);
+                write_padded(wq, &m.scales, s);
+            }
         }
         write_padded(wq, &w.xs.buf, bytemuck::cast_slice(xs));
-        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
             self.program.encode(&mut pass, &w.bound);
@@ -329,6 +380,46 @@ impl ExpertRunner {
         wq.submit([enc.finish()]);
         q.pending.push((tag, n));
         Ok(())
+    }
+
+    /// The cache's part of one expert's submission, recorded into `enc` ahead of its dispatches:
+    /// a held key is copied into the slot (true: its bytes need not be written); a new key is
+    /// copied from the slot (where the queue writes its bytes before `enc` runs) into a free or
+    /// the least recently used entry.
+    fn cache_lookup(
+        &self,
+        cache: &mut ExpertCache,
+        key: Option<(usize, usize)>,
+        slot: &GpuExpert,
+        enc: &mut wgpu::CommandEncoder,
+    ) -> Result<bool, GpuError> {
+        let Some(key) = key.filter(|_| cache.capacity > 0) else { return Ok(false) };
+        cache.tick += 1;
+        if let Some(&e) = cache.entries.get(&key) {
+            cache.store[e].2 = cache.tick;
+            cache.hits += 1;
+            cache.store[e].0.copy_into(enc, slot);
+            return Ok(true);
+        }
+        cache.misses += 1;
+        let e = if cache.store.len() < cache.capacity {
+            cache.store.push((GpuExpert::empty(&self.gpu, self.inter, self.latent)?, key, 0));
+            cache.store.len() - 1
+        } else {
+            let Some((e, _)) = cache.store.iter().enumerate().min_by_key(|(_, (_, _, used))| *used) else {
+                return Ok(false);
+            };
+            let old = cache.store[e].1;
+            cache.entries.remove(&old);
+            e
+        };
+        cache.store[e].1 = key;
+        cache.store[e].2 = cache.tick;
+        cache.entries.insert(key, e);
+        // The copy reads the slot after the queue has written the record into it (writes go
+        // first in the submission that runs `enc`).
+        slot.copy_into(enc, &cache.store[e].0);
+        Ok(false)
     }
 
     /// Wait for every expert submitted since the last call and hand each one's outputs
@@ -343,7 +434,10 @@ impl ExpertRunner {
     fn finish_locked(&self, q: &mut Queue, deliver: &mut dyn FnMut(usize, &[f32])) -> Result<(), GpuError> {
         let r = self.collect(q, deliver);
         if r.is_err() {
+            // What failed may have been a cached expert's copy too.
             q.slots.clear();
+            q.cache.entries.clear();
+            q.cache.store.clear();
         }
         r
     }

@@ -129,7 +129,7 @@ fn the_runner_delivers_every_queued_expert_under_its_tag() {
     };
     for (i, h) in experts.iter().enumerate() {
         let m = |j: usize| (h.m[j].0.as_slice(), h.m[j].1.as_slice());
-        runner.enqueue(m(0), m(1), m(2), &inputs[i], tokens(i), i, &mut deliver).unwrap();
+        runner.enqueue(None, m(0), m(1), m(2), &inputs[i], tokens(i), i, &mut deliver).unwrap();
         // Nothing comes back until the slots run out; then the first round, all of it.
         let back = got.borrow().iter().filter(|o| o.is_some()).count();
         assert_eq!(back, if i < SLOTS { 0 } else { SLOTS }, "delivered after submitting expert {i}");
@@ -170,9 +170,68 @@ fn the_runner_delivers_every_queued_expert_under_its_tag() {
     let h = &experts[0];
     let m = |j: usize| (h.m[j].0.as_slice(), h.m[j].1.as_slice());
     let short = (&h.m[2].0[1..], h.m[2].1.as_slice());
-    assert!(matches!(runner.enqueue(m(0), m(1), short, &inputs[0], 1, 0, &mut |_, _| {}), Err(GpuError::Shape { .. })));
-    assert!(matches!(runner.enqueue(m(0), m(1), m(2), &inputs[0], 2, 0, &mut |_, _| {}), Err(GpuError::Shape { .. })));
+    assert!(matches!(
+        runner.enqueue(None, m(0), m(1), short, &inputs[0], 1, 0, &mut |_, _| {}),
+        Err(GpuError::Shape { .. })
+    ));
+    assert!(matches!(
+        runner.enqueue(None, m(0), m(1), m(2), &inputs[0], 2, 0, &mut |_, _| {}),
+        Err(GpuError::Shape { .. })
+    ));
     let mut out = vec![0f32; latent];
     runner.run(m(0), m(1), m(2), &inputs[0], 1, &mut out).unwrap();
     assert_eq!(&out, got[0].as_ref().unwrap(), "the same expert and input, run again");
+}
+
+/// The runner's expert cache: a key it holds is computed from its copy on the GPU, in the same
+/// round it was first written as well as later (the bytes passed are not read: junk here gives
+/// the cached expert's outputs); the least recently used key makes room, and a key no longer
+/// held is read from the bytes passed again.
+#[test]
+fn the_runner_caches_experts_by_key_and_evicts_the_least_recently_used() {
+    use deltafin_gpu::expert::ExpertRunner;
+    let Some(g) = gpu("the_runner_caches_experts_by_key_and_evicts_the_least_recently_used") else { return };
+    let (inter, latent) = (64, 96);
+    let situ = Situ { beta: 4.0, linear_beta: Some(25.0) };
+    let runner = ExpertRunner::new(g, inter, latent, situ).unwrap().with_cache(2);
+    let hosts: Vec<HostExpert> = (0..4).map(|i| HostExpert::new(inter, latent, 300 + 11 * i)).collect();
+    let junk = HostExpert::new(inter, latent, 999);
+    let x: Vec<f32> = bytes(latent, 77).iter().map(|&b| (f32::from(b) - 127.5) / 32.0).collect();
+    let want = |h: &HostExpert| {
+        let (mut act, mut out) = (vec![0f32; inter], vec![0f32; latent]);
+        expert_mxfp4(h.mx(0), h.mx(1), h.mx(2), inter, latent, &x, situ.beta, situ.linear_beta, &mut act, &mut out);
+        out
+    };
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        let scale = want.iter().map(|v| v.abs()).sum::<f32>() / latent as f32;
+        for (r, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * scale.max(1e-20), "{what}: row {r}: gpu {a} cpu {b}");
+        }
+    };
+    // One round of (key, host bytes) submissions; the outputs in submission order.
+    let round = |subs: &[(usize, &HostExpert)]| -> Vec<Vec<f32>> {
+        let mut got = vec![Vec::new(); subs.len()];
+        let mut put = |tag: usize, o: &[f32]| got[tag] = o.to_vec();
+        for (tag, (key, h)) in subs.iter().enumerate() {
+            let m = |j: usize| (h.m[j].0.as_slice(), h.m[j].1.as_slice());
+            runner.enqueue(Some((7, *key)), m(0), m(1), m(2), &x, 1, tag, &mut put).unwrap();
+        }
+        runner.finish(&mut put).unwrap();
+        got
+    };
+    let (a, b, c, d) = (&hosts[0], &hosts[1], &hosts[2], &hosts[3]);
+    // Keys 0 and 1 written; key 0 again in the same round, with junk bytes, is the cached one.
+    let r1 = round(&[(0, a), (1, b), (0, &junk)]);
+    close(&r1[0], &want(a), "key 0");
+    close(&r1[1], &want(b), "key 1");
+    assert_eq!(r1[2], r1[0], "key 0 from the cache in the round that wrote it");
+    // Key 0 held (used last), key 2 makes room by dropping key 1.
+    let r2 = round(&[(0, &junk), (2, c)]);
+    assert_eq!(r2[0], r1[0], "key 0 from the cache a round later");
+    close(&r2[1], &want(c), "key 2");
+    // Key 1 is no longer held: its bytes are read again (here another expert's).
+    let r3 = round(&[(1, d)]);
+    close(&r3[0], &want(d), "key 1 after its eviction");
+    let (capacity, held, hits, misses) = runner.cache_stats();
+    assert_eq!((capacity, held, hits, misses), (2, 2, 2, 4));
 }

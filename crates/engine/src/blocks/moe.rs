@@ -194,15 +194,16 @@ impl LatentMoe {
         Ok(())
     }
 
-    /// Submit one expert to the GPU for the tokens that chose it (`users`: token * k + slot), as
+    /// Submit expert `e` to the GPU for the tokens that chose it (`users`: token * k + slot), as
     /// one batch; its outputs reach `deliver` (tagged `u`) when the runner finishes the layer's
-    /// experts. Shapes: xl `[T, LAT]`; xb `[n, LAT]` scratch, grown where a pinned routing repeats
+    /// experts. The runner's cache knows the record as (layer, e). Shapes: xl `[T, LAT]`; xb `[n, LAT]` scratch, grown where a pinned routing repeats
     /// an expert past `T` users.
     #[allow(clippy::too_many_arguments)]
     fn expert_to_gpu(
         &self,
         g: &ExpertRunner,
         record: &[u8],
+        e: usize,
         u: usize,
         users: &[usize],
         k: usize,
@@ -228,7 +229,7 @@ impl LatentMoe {
             }
             &xb[..n * lat]
         };
-        g.enqueue(m(0), m(4), m(2), x, n, u, deliver)?;
+        g.enqueue(Some((self.layer, e)), m(0), m(4), m(2), x, n, u, deliver)?;
         Ok(())
     }
 
@@ -355,7 +356,7 @@ impl LatentMoe {
                     Self::scatter(routings, union[u], k, lat, out, &mut eo);
                     done[u] = 1;
                 };
-                self.expert_to_gpu(g, record, u, &users, k, &xl, &mut xb, &mut deliver)?;
+                self.expert_to_gpu(g, record, e, u, &users, k, &xl, &mut xb, &mut deliver)?;
                 return Ok(());
             } else if run.approx || users.len() == 1 || users.len() > batch {
                 for &ts in users.iter() {
