@@ -2,7 +2,7 @@
 //! dtype, vectors as plain f32.
 
 use anyhow::{Context, Result, bail};
-use deltafin_gpu::spine::{SpineRunner, SpineWeights};
+use deltafin_gpu::spine::SpineRunner;
 use deltafin_kernels as k;
 use deltafin_store::{LoadedTensor, SpineData, SpineSource};
 use half::bf16;
@@ -100,11 +100,7 @@ impl Linear {
     /// is the same either way, to f32 rounding. Shapes: xs `[T, cols]`, outs `[T, rows]`.
     fn forward_batch_gpu(&self, g: &SpineRunner, xs: &[f32], t_n: usize, outs: &mut [f32]) -> bool {
         let m = self.gpu.get_or_init(|| {
-            let w = match &self.data {
-                SpineData::F32(w) => SpineWeights::F32(w),
-                SpineData::Bf16(w) => SpineWeights::Bf16(w),
-                SpineData::Int8 { q, scales, group } => SpineWeights::Int8 { q, scales, group: *group },
-            };
+            let w = self.dense_rows(0, self.rows);
             g.upload(w, self.rows, self.cols)
                 .inspect_err(|e| tracing::warn!("{} stays on the CPU: {e}", self.name))
                 .ok()

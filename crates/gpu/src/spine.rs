@@ -7,23 +7,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use deltafin_kernels::format::Dense;
+
 use crate::dense::DenseProduct;
 use crate::int8::Int8Product;
 use crate::{DenseValues, Gpu, GpuDense, GpuError, GpuInt8, GpuVec};
-
-/// A spine matrix on the host, as the model holds it. Shapes: `[rows, cols]` row-major; int8
-/// scales `[rows, cols / group]`.
-#[derive(Clone, Copy)]
-pub enum SpineWeights<'a> {
-    F32(&'a [f32]),
-    /// bf16 as raw bits.
-    Bf16(&'a [u16]),
-    Int8 {
-        q: &'a [i8],
-        scales: &'a [f32],
-        group: usize,
-    },
-}
 
 /// A spine matrix in GPU memory; its bytes go back to the budget when it is dropped.
 pub struct GpuMatrix {
@@ -102,13 +90,13 @@ impl SpineRunner {
         self.budget
     }
 
-    /// Upload a matrix if the budget has room for it (`Ok(None)` when it has not: the caller
+    /// Upload a spine matrix (`[rows, cols]`, as the model holds it) if the budget has room for it (`Ok(None)` when it has not: the caller
     /// keeps computing it on the CPU).
-    pub fn upload(&self, w: SpineWeights<'_>, rows: usize, cols: usize) -> Result<Option<GpuMatrix>, GpuError> {
+    pub fn upload(&self, w: Dense<'_>, rows: usize, cols: usize) -> Result<Option<GpuMatrix>, GpuError> {
         let bytes = match w {
-            SpineWeights::F32(v) => v.len() * 4,
-            SpineWeights::Bf16(v) => v.len() * 2,
-            SpineWeights::Int8 { q, scales, .. } => q.len() + scales.len() * 4,
+            Dense::F32(v) => v.len() * 4,
+            Dense::Bf16(v) => v.len() * 2,
+            Dense::Int8 { q, scales, .. } => q.len() + scales.len() * 4,
         };
         // Claimed before the upload, so two callers cannot both take the last room.
         let claimed = self
@@ -118,11 +106,9 @@ impl SpineRunner {
             return Ok(None);
         }
         let m = match w {
-            SpineWeights::F32(v) => self.gpu.upload_dense(DenseValues::F32(v), rows, cols).map(Matrix::Dense),
-            SpineWeights::Bf16(v) => self.gpu.upload_dense(DenseValues::Bf16(v), rows, cols).map(Matrix::Dense),
-            SpineWeights::Int8 { q, scales, group } => {
-                self.gpu.upload_int8(q, scales, group, rows, cols).map(Matrix::Int8)
-            }
+            Dense::F32(v) => self.gpu.upload_dense(DenseValues::F32(v), rows, cols).map(Matrix::Dense),
+            Dense::Bf16(v) => self.gpu.upload_dense(DenseValues::Bf16(v), rows, cols).map(Matrix::Dense),
+            Dense::Int8 { q, scales, group } => self.gpu.upload_int8(q, scales, group, rows, cols).map(Matrix::Int8),
         };
         match m {
             Ok(m) => Ok(Some(GpuMatrix { m, bytes, used: self.used.clone() })),

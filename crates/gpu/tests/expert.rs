@@ -28,6 +28,13 @@ impl HostExpert {
     }
 }
 
+/// The scalar twin's outputs `[latent]` of expert `h` for one token `x`.
+fn cpu_expert(h: &HostExpert, inter: usize, latent: usize, x: &[f32], situ: Situ) -> Vec<f32> {
+    let (mut act, mut out) = (vec![0f32; inter], vec![0f32; latent]);
+    expert_mxfp4(h.mx(0), h.mx(1), h.mx(2), inter, latent, x, situ.beta, situ.linear_beta, &mut act, &mut out);
+    out
+}
+
 fn check(g: &Gpu, p: &ExpertProgram, inter: usize, latent: usize, n: usize, situ: Situ, seed: u64) {
     let h = HostExpert::new(inter, latent, seed);
     let e = GpuExpert::upload(g, (&h.m[0].0, &h.m[0].1), (&h.m[1].0, &h.m[1].1), (&h.m[2].0, &h.m[2].1), inter, latent)
@@ -138,23 +145,11 @@ fn the_runner_delivers_every_queued_expert_under_its_tag() {
     // A finish with nothing in flight delivers nothing.
     runner.finish(&mut |t, _| panic!("expert {t} delivered after the round ended")).unwrap();
     let got = got.into_inner();
-    let (mut act, mut want) = (vec![0f32; inter], vec![0f32; latent]);
     for (i, h) in experts.iter().enumerate() {
         let out = got[i].as_ref().unwrap_or_else(|| panic!("expert {i} never delivered"));
         assert_eq!(out.len(), tokens(i) * latent, "expert {i}'s outputs");
         for t in 0..tokens(i) {
-            expert_mxfp4(
-                h.mx(0),
-                h.mx(1),
-                h.mx(2),
-                inter,
-                latent,
-                &inputs[i][t * latent..(t + 1) * latent],
-                situ.beta,
-                situ.linear_beta,
-                &mut act,
-                &mut want,
-            );
+            let want = cpu_expert(h, inter, latent, &inputs[i][t * latent..(t + 1) * latent], situ);
             let scale: f32 = want.iter().map(|v| v.abs()).sum::<f32>() / latent as f32;
             for r in 0..latent {
                 let v = out[t * latent + r];
@@ -197,11 +192,7 @@ fn the_runner_caches_experts_by_key_and_evicts_the_least_recently_used() {
     let hosts: Vec<HostExpert> = (0..4).map(|i| HostExpert::new(inter, latent, 300 + 11 * i)).collect();
     let junk = HostExpert::new(inter, latent, 999);
     let x: Vec<f32> = bytes(latent, 77).iter().map(|&b| (f32::from(b) - 127.5) / 32.0).collect();
-    let want = |h: &HostExpert| {
-        let (mut act, mut out) = (vec![0f32; inter], vec![0f32; latent]);
-        expert_mxfp4(h.mx(0), h.mx(1), h.mx(2), inter, latent, &x, situ.beta, situ.linear_beta, &mut act, &mut out);
-        out
-    };
+    let want = |h: &HostExpert| cpu_expert(h, inter, latent, &x, situ);
     let close = |got: &[f32], want: &[f32], what: &str| {
         let scale = want.iter().map(|v| v.abs()).sum::<f32>() / latent as f32;
         for (r, (a, b)) in got.iter().zip(want).enumerate() {

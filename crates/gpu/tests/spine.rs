@@ -3,7 +3,8 @@
 //! (`common`).
 
 use deltafin_gpu::GpuError;
-use deltafin_gpu::spine::{SpineRunner, SpineWeights};
+use deltafin_gpu::spine::SpineRunner;
+use deltafin_kernels::format::Dense;
 use deltafin_kernels::scalar::{bf16_matvec, f32_matvec, int8_matvec};
 use deltafin_kernels::testdata::bytes;
 
@@ -28,10 +29,10 @@ fn chunk_products_match_the_scalar_twins_within_the_budget() {
     let int8_bytes = q.len() + sc.len() * 4;
     // Room for the int8 and f32 matrices, not for the bf16 one after them.
     let runner = SpineRunner::new(g, int8_bytes + f.len() * 4 + h.len());
-    let mi = runner.upload(SpineWeights::Int8 { q: &q, scales: &sc, group }, rows, cols).unwrap().unwrap();
-    let mf = runner.upload(SpineWeights::F32(&f), rows, cols).unwrap().unwrap();
+    let mi = runner.upload(Dense::Int8 { q: &q, scales: &sc, group }, rows, cols).unwrap().unwrap();
+    let mf = runner.upload(Dense::F32(&f), rows, cols).unwrap().unwrap();
     assert_eq!(runner.used(), int8_bytes + f.len() * 4);
-    assert!(runner.upload(SpineWeights::Bf16(&h), rows, cols).unwrap().is_none(), "past the budget");
+    assert!(runner.upload(Dense::Bf16(&h), rows, cols).unwrap().is_none(), "past the budget");
     assert_eq!(runner.used(), int8_bytes + f.len() * 4, "a refused upload keeps no room");
     let mut got = vec![0f32; n * rows];
     let (mut want, mut mags) = (vec![0f32; rows], vec![0f32; rows]);
@@ -59,7 +60,7 @@ fn chunk_products_match_the_scalar_twins_within_the_budget() {
     }
     // Dropping a matrix gives its bytes back: now the bf16 one fits.
     drop(mf);
-    let mh = runner.upload(SpineWeights::Bf16(&h), rows, cols).unwrap().expect("room after a drop");
+    let mh = runner.upload(Dense::Bf16(&h), rows, cols).unwrap().expect("room after a drop");
     runner.product(&mh, &xs, n, &mut got).unwrap();
     for t in 0..n {
         let x = &xs[t * cols..(t + 1) * cols];
@@ -72,7 +73,7 @@ fn chunk_products_match_the_scalar_twins_within_the_budget() {
     // Bad shapes are errors, not panics, and an upload that fails keeps no room.
     let before = runner.used();
     assert!(matches!(runner.product(&mi, &xs[..cols + 1], 1, &mut got[..rows]), Err(GpuError::Shape { .. })));
-    assert!(matches!(runner.upload(SpineWeights::F32(&f[..rows * 40]), rows, 40), Err(GpuError::Shape { .. })));
+    assert!(matches!(runner.upload(Dense::F32(&f[..rows * 40]), rows, 40), Err(GpuError::Shape { .. })));
     assert_eq!(runner.used(), before);
     drop((mi, mh));
     assert_eq!(runner.used(), 0);
