@@ -284,6 +284,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     };
     let mut accs: Vec<Acc> = configs.iter().map(|_| Acc::default()).collect();
+    // With --device gpu the compute floor counts the GPU's measured FMA rate beside the CPU's
+    // (both may compute at once: their sum is the rate no run can beat).
+    let gpu = match m.device {
+        Device::Gpu => Some(
+            deltafin_gpu::Gpu::open(&deltafin_gpu::GpuOptions { allow_software: false, name: m.gpu_adapter.clone() })
+                .context("opening the GPU for its roof")?,
+        ),
+        Device::Cpu => None,
+    };
     // Each run's reads, for the replay that gives its disk floor.
     let logs = tempfile::tempdir().context("a directory for the runs' read logs")?;
     let fio = crate::drive_limit::fio_available();
@@ -308,9 +317,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // The compute and memory roofs, for the floors: measured before and after the run,
             // the higher of each kept (a short probe can catch a slow moment of the host, and a
             // roof below what the machine does gives a floor the run beats).
-            let before = roofs_now();
+            let before = roofs_now(gpu.as_ref())?;
             let g = run_self(&ga)?;
-            let roofs = before.max(roofs_now());
+            let roofs = before.max(roofs_now(gpu.as_ref())?);
             // The drive's rate for exactly this run's reads, at its queue depth, right after it.
             // A run that streamed its spine had the spine loader's pieces in flight beside the
             // expert reads: the replay gets that depth too.
@@ -372,7 +381,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 );
             }
             acc.records.push(records.as_ref().and_then(|r| r["gbps"].as_f64()).unwrap_or(f64::NAN));
-            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "gpu_peak_gflops": roofs.gpu_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
         }
     }
     let mut summaries: Vec<Value> =
@@ -427,24 +436,38 @@ fn without_flag(args: &[String], flag: Option<&str>) -> Vec<String> {
 /// The compute and memory roofs measured just before a run, with the run's threads.
 #[derive(Clone, Copy)]
 struct Roofs {
+    /// The CPU's FMA rate plus the GPU's where the run computes on one.
     peak_gflops: f64,
+    /// The GPU's share of it (0 on the CPU).
+    gpu_gflops: f64,
     mem_gbps: f64,
 }
 
 impl Roofs {
     /// The higher of each roof.
     fn max(self, other: Roofs) -> Roofs {
-        Roofs { peak_gflops: self.peak_gflops.max(other.peak_gflops), mem_gbps: self.mem_gbps.max(other.mem_gbps) }
+        Roofs {
+            peak_gflops: self.peak_gflops.max(other.peak_gflops),
+            gpu_gflops: self.gpu_gflops.max(other.gpu_gflops),
+            mem_gbps: self.mem_gbps.max(other.mem_gbps),
+        }
     }
 }
 
-fn roofs_now() -> Roofs {
+fn roofs_now(gpu: Option<&deltafin_gpu::Gpu>) -> Result<Roofs> {
     let threads = deltafin_engine::threads();
     // 256 MiB: far beyond any last-level cache, so the read comes from DRAM.
     let buf = vec![1u64; 32 << 20];
     let mem_gbps = deltafin_kernels::roofline::read_bandwidth_gbps(&buf, threads, 0.3);
     drop(buf);
-    Roofs { peak_gflops: deltafin_kernels::roofline::fma_peak_gflops(threads, 0.3), mem_gbps }
+    let gpu_gflops = match gpu {
+        // As `bench --kernels --device gpu` measures it (a software adapter's in fewer rounds).
+        Some(g) => deltafin_gpu::roofline::fma_peak_gflops(g, if g.is_software() { 32 } else { 4096 }, 0.3)
+            .context("measuring the GPU's FMA rate")?,
+        None => 0.0,
+    };
+    let cpu = deltafin_kernels::roofline::fma_peak_gflops(threads, 0.3);
+    Ok(Roofs { peak_gflops: cpu + gpu_gflops, gpu_gflops, mem_gbps })
 }
 
 #[derive(Default)]

@@ -171,3 +171,40 @@ fn skipped_for_want_of_a_gpu(o: &Output) -> bool {
     }
     false
 }
+
+/// `bench --device gpu` on the model: the run says where it computed, and its compute floor
+/// counts the GPU's FMA rate (measured in the same run) beside the CPU's.
+#[test]
+fn the_model_bench_on_the_gpu_counts_its_roof() {
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let o = run(&[
+        "bench",
+        "--model",
+        s,
+        "--runs",
+        "1",
+        "--max-tokens",
+        "3",
+        "--prompt-length",
+        "20",
+        "--probe-reads",
+        "16",
+        "--device",
+        "gpu",
+        "--gpu-adapter",
+        "llvmpipe",
+        "--json",
+    ]);
+    if skipped_for_want_of_a_gpu(&o) {
+        return;
+    }
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["device"], "gpu");
+    let run = &v["per_run"][0];
+    let (gpu, all) = (run["gpu_peak_gflops"].as_f64().unwrap(), run["peak_gflops"].as_f64().unwrap());
+    assert!(gpu > 0.0 && all > gpu, "GPU roof {gpu} GFLOP/s within the floor's {all}");
+    assert!(v["ttft_floor_s"].as_f64().unwrap() > 0.0);
+    assert!(v["gpu_spine"]["bytes_on_gpu"].as_u64().unwrap() > 0, "a 20-token prompt's spine on the GPU");
+}
