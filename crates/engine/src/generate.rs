@@ -91,6 +91,8 @@ pub struct PromptStats {
     /// Seconds of the prompt in attention and in the feed-forward blocks ([`crate::k3::PhaseTimes`]);
     /// the rest went to embedding, norms, the head and waits for streamed spine layers.
     pub attention_s: f64,
+    /// The MLA layers' part of `attention_s`.
+    pub mla_attention_s: f64,
     pub ffn_s: f64,
 }
 
@@ -145,7 +147,8 @@ pub fn run(
         spine_bytes_read: model.spine_bytes_read() - spine0,
         borrowed_bytes: borrowed,
         attention_s: model.phases.seconds().0 - phases0.0,
-        ffn_s: model.phases.seconds().1 - phases0.1,
+        mla_attention_s: model.phases.seconds().1 - phases0.1,
+        ffn_s: model.phases.seconds().2 - phases0.2,
     });
     while let Some(token) = driver.next(logits)? {
         step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;

@@ -243,7 +243,7 @@ impl K3Model {
                     }
                 }
             }
-            self.phases.add(attention, ffn_start.elapsed());
+            self.phases.add(attention, matches!(layer.attn, Attention::Mla(_)), ffn_start.elapsed());
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
             if !on_layer(l) && l + 1 < self.layers.len() {
                 // Stopped between layers: no read is open, the buffers go back.

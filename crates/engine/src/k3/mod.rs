@@ -200,20 +200,26 @@ pub struct K3Model {
 #[derive(Debug, Default)]
 pub struct PhaseTimes {
     attention_ns: std::sync::atomic::AtomicU64,
+    /// The MLA layers' part of `attention_ns`.
+    mla_ns: std::sync::atomic::AtomicU64,
     ffn_ns: std::sync::atomic::AtomicU64,
 }
 
 impl PhaseTimes {
-    pub(crate) fn add(&self, attention: std::time::Duration, ffn: std::time::Duration) {
+    pub(crate) fn add(&self, attention: std::time::Duration, mla: bool, ffn: std::time::Duration) {
         use std::sync::atomic::Ordering::Relaxed;
         self.attention_ns.fetch_add(attention.as_nanos() as u64, Relaxed);
+        if mla {
+            self.mla_ns.fetch_add(attention.as_nanos() as u64, Relaxed);
+        }
         self.ffn_ns.fetch_add(ffn.as_nanos() as u64, Relaxed);
     }
 
-    /// (attention, feed-forward) seconds so far.
-    pub fn seconds(&self) -> (f64, f64) {
+    /// (attention, of it in MLA layers, feed-forward) seconds so far.
+    pub fn seconds(&self) -> (f64, f64, f64) {
         use std::sync::atomic::Ordering::Relaxed;
-        (self.attention_ns.load(Relaxed) as f64 * 1e-9, self.ffn_ns.load(Relaxed) as f64 * 1e-9)
+        let s = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed) as f64 * 1e-9;
+        (s(&self.attention_ns), s(&self.mla_ns), s(&self.ffn_ns))
     }
 }
 
