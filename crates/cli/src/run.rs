@@ -79,9 +79,9 @@ pub struct ModelArgs {
     #[arg(long)]
     pub approx: bool,
     /// Where the model computes: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12): the routed
-    /// experts (each record uploaded as it arrives) and a prompt chunk's spine products (each
-    /// matrix kept on the GPU within --gpu-memory); attention, and decode steps' spine, stay on
-    /// the CPU. With no usable adapter, gpu is an error that says why. With `bench --kernels`:
+    /// experts (each record uploaded as it arrives, recently used ones kept on the GPU) and a
+    /// prompt chunk's spine products (each matrix kept on the GPU), within --gpu-memory;
+    /// attention, and decode steps' spine, stay on the CPU. With no usable adapter, gpu is an error that says why. With `bench --kernels`:
     /// whose kernels.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,

@@ -284,9 +284,10 @@ impl Gpu {
         }
         let data =
             staging.slice(..size).get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
-        for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
-            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        // One copy (a chunk's outputs are hundreds of MB): mapped ranges are aligned for f32.
+        let values: &[f32] =
+            bytemuck::try_cast_slice(&data).map_err(|e| GpuError::Lost(format!("a result as f32: {e}")))?;
+        out.copy_from_slice(&values[..out.len()]);
         drop(data);
         staging.unmap();
         Ok(())
