@@ -125,6 +125,18 @@ pub fn say_device(session: &Session) {
             ),
             None => eprintln!("spine on the CPU and no expert cached on the GPU (--gpu-memory 0)"),
         }
+        // What a decode step sends over the bus: the chosen experts the GPU does not hold, at
+        // uniform routing (the share of each layer's experts the cache holds), besides each
+        // expert's activations (a few KB).
+        let p = &session.plan;
+        let all = (p.moe_layers * p.experts_per_layer).max(1);
+        let missed = 1.0 - (cached as f64 / all as f64).min(1.0);
+        let per_token = (p.experts_per_token * p.moe_layers) as f64 * p.record_bytes as f64 * missed;
+        eprintln!(
+            "over the bus per decode token at uniform routing: {} of experts ({:.0}% of the chosen ones not held on the GPU)",
+            deltafin_engine::units::human(per_token as u64),
+            100.0 * missed
+        );
     }
 }
 
