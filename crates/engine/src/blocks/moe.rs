@@ -196,8 +196,8 @@ impl LatentMoe {
 
     /// Submit expert `e` to the GPU for the tokens that chose it (`users`: token * k + slot), as
     /// one batch; its outputs reach `deliver` (tagged `u`) when the runner finishes the layer's
-    /// experts. The runner's cache knows the record as (layer, e). Shapes: xl `[T, LAT]`; xb `[n, LAT]` scratch, grown where a pinned routing repeats
-    /// an expert past `T` users.
+    /// experts. The runner's cache knows the record as (layer, e). Shapes: xl `[T, LAT]`; xb
+    /// `[n, LAT]` scratch, grown where a pinned routing repeats an expert past `T` users.
     #[allow(clippy::too_many_arguments)]
     fn expert_to_gpu(
         &self,
@@ -233,13 +233,17 @@ impl LatentMoe {
         Ok(())
     }
 
-    /// Put the GPU's outputs of expert `e` (`[n, LAT]`, one row per token that chose it, in
-    /// token order as `users` lists them) into their slots of eo `[T, k, LAT]`.
-    fn scatter(routings: &[Routing], e: usize, k: usize, lat: usize, out: &[f32], eo: &mut [f32]) {
-        let slots = routings.iter().enumerate().flat_map(|(t, r)| {
+    /// The tokens that chose expert `e`, each as token * k + its routing slot, in token order.
+    fn users_of(routings: &[Routing], e: usize, k: usize) -> impl Iterator<Item = usize> + '_ {
+        routings.iter().enumerate().flat_map(move |(t, r)| {
             r.experts.iter().enumerate().filter(move |(_, x)| **x == e).map(move |(s, _)| t * k + s)
-        });
-        for (ts, row) in slots.zip(out.chunks_exact(lat)) {
+        })
+    }
+
+    /// Put the GPU's outputs of expert `e` (`[n, LAT]`, one row per token that chose it, in
+    /// the order of [`Self::users_of`]) into their slots of eo `[T, k, LAT]`.
+    fn scatter(routings: &[Routing], e: usize, k: usize, lat: usize, out: &[f32], eo: &mut [f32]) {
+        for (ts, row) in Self::users_of(routings, e, k).zip(out.chunks_exact(lat)) {
             eo[ts * lat..(ts + 1) * lat].copy_from_slice(row);
         }
     }
@@ -347,9 +351,7 @@ impl LatentMoe {
         let drained = experts.drain(&mut |u, record| {
             let e = union[u];
             users.clear();
-            users.extend(routings.iter().enumerate().flat_map(|(t, r)| {
-                r.experts.iter().enumerate().filter(|(_, x)| **x == e).map(move |(s, _)| t * k + s)
-            }));
+            users.extend(Self::users_of(routings, e, k));
             if let Some(g) = run.gpu {
                 // Submitted now, delivered (and marked done) when the GPU finishes the layer.
                 let mut deliver = |u: usize, out: &[f32]| {
