@@ -367,7 +367,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             );
             if a.prompt_length.is_some() {
                 eprintln!(
-                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak; {:.3} s in attention ({:.3} s of it in MLA layers), {:.3} s in feed-forward blocks",
+                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak; {:.3} s in attention ({:.3} s of it in MLA layers, {:.3} s in the GPU's spine products), {:.3} s in feed-forward blocks",
                     prompt.len(),
                     acc.ttft.last().copied().unwrap_or(f64::NAN),
                     acc.ttft_floor.last().copied().unwrap_or(f64::NAN),
@@ -378,6 +378,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     peak_gflops,
                     last(&acc.prefill_attention_s),
                     last(&acc.prefill_mla_s),
+                    last(&acc.prefill_attention_gpu_s),
                     last(&acc.prefill_ffn_s),
                 );
             }
@@ -497,6 +498,7 @@ struct Acc {
     /// Seconds of each run's prompt in attention and in the feed-forward blocks.
     prefill_attention_s: Vec<f64>,
     prefill_mla_s: Vec<f64>,
+    prefill_attention_gpu_s: Vec<f64>,
     prefill_ffn_s: Vec<f64>,
     rss: Vec<f64>,
     iow: Vec<f64>,
@@ -586,6 +588,7 @@ impl Acc {
         self.prefill_attention_s.push(pr["attention_s"].as_f64().unwrap_or(f64::NAN));
         self.prefill_ffn_s.push(pr["ffn_s"].as_f64().unwrap_or(f64::NAN));
         self.prefill_mla_s.push(pr["mla_attention_s"].as_f64().unwrap_or(f64::NAN));
+        self.prefill_attention_gpu_s.push(pr["attention_gpu_s"].as_f64().unwrap_or(f64::NAN));
         self.peak_gflops.push(peak_gflops);
         let idle = list(&g["timing"]["decode_step_disk_idle_s"]);
         let s_idle = &idle[1.min(idle.len())..];
@@ -609,6 +612,7 @@ impl Acc {
             "prefill_attention_flops": med(&self.prefill_attention_flops),
             "prefill_attention_s": med(&self.prefill_attention_s),
             "prefill_mla_attention_s": med(&self.prefill_mla_s),
+            "prefill_attention_gpu_s": med(&self.prefill_attention_gpu_s),
             "prefill_ffn_s": med(&self.prefill_ffn_s),
             "peak_gflops": med(&self.peak_gflops),
         });

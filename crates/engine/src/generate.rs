@@ -93,6 +93,9 @@ pub struct PromptStats {
     pub attention_s: f64,
     /// The MLA layers' part of `attention_s`.
     pub mla_attention_s: f64,
+    /// The part of `attention_s` in the GPU's spine products (uploads, transfers and waits
+    /// included; `--device gpu`).
+    pub attention_gpu_s: f64,
     pub ffn_s: f64,
 }
 
@@ -138,6 +141,7 @@ pub fn run(
     };
     let Some(seen) = fed? else { return Ok(Ended::Cancelled) };
     driver.prompt_done(st, logits);
+    let phases = model.phases.seconds() - phases0;
     driver.prompt_stats(&PromptStats {
         tokens: prompt.len(),
         chunk,
@@ -146,9 +150,10 @@ pub fn run(
         distinct_experts: seen,
         spine_bytes_read: model.spine_bytes_read() - spine0,
         borrowed_bytes: borrowed,
-        attention_s: model.phases.seconds().0 - phases0.0,
-        mla_attention_s: model.phases.seconds().1 - phases0.1,
-        ffn_s: model.phases.seconds().2 - phases0.2,
+        attention_s: phases.attention,
+        mla_attention_s: phases.mla,
+        attention_gpu_s: phases.attention_gpu,
+        ffn_s: phases.ffn,
     });
     while let Some(token) = driver.next(logits)? {
         step(model, experts, st, &[token], logits, &mut hooks.routing, &mut hooks.trace, hooks.seq, &mut |_| true)?;

@@ -4,7 +4,7 @@
 //! one wait per product. Decode steps (one token) stay on the CPU: their products are
 //! memory-bound there too, and a round trip per product would cost more than it saves.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use deltafin_kernels::format::Dense;
@@ -46,6 +46,9 @@ pub struct SpineRunner {
     used: Arc<AtomicUsize>,
     /// Inputs, outputs and the read-back buffer, grown to the largest product seen.
     work: Mutex<Option<Work>>,
+    /// Nanoseconds callers spent in [`Self::upload`] and [`Self::product`] (transfers and
+    /// waits included): what a prompt's phases report as their time on the GPU.
+    busy_ns: AtomicU64,
 }
 
 struct Work {
@@ -74,7 +77,17 @@ impl SpineRunner {
             budget,
             used: Arc::new(AtomicUsize::new(0)),
             work: Mutex::new(None),
+            busy_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Seconds callers have spent uploading matrices and waiting for products so far.
+    pub fn busy_seconds(&self) -> f64 {
+        self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    fn count(&self, since: std::time::Instant) {
+        self.busy_ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -105,11 +118,13 @@ impl SpineRunner {
         if claimed.is_err() {
             return Ok(None);
         }
+        let start = std::time::Instant::now();
         let m = match w {
             Dense::F32(v) => self.gpu.upload_dense(DenseValues::F32(v), rows, cols).map(Matrix::Dense),
             Dense::Bf16(v) => self.gpu.upload_dense(DenseValues::Bf16(v), rows, cols).map(Matrix::Dense),
             Dense::Int8 { q, scales, group } => self.gpu.upload_int8(q, scales, group, rows, cols).map(Matrix::Int8),
         };
+        self.count(start);
         match m {
             Ok(m) => Ok(Some(GpuMatrix { m, bytes, used: self.used.clone() })),
             Err(e) => {
@@ -122,6 +137,13 @@ impl SpineRunner {
     /// `out[t] = W xs[t]` for `n` tokens, waiting for the result. Shapes: xs `[n, cols]`, out
     /// `[n, rows]`.
     pub fn product(&self, m: &GpuMatrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let r = self.product_inner(m, xs, n, out);
+        self.count(start);
+        r
+    }
+
+    fn product_inner(&self, m: &GpuMatrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
         let (rows, cols) = match &m.m {
             Matrix::Int8(w) => (w.rows, w.cols),
             Matrix::Dense(w) => (w.rows, w.cols),

@@ -175,6 +175,7 @@ impl K3Model {
         let mut normed = sc.take(t_n * h); // [T, H] each sub-layer's normed input
         let mut ys = sc.take(t_n * h); // [T, H] FFN outputs
         let mut hmix = sc.take(h); // [H] input of a sub-layer after residual mixing
+        let gpu_busy = || self.run.gpu_spine.as_ref().map_or(0.0, |g| g.busy_seconds());
         for l in 0..self.layers.len() {
             let layer = self.layer(l)?;
             // Attention: each token's input mixed and normed, each sequence's attention over its
@@ -194,6 +195,7 @@ impl K3Model {
                 self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
             }
             let attention_start = std::time::Instant::now();
+            let gpu_start = gpu_busy();
             let mut t0 = 0;
             for s in seqs.iter_mut() {
                 let n = s.tokens.len();
@@ -206,6 +208,7 @@ impl K3Model {
                 t0 += n;
             }
             let attention = attention_start.elapsed();
+            let attention_gpu = gpu_busy() - gpu_start;
             for t in 0..t_n {
                 let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
                 self.post_attention(&layer, &mut blocks[t], restart, x, &ys[t * h..(t + 1) * h], &mut hmix, nm);
@@ -243,7 +246,7 @@ impl K3Model {
                     }
                 }
             }
-            self.phases.add(attention, matches!(layer.attn, Attention::Mla(_)), ffn_start.elapsed());
+            self.phases.add(attention, matches!(layer.attn, Attention::Mla(_)), attention_gpu, ffn_start.elapsed());
             xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
             if !on_layer(l) && l + 1 < self.layers.len() {
                 // Stopped between layers: no read is open, the buffers go back.

@@ -202,24 +202,55 @@ pub struct PhaseTimes {
     attention_ns: std::sync::atomic::AtomicU64,
     /// The MLA layers' part of `attention_ns`.
     mla_ns: std::sync::atomic::AtomicU64,
+    /// The part of `attention_ns` spent uploading spine matrices to the GPU and waiting for its
+    /// products (a prompt chunk with `--device gpu`; the rest of attention ran on the CPU).
+    attention_gpu_ns: std::sync::atomic::AtomicU64,
     ffn_ns: std::sync::atomic::AtomicU64,
 }
 
 impl PhaseTimes {
-    pub(crate) fn add(&self, attention: std::time::Duration, mla: bool, ffn: std::time::Duration) {
+    pub(crate) fn add(&self, attention: std::time::Duration, mla: bool, gpu_s: f64, ffn: std::time::Duration) {
         use std::sync::atomic::Ordering::Relaxed;
         self.attention_ns.fetch_add(attention.as_nanos() as u64, Relaxed);
+        self.attention_gpu_ns.fetch_add((gpu_s * 1e9) as u64, Relaxed);
         if mla {
             self.mla_ns.fetch_add(attention.as_nanos() as u64, Relaxed);
         }
         self.ffn_ns.fetch_add(ffn.as_nanos() as u64, Relaxed);
     }
 
-    /// (attention, of it in MLA layers, feed-forward) seconds so far.
-    pub fn seconds(&self) -> (f64, f64, f64) {
+    /// Seconds so far.
+    pub fn seconds(&self) -> PhaseSeconds {
         use std::sync::atomic::Ordering::Relaxed;
         let s = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed) as f64 * 1e-9;
-        (s(&self.attention_ns), s(&self.mla_ns), s(&self.ffn_ns))
+        PhaseSeconds {
+            attention: s(&self.attention_ns),
+            mla: s(&self.mla_ns),
+            attention_gpu: s(&self.attention_gpu_ns),
+            ffn: s(&self.ffn_ns),
+        }
+    }
+}
+
+/// [`PhaseTimes`] read out: attention, of it in MLA layers, of it in the GPU's spine products,
+/// and the feed-forward blocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PhaseSeconds {
+    pub attention: f64,
+    pub mla: f64,
+    pub attention_gpu: f64,
+    pub ffn: f64,
+}
+
+impl std::ops::Sub for PhaseSeconds {
+    type Output = PhaseSeconds;
+    fn sub(self, o: PhaseSeconds) -> PhaseSeconds {
+        PhaseSeconds {
+            attention: self.attention - o.attention,
+            mla: self.mla - o.mla,
+            attention_gpu: self.attention_gpu - o.attention_gpu,
+            ffn: self.ffn - o.ffn,
+        }
     }
 }
 
