@@ -3,6 +3,7 @@
 //! same run, each product's outputs checked against the CPU's scalar twin on the same inputs.
 
 use anyhow::{Context, Result};
+use deltafin_gpu::attention::MlaAttention;
 use deltafin_gpu::dense::DenseProduct;
 use deltafin_gpu::expert::{ExpertProgram, GpuExpert, Situ};
 use deltafin_gpu::int8::Int8Product;
@@ -247,6 +248,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         rows_out.push(m.report(mem, fma));
     }
     rows_out.extend(expert_rows(&gpu, software, secs, mem, fma)?);
+    rows_out.extend(attention_rows(&gpu, software, secs, mem, fma)?);
     let a = gpu.adapter();
     let out = json!({
         "device": "gpu",
@@ -314,6 +316,63 @@ fn expert_rows(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> Resu
         let flops = bound.iter().map(|b| b.flops).sum();
         let weight_bytes = bound.iter().map(|b| b.weight_bytes).sum();
         let m = Measured { name: &name, shape: [inter, latent], tokens: n, seconds: per, flops, weight_bytes, err };
+        rows.push(m.report(mem, fma));
+    }
+    Ok(rows)
+}
+
+/// Absorbed-MLA attention of a prompt chunk's tokens (the model's calls: 64 tokens, K3's 96
+/// heads over a bf16 latent cache of 576 values per position) at contexts of 1,000 to 16,000
+/// positions, each call whole as the model pays it (queries and cache rows up, latent outputs
+/// back), checked against the CPU's kernel on the same inputs.
+fn attention_rows(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> Result<Vec<Value>> {
+    use deltafin_kernels::attention::{mla_attend_chunk, mla_attend_scratch};
+    use deltafin_kernels::format::LatentRows;
+    let (heads, width, kvl) = if software { (16, 576, 512) } else { (96, 576, 512) };
+    let tokens = if software { 16 } else { 64 };
+    let contexts: &[usize] = if software { &[256] } else { &[1000, 4000, 16000] };
+    let mla = MlaAttention::new(gpu);
+    let mut rows = Vec::new();
+    for &ctx in contexts {
+        let first = ctx - tokens;
+        let q: Vec<f32> = bytes(heads * tokens * width, 91).iter().map(|&b| (f32::from(b) - 127.5) / 3000.0).collect();
+        let cache: Vec<u16> = bytes(ctx * width, 92)
+            .iter()
+            .map(|&b| deltafin_kernels::format::f32_to_bf16((f32::from(b) - 127.5) / 128.0))
+            .collect();
+        let mut got = vec![0f32; heads * tokens * kvl]; // [heads, tokens, kvl]
+        let rows_of = LatentRows::Bf16(&cache);
+        let start = std::time::Instant::now();
+        let mut calls = 0u32;
+        while calls < 3 || start.elapsed().as_secs_f64() < secs {
+            mla.attend(gpu, &q, heads, tokens, first, rows_of, width, kvl, &mut got)?;
+            calls += 1;
+        }
+        let per = start.elapsed().as_secs_f64() / f64::from(calls);
+        let mut want = vec![0f32; tokens * heads * kvl]; // [tokens, heads, kvl]
+        let mut sc = vec![0f32; mla_attend_scratch(heads, tokens, width)];
+        mla_attend_chunk(&q, heads, tokens, first, rows_of, width, kvl, &mut want, &mut sc);
+        let mut err = 0f64;
+        for h in 0..heads {
+            for i in 0..tokens {
+                for c in 0..kvl {
+                    let d = got[(h * tokens + i) * kvl + c] - want[(i * heads + h) * kvl + c];
+                    err = err.max(f64::from(d.abs()));
+                }
+            }
+        }
+        let seen: usize = (0..tokens).map(|i| first + i + 1).sum();
+        let flops = 2.0 * (heads * seen * (width + kvl)) as f64;
+        let name = format!("mla attention call: {heads} heads over {ctx} positions (bf16 cache)");
+        let m = Measured {
+            name: &name,
+            shape: [ctx, width],
+            tokens,
+            seconds: per,
+            flops,
+            weight_bytes: (ctx * width * 2) as f64,
+            err,
+        };
         rows.push(m.report(mem, fma));
     }
     Ok(rows)

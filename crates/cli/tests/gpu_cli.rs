@@ -92,6 +92,15 @@ fn the_model_on_the_gpu_matches_the_reference() {
         assert_eq!(v["device"], "gpu");
         let held = v["gpu_spine"]["bytes_on_gpu"].as_u64().unwrap();
         assert_eq!(held > 0, spine_on_gpu, "prompt {i}: {} bytes of spine on the GPU", held);
+        // The 40-token prompt's attention in each of k3-small's MLA layers ran there too.
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("k3-small").join("hf/config.json")).unwrap())
+                .unwrap();
+        let c = if config["text_config"].is_object() { &config["text_config"] } else { &config };
+        let mla_layers = c["linear_attn_config"]["full_attn_layers"].as_array().unwrap().len() as u64;
+        let on_gpu = v["gpu_spine"]["mla_attention_tokens"].as_u64().unwrap();
+        let want = if spine_on_gpu { mla_layers * p["tokens"].as_array().unwrap().len() as u64 } else { 0 };
+        assert_eq!(on_gpu, want, "prompt {i}: tokens of MLA attention on the GPU");
         // The default 8 GiB: the whole spine's matrices, the rest for cached experts, which the
         // second token of each layer already finds there (generate steps through 12 tokens).
         let cache = &v["gpu_expert_cache"];

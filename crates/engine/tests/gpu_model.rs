@@ -90,3 +90,50 @@ fn a_layer_that_fails_on_the_gpu_leaves_the_next_request_its_own_results() {
         assert_eq!(again.prompt_logits, clean.prompt_logits, "after a failure at drain {fail_at}: logits");
     }
 }
+
+/// A prompt chunk's MLA attention on the GPU (64 tokens a call): every MLA layer's tokens went
+/// there, the logits are the CPU's to f32 rounding, and the chunk's buffers stay within what
+/// the memory plan reserves (per token, plus MLA's working set once).
+#[test]
+fn a_chunk_attends_on_the_gpu_within_the_plan() {
+    let Some(g) = gpu("a_chunk_attends_on_the_gpu_within_the_plan") else { return };
+    let name = "k3-small";
+    let dir = convert_fixture(name, SpineDtype::F32, 0, ExpertLayout::Pack);
+    let store = Store::open(dir.path(), None).unwrap();
+    let spine = Arc::new(SpineRunner::new(g, 1 << 30));
+    let gpu_model = K3Model::load(&store, &RunConfig { gpu_spine: Some(spine.clone()), ..Default::default() }).unwrap();
+    let cpu_model = K3Model::load(&store, &RunConfig::default()).unwrap();
+    let c = &store.manifest.config;
+    let mla_layers = (0..c.num_hidden_layers).filter(|&l| c.attn_kind(l) == deltafin_store::AttnKind::Mla).count();
+    assert!(mla_layers > 0);
+    let k = c.num_experts_per_token;
+    let per_token = deltafin_engine::plan::prefill_token_bytes(&store.manifest, k) as usize;
+    let working = deltafin_engine::plan::mla_working_bytes(&store.manifest) as usize;
+    let held = |st: &deltafin_engine::k3::K3State| {
+        st.scratch.pooled_bytes() + st.blocks.iter().map(|b| b.bytes()).sum::<usize>()
+    };
+    let vocab = c.vocab_size as u32;
+    let mut logits = vec![0f32; c.vocab_size];
+    let mut one = gpu_model.new_state();
+    gpu_model.forward_chunk(&mut one, &mut StoreExperts::new(&store), &[7], &mut logits).unwrap();
+    let base = held(&one);
+    assert_eq!(spine.mla_tokens(), 0, "one token attends on the CPU");
+    // 150 tokens: two full calls of 64 and one of 22.
+    let t_n = 150;
+    let tokens: Vec<u32> = (0..t_n as u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let mut st = gpu_model.new_state();
+    gpu_model.forward_chunk(&mut st, &mut StoreExperts::new(&store), &tokens, &mut logits).unwrap();
+    assert_eq!(spine.mla_tokens(), (mla_layers * t_n) as u64, "every MLA layer's tokens on the GPU");
+    let took = held(&st);
+    assert!(
+        took <= base + per_token * t_n + working,
+        "a chunk of {t_n} holds {took} bytes, the plan {}",
+        base + per_token * t_n + working
+    );
+    let mut want = vec![0f32; c.vocab_size];
+    let mut cst = cpu_model.new_state();
+    cpu_model.forward_chunk(&mut cst, &mut StoreExperts::new(&store), &tokens, &mut want).unwrap();
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = logits.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(d <= 1e-4 * scale, "GPU vs CPU logits: max difference {d} (scale {scale})");
+}

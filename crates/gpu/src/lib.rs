@@ -8,11 +8,14 @@
 //! SiTU between its products ([`expert`]), RMSNorm and softmax over rows ([`ops`]), and the GPU's own roofs, read bandwidth and FMA rate ([`roofline`]), which
 //! `deltafin bench --kernels --device gpu` judges the products against. Every shader is tested
 //! against its CPU scalar twin (`deltafin_kernels::scalar`), in CI on Mesa's software Vulkan
-//! driver (llvmpipe). The model does not run on the GPU yet.
+//! driver (llvmpipe). Absorbed-MLA attention of a prompt chunk is in [`attention`]; [`spine`]
+//! runs a prompt chunk's spine products and attention for the model.
 //!
 //! Layers: `device` (adapter and device) <- `buffers` <- `product` (what the products share)
-//! <- `mxfp4`, `int8`, `dense` <- `expert`; `ops` and `roofline` beside them.
+//! <- `mxfp4`, `int8`, `dense` <- `expert`; `ops`, `attention` and `roofline` beside them;
+//! `spine` over `int8`, `dense` and `attention`.
 
+pub mod attention;
 mod buffers;
 pub mod dense;
 mod device;

@@ -1,4 +1,4 @@
-//! The spine's products of a prompt chunk on the GPU: each int8, bf16 or f32 matrix is uploaded
+//! The spine's products and MLA attention of a prompt chunk on the GPU: each int8, bf16 or f32 matrix is uploaded
 //! the first time a chunk needs it and stays for the run while a GPU memory budget has room
 //! (past it, the matrix stays on the CPU); a chunk's inputs go up and its outputs come back with
 //! one wait per product. Decode steps (one token) stay on the CPU: their products are
@@ -7,8 +7,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use deltafin_kernels::format::Dense;
+use deltafin_kernels::format::{Dense, LatentRows};
 
+use crate::attention::MlaAttention;
 use crate::dense::DenseProduct;
 use crate::int8::Int8Product;
 use crate::{DenseValues, Gpu, GpuDense, GpuError, GpuInt8, GpuVec};
@@ -42,6 +43,7 @@ pub struct SpineRunner {
     gpu: Gpu,
     int8: Int8Product,
     dense: DenseProduct,
+    mla: MlaAttention,
     budget: usize,
     used: Arc<AtomicUsize>,
     /// Inputs, outputs and the read-back buffer, grown to the largest product seen.
@@ -49,6 +51,8 @@ pub struct SpineRunner {
     /// Nanoseconds callers spent in [`Self::upload`] and [`Self::product`] (transfers and
     /// waits included): what a prompt's phases report as their time on the GPU.
     busy_ns: AtomicU64,
+    /// Tokens whose MLA attention ran here, summed over layers.
+    mla_tokens: AtomicU64,
 }
 
 struct Work {
@@ -73,15 +77,46 @@ impl SpineRunner {
         SpineRunner {
             int8: Int8Product::new(&gpu),
             dense: DenseProduct::new(&gpu),
+            mla: MlaAttention::new(&gpu),
             gpu,
             budget,
             used: Arc::new(AtomicUsize::new(0)),
             work: Mutex::new(None),
             busy_ns: AtomicU64::new(0),
+            mla_tokens: AtomicU64::new(0),
         }
     }
 
-    /// Seconds callers have spent uploading matrices and waiting for products so far.
+    /// Absorbed-MLA attention of `t_n` tokens of a chunk over their sequence's cache
+    /// ([`MlaAttention::attend`], whose shapes it takes), counted in [`Self::busy_seconds`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attend(
+        &self,
+        q: &[f32],
+        heads: usize,
+        t_n: usize,
+        first: usize,
+        cache: LatentRows<'_>,
+        width: usize,
+        kvl: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let r = self.mla.attend(&self.gpu, q, heads, t_n, first, cache, width, kvl, out);
+        self.count(start);
+        if r.is_ok() {
+            self.mla_tokens.fetch_add(t_n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Tokens whose MLA attention ran on the GPU so far, summed over layers.
+    pub fn mla_tokens(&self) -> u64 {
+        self.mla_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Seconds callers have spent uploading matrices, waiting for products and for attention so
+    /// far.
     pub fn busy_seconds(&self) -> f64 {
         self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }

@@ -23,6 +23,9 @@ use deltafin_kernels::par::PAR_MIN_WEIGHTS;
 use deltafin_store::{K3Config, SpineSource};
 use rayon::prelude::*;
 
+use deltafin_gpu::attention::MlaAttention;
+use deltafin_gpu::spine::SpineRunner;
+
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
 
@@ -30,6 +33,11 @@ use crate::weights::{Linear, load_vec};
 /// working set is this many tokens, whatever the chunk: the memory plan counts it once,
 /// [`Mla::working_bytes`]).
 pub const ATTENTION_TOKENS: usize = 32;
+
+/// Tokens per call when the GPU takes the attention of a prompt chunk (`--device gpu`): more
+/// than the CPU's, so that a call fills the GPU (16 heads of a token per workgroup: 384
+/// workgroups on K3) and its round trip is shared by more work.
+pub const GPU_ATTENTION_TOKENS: usize = 64;
 
 /// How the latent cache stores its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -241,8 +249,16 @@ impl Mla {
     /// buffers.
     pub fn working_bytes(heads: usize, kv_lora: usize, rope: usize, v_dim: usize) -> usize {
         let width = kv_lora + rope;
-        let kernel = mla_attend_scratch(heads, ATTENTION_TOKENS, width).max(mla_attend_scratch(heads, 1, width));
-        4 * (ATTENTION_TOKENS * heads * (width + 2 * kv_lora + v_dim) + kernel)
+        // The larger of the CPU's and the GPU's groups of tokens (the GPU's falls back to the
+        // CPU's kernel on a failure, with the same buffers).
+        [ATTENTION_TOKENS, GPU_ATTENTION_TOKENS]
+            .iter()
+            .map(|&n| {
+                let kernel = mla_attend_scratch(heads, n, width).max(mla_attend_scratch(heads, 1, width));
+                4 * (n * heads * (width + 2 * kv_lora + v_dim) + kernel)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// `t_n` tokens in order, causally: the chunk's projections at once (each matrix read once
@@ -280,7 +296,10 @@ impl Mla {
             st.push(c);
         }
 
-        let sub = t_n.min(ATTENTION_TOKENS);
+        // A prompt chunk whose spine products go to the GPU sends its attention there too.
+        let mut gpu = crate::spine_gpu::current()
+            .filter(|_| t_n >= SpineRunner::MIN_TOKENS && MlaAttention::supports(width, kvl));
+        let sub = t_n.min(if gpu.is_some() { GPU_ATTENTION_TOKENS } else { ATTENTION_TOKENS });
         let mut attn = sc.take(t_n * nh * vd); // [T, heads, v]
         let mut q_cat = sc.take(nh * sub * width); // [heads, S, kv_lora + rope] absorbed queries
         let mut o_lat = sc.take(sub * nh * kvl); // [S, heads, kv_lora] latent outputs
@@ -308,10 +327,26 @@ impl Mla {
             } else {
                 q_cat.chunks_mut(sn * width).enumerate().for_each(|(h, qc)| absorb_keys(h, qc));
             }
+            // Each head's latent outputs side by side, from the GPU, or from the CPU's kernel
+            // (token-major) rearranged (a single token's already are).
+            let on_gpu = gpu.as_ref().is_some_and(|g| {
+                let oh = &mut o_head[..nh * sn * kvl];
+                g.mla_attend(q_cat, nh, sn, first + s0, st.rows(), width, kvl, oh)
+                    .inspect_err(|e| {
+                        tracing::warn!("MLA attention on the GPU failed, computed on the CPU instead: {e}")
+                    })
+                    .is_ok()
+            });
+            if !on_gpu {
+                gpu = None;
+            }
             let o_lat = &mut o_lat[..sn * nh * kvl];
-            mla_attend_chunk(q_cat, nh, sn, first + s0, st.rows(), width, kvl, o_lat, &mut att_sc);
-            // Each head's latent outputs side by side (a single token's already are).
-            let o_head: &[f32] = if sn == 1 {
+            if !on_gpu {
+                mla_attend_chunk(q_cat, nh, sn, first + s0, st.rows(), width, kvl, o_lat, &mut att_sc);
+            }
+            let o_head: &[f32] = if on_gpu {
+                &o_head[..nh * sn * kvl]
+            } else if sn == 1 {
                 o_lat
             } else {
                 let oh = &mut o_head[..nh * sn * kvl];
