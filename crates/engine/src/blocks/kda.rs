@@ -118,6 +118,50 @@ impl Kda {
         }
     }
 
+    /// [`Self::conv_step`] over `t_n` tokens at once, each token's output from its own input and
+    /// the `K-1` before it (from `xs`, or from the history for the chunk's first tokens), in the
+    /// step's order of operations (the same bits), tokens spread over the thread pool; the
+    /// history then holds the chunk's last `K-1` inputs. Shapes: taps `[P * K]`, hist `[(K-1) *
+    /// P]`, xs, out `[T, P]` (out: at least that long); `K - 1` at most [`MAX_CONV_LAG`].
+    #[allow(clippy::too_many_arguments)]
+    fn conv_chunk(taps: &[f32], kernel: usize, p: usize, hist: &mut [f32], xs: &[f32], t_n: usize, out: &mut [f32]) {
+        let lag = kernel - 1;
+        assert!(lag <= MAX_CONV_LAG && hist.len() == lag * p && xs.len() >= t_n * p, "a short conv of {kernel} taps");
+        let out = &mut out[..t_n * p];
+        // Tokens per work item: about 256 Ki values, whole tokens.
+        let per = ((256 << 10) / p.max(1)).max(1);
+        let hist_ro: &[f32] = hist;
+        out.par_chunks_mut(per * p).enumerate().for_each(|(blk, o)| {
+            let mut window: [&[f32]; MAX_CONV_LAG] = [&[]; MAX_CONV_LAG]; // the lag inputs, oldest first
+            for (dt, row) in o.chunks_exact_mut(p).enumerate() {
+                let t = blk * per + dt;
+                let x = &xs[t * p..(t + 1) * p];
+                for (j, w) in window[..lag].iter_mut().enumerate() {
+                    // Token t - lag + j, from the history before the chunk's first.
+                    *w = if t + j >= lag {
+                        &xs[(t + j - lag) * p..(t + j - lag + 1) * p]
+                    } else {
+                        &hist_ro[(t + j) * p..(t + j + 1) * p]
+                    };
+                }
+                for c in 0..p {
+                    let w = &taps[c * kernel..(c + 1) * kernel];
+                    let mut acc = w[kernel - 1] * x[c];
+                    for j in 0..lag {
+                        acc += w[j] * window[j][c];
+                    }
+                    row[c] = silu(acc);
+                }
+            }
+        });
+        // The history after the chunk: inputs T - lag .. T - 1 (the older ones shifted down
+        // where the chunk is shorter than the lag).
+        let keep = lag.saturating_sub(t_n);
+        hist.copy_within((lag - keep) * p..lag * p, 0);
+        let from = t_n.saturating_sub(lag);
+        hist[keep * p..lag * p].copy_from_slice(&xs[from * p..t_n * p]);
+    }
+
     /// One token. Shapes: x `[hidden]` (already normed), out `[hidden]`.
     pub fn forward(&self, st: &mut KdaState, x: &[f32], out: &mut [f32], sc: &mut Scratch) {
         self.forward_chunk(st, x, 1, out, sc)
@@ -157,13 +201,20 @@ impl Kda {
         let mut k = sc.take(p); // [P]
         let mut v = sc.take(p); // [P]
         if t_n >= PARALLEL_HEADS_MIN_TOKENS && deltafin_kernels::par::threads() > 1 {
-            // The short conv token by token (its history is sequential), each token's q, k, v
-            // written back over its projections; then the heads in parallel.
-            for t in 0..t_n {
-                let span = t * p..(t + 1) * p;
-                for (i, tmp) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
-                    Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &pre[i][span.clone()], tmp);
-                    pre[i][span.clone()].copy_from_slice(tmp);
+            // The short conv of the whole chunk (tokens in parallel, into `ys`, which is free
+            // until the recurrence), its output taking the projections' place; then the heads
+            // in parallel.
+            for (i, proj) in pre.iter_mut().enumerate() {
+                if self.kernel - 1 <= MAX_CONV_LAG {
+                    Self::conv_chunk(&self.conv[i], self.kernel, p, &mut st.conv[i], proj, t_n, &mut ys);
+                    std::mem::swap(proj, &mut ys);
+                } else {
+                    // A conv this long (no known model) goes token by token.
+                    for t in 0..t_n {
+                        let span = t * p..(t + 1) * p;
+                        Self::conv_step(&self.conv[i], self.kernel, &mut st.conv[i], &proj[span.clone()], &mut q);
+                        proj[span].copy_from_slice(&q[..p]);
+                    }
                 }
             }
             self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys);
@@ -277,6 +328,9 @@ impl Kda {
         });
     }
 }
+
+/// The most inputs before the newest that the short conv of a chunk takes (K3: 3).
+const MAX_CONV_LAG: usize = 8;
 
 /// A prompt chunk at least this long walks the chunk head by head, the heads in parallel;
 /// shorter ones (decode steps included) go token by token, each token's heads in parallel.
