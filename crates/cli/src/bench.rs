@@ -155,7 +155,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.kernels {
         return match a.model.device {
             Device::Cpu => crate::kernel_bench::kernel_bench(a.json, a.kernel_seconds),
-            Device::Gpu => {
+            Device::Gpu | Device::Auto => {
                 crate::gpu_kernel_bench::gpu_kernel_bench(a.json, a.kernel_seconds, a.model.gpu_adapter.clone())
             }
         };
@@ -234,8 +234,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if m.approx {
         gen_args.push("--approx".into());
     }
-    if m.device == Device::Gpu {
-        gen_args.extend(["--device".into(), "gpu".into()]);
+    if m.device != Device::Cpu {
+        let name = if m.device == Device::Gpu { "gpu" } else { "auto" };
+        gen_args.extend(["--device".into(), name.into()]);
         if let Some(name) = &m.gpu_adapter {
             gen_args.extend(["--gpu-adapter".into(), name.clone()]);
         }
@@ -286,11 +287,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let mut accs: Vec<Acc> = configs.iter().map(|_| Acc::default()).collect();
     // With --device gpu the compute floor counts the GPU's measured FMA rate beside the CPU's
     // (both may compute at once: their sum is the rate no run can beat).
+    let gpu_options = deltafin_gpu::GpuOptions { allow_software: false, name: m.gpu_adapter.clone() };
     let gpu = match m.device {
-        Device::Gpu => Some(
-            deltafin_gpu::Gpu::open(&deltafin_gpu::GpuOptions { allow_software: false, name: m.gpu_adapter.clone() })
-                .context("opening the GPU for its roof")?,
-        ),
+        Device::Gpu => Some(deltafin_gpu::Gpu::open(&gpu_options).context("opening the GPU for its roof")?),
+        // What the runs will find: the GPU's roof counts when one opens.
+        Device::Auto if !m.approx => deltafin_gpu::Gpu::open(&gpu_options).ok(),
+        Device::Auto => None,
         Device::Cpu => None,
     };
     // Each run's reads, for the replay that gives its disk floor.

@@ -23,6 +23,7 @@ use crate::chat_turn::{chat_conversation, chat_prompt, chat_turn};
 pub enum Device {
     Cpu,
     Gpu,
+    Auto,
 }
 
 #[derive(clap::Args, Clone)]
@@ -80,9 +81,11 @@ pub struct ModelArgs {
     pub approx: bool,
     /// Where the model computes: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12): the routed
     /// experts (each record uploaded as it arrives, recently used ones kept on the GPU) and a
-    /// prompt chunk's spine products (each matrix kept on the GPU), within --gpu-memory;
-    /// attention, and decode steps' spine, stay on the CPU. With no usable adapter, gpu is an error that says why. With `bench --kernels`:
-    /// whose kernels.
+    /// prompt chunk's spine products (each matrix kept on the GPU, within --gpu-memory) and MLA
+    /// attention; KDA's recurrence and decode steps' spine stay on the CPU. With no usable
+    /// adapter, gpu is an error that says why; auto takes a hardware GPU when one opens (not
+    /// with --approx), else the CPU, and says which and why at start. With `bench --kernels`:
+    /// whose kernels (auto: the GPU's).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// With --device gpu: the adapter whose name contains this (case-insensitive); a CPU-type
@@ -115,6 +118,9 @@ pub struct ModelArgs {
 
 /// Where the model computes, said at start when it is the GPU.
 pub fn say_device(session: &Session) {
+    if let Some(choice) = session.device_choice() {
+        eprintln!("{choice}");
+    }
     if let Some(a) = session.adapter() {
         eprintln!("routed experts on the GPU: {a}");
         let cached = session.gpu_expert_cache().map_or(0, |c| c.0);
@@ -147,8 +153,8 @@ impl ModelArgs {
     }
 
     pub fn run_options(&self) -> Result<RunOptions> {
-        if self.gpu_memory.is_some() && self.device != Device::Gpu {
-            bail!("--gpu-memory sizes what the GPU holds: it needs --device gpu");
+        if self.gpu_memory.is_some() && self.device == Device::Cpu {
+            bail!("--gpu-memory sizes what the GPU holds: it needs --device gpu (or auto)");
         }
         let backend = match self.io_backend.as_str() {
             "auto" => None,
@@ -175,8 +181,9 @@ impl ModelArgs {
             fetcher: None,
             log_reads: false,
             load_progress: None,
-            gpu: (self.device == Device::Gpu)
+            gpu: (self.device != Device::Cpu)
                 .then(|| deltafin_gpu::GpuOptions { allow_software: false, name: self.gpu_adapter.clone() }),
+            gpu_auto: self.device == Device::Auto,
             gpu_memory: self.gpu_memory,
         })
     }

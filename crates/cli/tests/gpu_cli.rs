@@ -109,6 +109,64 @@ fn the_model_on_the_gpu_matches_the_reference() {
     }
 }
 
+/// `--device auto` says what it took and why, and the run reports that device: with an adapter
+/// that will not open, the CPU (never an error); with llvmpipe named, that adapter; with
+/// `--approx`, the CPU; unnamed, whatever this machine has (a hardware GPU or the CPU).
+#[test]
+fn device_auto_says_what_it_chose() {
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", "--model", s, "--prompt-tokens", "1,2", "--max-tokens", "3", "--json", "--device", "auto"];
+        args.extend(extra);
+        let o = run(&args);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "generate --device auto {extra:?} failed: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (err, v["device"].as_str().unwrap().to_string())
+    };
+    let (err, device) = generate(&["--gpu-adapter", "no-such-adapter-7f3a"]);
+    assert!(err.contains("device auto: the CPU (no usable GPU adapter named like \"no-such-adapter-7f3a\""), "{err}");
+    assert_eq!(device, "cpu");
+    let (err, device) = generate(&["--approx", "--gpu-adapter", "llvmpipe"]);
+    assert!(err.contains("device auto: the CPU (--approx runs on the CPU's integer kernels)"), "{err}");
+    assert_eq!(device, "cpu");
+    let (err, device) = generate(&[]);
+    let said_gpu = err.contains("device auto: the GPU, ");
+    assert!(said_gpu || err.contains("device auto: the CPU (no usable GPU adapter"), "{err}");
+    assert_eq!(device, if said_gpu { "gpu" } else { "cpu" }, "{err}");
+    let o = run(&[
+        "generate",
+        "--model",
+        s,
+        "--prompt-tokens",
+        "1,2",
+        "--max-tokens",
+        "3",
+        "--json",
+        "--device",
+        "auto",
+        "--gpu-adapter",
+        "llvmpipe",
+    ]);
+    if skipped_for_want_of_a_gpu(&o) {
+        return;
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    if err.contains("device auto: the CPU (no usable GPU adapter") {
+        assert!(
+            std::env::var("DELTAFIN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "DELTAFIN_REQUIRE_GPU=1 but llvmpipe did not open: {err}"
+        );
+        eprintln!("SKIPPED the llvmpipe case: {err}");
+        return;
+    }
+    assert!(err.contains("device auto: the GPU, llvmpipe"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["device"], "gpu");
+}
+
 #[test]
 fn device_gpu_errors_say_why() {
     let o = run(&["bench", "--kernels", "--device", "gpu", "--gpu-adapter", "no-such-adapter-7f3a"]);

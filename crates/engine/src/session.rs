@@ -59,8 +59,12 @@ pub struct RunOptions {
     /// Counts the resident spine layers as they load (a server's `/health` while it loads).
     pub load_progress: Option<Arc<crate::k3::LoadProgress>>,
     /// Compute the routed experts on a GPU chosen by these options (`--device gpu`); `None`:
-    /// on the CPU. No usable adapter is an error at start, never a fall-back.
+    /// on the CPU. No usable adapter is an error at start, never a fall-back, unless
+    /// `gpu_auto`.
     pub gpu: Option<deltafin_gpu::GpuOptions>,
+    /// `--device auto`: the GPU of `gpu` when one opens (and `--approx` is off), else the CPU;
+    /// the choice and its reason are [`Session::device_choice`].
+    pub gpu_auto: bool,
     /// With `gpu`: bytes of GPU memory for the spine's matrices (used by prompt chunks) and,
     /// in what they leave, cached routed experts (`None`: [`DEFAULT_GPU_MEMORY`]; 0 keeps the
     /// spine on the CPU and caches no expert there).
@@ -88,6 +92,7 @@ impl Default for RunOptions {
             log_reads: false,
             load_progress: None,
             gpu: None,
+            gpu_auto: false,
             gpu_memory: None,
         }
     }
@@ -101,6 +106,8 @@ pub struct Session {
     pub default_top_k: usize,
     /// What both read back-ends report to (idle time; the read log when asked for).
     activity: Arc<DiskActivity>,
+    /// `--device auto`'s choice and its reason.
+    device_choice: Option<String>,
 }
 
 /// How a run read its experts, for reports.
@@ -168,30 +175,7 @@ impl Session {
         let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
         let plan = Self::plan(store, opts)?;
-        let (gpu_experts, gpu_spine) = match &opts.gpu {
-            Some(g) => {
-                anyhow::ensure!(
-                    !opts.approx,
-                    "--approx runs on the CPU's integer kernels: it does not combine with --device gpu"
-                );
-                let c = &store.manifest.config;
-                let gpu = deltafin_gpu::Gpu::open(g)?;
-                let situ =
-                    deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
-                // The GPU's memory: the spine's matrices first (what prompt chunks use every
-                // time), then as many routed experts as the rest holds.
-                let total = opts.gpu_memory.unwrap_or(DEFAULT_GPU_MEMORY);
-                let spine_bytes = total.min(plan.spine_bytes);
-                let cached_experts = ((total - spine_bytes) / plan.record_bytes.max(1)) as usize;
-                let spine = (spine_bytes > 0)
-                    .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
-                let experts =
-                    deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?
-                        .with_cache(cached_experts);
-                (Some(Arc::new(experts)), spine)
-            }
-            None => (None, None),
-        };
+        let (gpu_experts, gpu_spine, device_choice) = Self::open_gpu(store, opts, &plan)?;
         let model = K3Model::load(
             store,
             &RunConfig {
@@ -230,7 +214,58 @@ impl Session {
             move |b| Watched::wrap(b, watch.clone(), &expert_paths),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
-        Ok(Session { model, experts, plan, default_top_k, activity })
+        Ok(Session { model, experts, plan, default_top_k, activity, device_choice })
+    }
+
+    /// The GPU's runners for `--device gpu` (an adapter that will not open is an error) or
+    /// `--device auto` (the CPU then, with the reason), and what `auto` chose.
+    #[allow(clippy::type_complexity)]
+    fn open_gpu(
+        store: &Store,
+        opts: &RunOptions,
+        plan: &Plan,
+    ) -> Result<(
+        Option<Arc<deltafin_gpu::expert::ExpertRunner>>,
+        Option<Arc<deltafin_gpu::spine::SpineRunner>>,
+        Option<String>,
+    )> {
+        let Some(g) = &opts.gpu else { return Ok((None, None, None)) };
+        if opts.approx {
+            anyhow::ensure!(
+                opts.gpu_auto,
+                "--approx runs on the CPU's integer kernels: it does not combine with --device gpu"
+            );
+            return Ok((None, None, Some("device auto: the CPU (--approx runs on the CPU's integer kernels)".into())));
+        }
+        let gpu = match deltafin_gpu::Gpu::open(g) {
+            Ok(gpu) => gpu,
+            Err(e) if opts.gpu_auto => return Ok((None, None, Some(format!("device auto: the CPU ({e})")))),
+            Err(e) => return Err(e.into()),
+        };
+        let choice = opts.gpu_auto.then(|| {
+            format!(
+                "device auto: the GPU, {} (its arithmetic takes prompt chunks' spine, MLA attention and the routed experts)",
+                gpu.adapter()
+            )
+        });
+        let c = &store.manifest.config;
+        let situ = deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
+        // The GPU's memory: the spine's matrices first (what prompt chunks use every time),
+        // then as many routed experts as the rest holds.
+        let total = opts.gpu_memory.unwrap_or(DEFAULT_GPU_MEMORY);
+        let spine_bytes = total.min(plan.spine_bytes);
+        let cached_experts = ((total - spine_bytes) / plan.record_bytes.max(1)) as usize;
+        let spine = (spine_bytes > 0)
+            .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
+        let experts =
+            deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?
+                .with_cache(cached_experts);
+        Ok((Some(Arc::new(experts)), spine, choice))
+    }
+
+    /// With `--device auto`: what it chose and why (said at start).
+    pub fn device_choice(&self) -> Option<&str> {
+        self.device_choice.as_deref()
     }
 
     /// Every read of the run so far, in submission order, taken (empty unless
