@@ -497,7 +497,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "approximate": s.model.run().approx,
             "device": s.device(),
             "adapter": s.adapter(),
-            "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget, "mla_attention_tokens": s.gpu_mla_tokens().unwrap_or(0)})),
+            "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget, "mla_attention_tokens": s.gpu_mla_tokens().unwrap_or(0), "kda_recurrence_tokens": s.gpu_kda_tokens().unwrap_or(0)})),
             "gpu_expert_cache": s.gpu_expert_cache().map(|(capacity, held, hits, misses)| serde_json::json!({"capacity": capacity, "held": held, "hits": hits, "misses": misses})),
             "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),

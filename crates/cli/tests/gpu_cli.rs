@@ -101,6 +101,11 @@ fn the_model_on_the_gpu_matches_the_reference() {
         let on_gpu = v["gpu_spine"]["mla_attention_tokens"].as_u64().unwrap();
         let want = if spine_on_gpu { mla_layers * p["tokens"].as_array().unwrap().len() as u64 } else { 0 };
         assert_eq!(on_gpu, want, "prompt {i}: tokens of MLA attention on the GPU");
+        // And its KDA layers' recurrence.
+        let kda_layers = c["linear_attn_config"]["kda_layers"].as_array().unwrap().len() as u64;
+        let on_gpu = v["gpu_spine"]["kda_recurrence_tokens"].as_u64().unwrap();
+        let want = if spine_on_gpu { kda_layers * p["tokens"].as_array().unwrap().len() as u64 } else { 0 };
+        assert_eq!(on_gpu, want, "prompt {i}: tokens of KDA recurrence on the GPU");
         // The default 8 GiB: the whole spine's matrices, the rest for cached experts, which the
         // second token of each layer already finds there (generate steps through 12 tokens).
         let cache = &v["gpu_expert_cache"];

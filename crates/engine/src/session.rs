@@ -317,6 +317,12 @@ impl Session {
         self.model.run().gpu_spine.as_ref().map(|g| g.mla_tokens())
     }
 
+    /// With `--device gpu`: tokens of prompt chunks whose KDA recurrence ran on the GPU so far,
+    /// summed over KDA layers.
+    pub fn gpu_kda_tokens(&self) -> Option<u64> {
+        self.model.run().gpu_spine.as_ref().map(|g| g.kda_tokens())
+    }
+
     /// With `--device gpu`: the GPU's expert cache, (capacity in experts, held, hits, misses).
     pub fn gpu_expert_cache(&self) -> Option<(usize, usize, u64, u64)> {
         self.model.run().gpu_experts.as_ref().map(|g| g.cache_stats())

@@ -91,8 +91,8 @@ fn a_layer_that_fails_on_the_gpu_leaves_the_next_request_its_own_results() {
     }
 }
 
-/// A prompt chunk's MLA attention on the GPU (64 tokens a call): every MLA layer's tokens went
-/// there, the logits are the CPU's to f32 rounding, and the chunk's buffers stay within what
+/// A prompt chunk's MLA attention (64 tokens a call) and KDA recurrence on the GPU: every
+/// layer's tokens went there, the logits are the CPU's to f32 rounding, and the chunk's buffers stay within what
 /// the memory plan reserves (per token, plus MLA's working set once).
 #[test]
 fn a_chunk_attends_on_the_gpu_within_the_plan() {
@@ -117,13 +117,15 @@ fn a_chunk_attends_on_the_gpu_within_the_plan() {
     let mut one = gpu_model.new_state();
     gpu_model.forward_chunk(&mut one, &mut StoreExperts::new(&store), &[7], &mut logits).unwrap();
     let base = held(&one);
-    assert_eq!(spine.mla_tokens(), 0, "one token attends on the CPU");
+    assert_eq!(spine.mla_tokens() + spine.kda_tokens(), 0, "one token attends on the CPU");
     // 150 tokens: two full calls of 64 and one of 22.
     let t_n = 150;
     let tokens: Vec<u32> = (0..t_n as u32).map(|i| (i * 37 + 11) % vocab).collect();
     let mut st = gpu_model.new_state();
     gpu_model.forward_chunk(&mut st, &mut StoreExperts::new(&store), &tokens, &mut logits).unwrap();
     assert_eq!(spine.mla_tokens(), (mla_layers * t_n) as u64, "every MLA layer's tokens on the GPU");
+    let kda_layers = c.num_hidden_layers - mla_layers;
+    assert_eq!(spine.kda_tokens(), (kda_layers * t_n) as u64, "every KDA layer's recurrence on the GPU");
     let took = held(&st);
     assert!(
         took <= base + per_token * t_n + working,

@@ -21,6 +21,7 @@ pub mod dense;
 mod device;
 pub mod expert;
 pub mod int8;
+pub mod kda;
 pub mod mxfp4;
 pub mod ops;
 mod product;

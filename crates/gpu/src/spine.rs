@@ -1,4 +1,4 @@
-//! The spine's products and MLA attention of a prompt chunk on the GPU: each int8, bf16 or f32 matrix is uploaded
+//! The spine's products, MLA attention and KDA's recurrence of a prompt chunk on the GPU: each int8, bf16 or f32 matrix is uploaded
 //! the first time a chunk needs it and stays for the run while a GPU memory budget has room
 //! (past it, the matrix stays on the CPU); a chunk's inputs go up and its outputs come back with
 //! one wait per product. Decode steps (one token) stay on the CPU: their products are
@@ -12,6 +12,7 @@ use deltafin_kernels::format::{Dense, LatentRows};
 use crate::attention::MlaAttention;
 use crate::dense::DenseProduct;
 use crate::int8::Int8Product;
+use crate::kda::KdaRecurrence;
 use crate::{DenseValues, Gpu, GpuDense, GpuError, GpuInt8, GpuVec};
 
 /// A spine matrix in GPU memory; its bytes go back to the budget when it is dropped.
@@ -53,6 +54,10 @@ pub struct SpineRunner {
     busy_ns: AtomicU64,
     /// Tokens whose MLA attention ran here, summed over layers.
     mla_tokens: AtomicU64,
+    /// KDA's recurrence, made on first use for the model's head size.
+    kda: Mutex<Vec<Arc<KdaRecurrence>>>,
+    /// Tokens whose KDA recurrence ran here, summed over layers.
+    kda_tokens: AtomicU64,
 }
 
 struct Work {
@@ -84,6 +89,8 @@ impl SpineRunner {
             work: Mutex::new(None),
             busy_ns: AtomicU64::new(0),
             mla_tokens: AtomicU64::new(0),
+            kda: Mutex::new(Vec::new()),
+            kda_tokens: AtomicU64::new(0),
         }
     }
 
@@ -108,6 +115,48 @@ impl SpineRunner {
             self.mla_tokens.fetch_add(t_n as u64, Ordering::Relaxed);
         }
         r
+    }
+
+    /// KDA's recurrence over `t_n` tokens of a chunk for every head of a layer
+    /// ([`KdaRecurrence::run`], whose shapes it takes: heads of `s.len() / heads` squared),
+    /// counted in [`Self::busy_seconds`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_recur(
+        &self,
+        s: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        g: &[f32],
+        v: &[f32],
+        beta: &[f32],
+        heads: usize,
+        t_n: usize,
+        y: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let d = (s.len() / heads.max(1)).isqrt();
+        let rec = {
+            let mut made = self.kda.lock().unwrap_or_else(|p| p.into_inner());
+            match made.iter().find(|r| r.head_dim() == d) {
+                Some(r) => r.clone(),
+                None => {
+                    let r = Arc::new(KdaRecurrence::new(&self.gpu, d)?);
+                    made.push(r.clone());
+                    r
+                }
+            }
+        };
+        let r = rec.run(&self.gpu, s, q, k, g, v, beta, heads, t_n, y);
+        self.count(start);
+        if r.is_ok() {
+            self.kda_tokens.fetch_add(t_n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Tokens whose KDA recurrence ran on the GPU so far, summed over layers.
+    pub fn kda_tokens(&self) -> u64 {
+        self.kda_tokens.load(Ordering::Relaxed)
     }
 
     /// Tokens whose MLA attention ran on the GPU so far, summed over layers.

@@ -12,6 +12,9 @@ use deltafin_store::SpineSource;
 use deltafin_store::config::LinearAttnConfig;
 use rayon::prelude::*;
 
+use deltafin_gpu::kda::KdaRecurrence;
+use deltafin_gpu::spine::SpineRunner;
+
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec, load_vec_prefix};
 
@@ -217,7 +220,11 @@ impl Kda {
                     }
                 }
             }
-            self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys);
+            // A chunk whose spine products go to the GPU walks its states there too.
+            match crate::spine_gpu::current().filter(|_| t_n >= SpineRunner::MIN_TOKENS && KdaRecurrence::supports(d)) {
+                Some(g) => self.heads_on_gpu(&g, st, &mut pre, &mut a, &mut b, &gate, t_n, &mut ys),
+                None => self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys),
+            }
         } else {
             // A decode step (or a short chunk): token by token, each token's heads on the thread
             // pool when the states are large enough to gain (K3: 96 heads of 64 KiB), each with
@@ -269,26 +276,106 @@ impl Kda {
     /// token-by-token loop and the parallel one run this, so they agree bit for bit. Shapes:
     /// s `[Dv, Dk]`; g, delta scratch and y `[D]`.
     fn head_step(&self, h: usize, x: HeadIn<'_>, s: &mut [f32], g: &mut [f32], delta: &mut [f32], y: &mut [f32]) {
-        let d = self.head_dim;
-        let scale = (d as f32).powf(-0.5);
-        for (seg, sc) in [(&mut *x.q, scale), (&mut *x.k, 1.0)] {
+        self.normalise_qk(x.q, x.k);
+        let ea = self.a_log[h].exp();
+        for ((gj, &aj), &bias) in g.iter_mut().zip(x.a).zip(&self.dt_bias[h * self.head_dim..(h + 1) * self.head_dim]) {
+            *gj = self.decay(ea, aj + bias);
+        }
+        kda_head_step(s, x.q, x.k, x.v, g, sigmoid(x.b), delta, y);
+        self.finish_head(y, x.gate);
+    }
+
+    /// One head's q and k L2-normalised in place (eps added to the sum of squares; q also takes
+    /// the 1/sqrt(D) readout scale). Shapes: q, k `[D]`.
+    fn normalise_qk(&self, q: &mut [f32], k: &mut [f32]) {
+        let scale = (self.head_dim as f32).powf(-0.5);
+        for (seg, sc) in [(q, scale), (k, 1.0)] {
             let ss: f32 = seg.iter().map(|v| v * v).sum();
             let inv = sc / (ss + 1e-6).sqrt();
             seg.iter_mut().for_each(|v| *v *= inv);
         }
-        let ea = self.a_log[h].exp();
-        for ((gj, &aj), &bias) in g.iter_mut().zip(x.a).zip(&self.dt_bias[h * d..(h + 1) * d]) {
-            let z = aj + bias;
-            *gj = match self.lower_bound {
-                Some(lb) => (lb * sigmoid(ea * z)).exp(),
-                None => (-ea * softplus(z)).exp(),
-            };
+    }
+
+    /// A key channel's decay from its logit plus bias `z` (`ea`: the head's `exp(A_log)`).
+    #[inline]
+    fn decay(&self, ea: f32, z: f32) -> f32 {
+        match self.lower_bound {
+            Some(lb) => (lb * sigmoid(ea * z)).exp(),
+            None => (-ea * softplus(z)).exp(),
         }
-        kda_head_step(s, x.q, x.k, x.v, g, sigmoid(x.b), delta, y);
+    }
+
+    /// One head's output: RMSNorm, then the sigmoid gate. Shapes: y, gate `[D]`.
+    fn finish_head(&self, y: &mut [f32], gate: &[f32]) {
         rms_norm_inplace(y, &self.o_norm, self.eps);
-        for (v, &gt) in y.iter_mut().zip(x.gate) {
+        for (v, &gt) in y.iter_mut().zip(gate) {
             *v *= sigmoid(gt);
         }
+    }
+
+    /// The recurrence of a prompt chunk with the states walked on the GPU
+    /// ([`SpineRunner::kda_recur`]): each token's heads prepared in place on the CPU's threads
+    /// (q and k normalised, decays over the decay logits, beta over its logit), the recurrence
+    /// there (on the CPU, heads in parallel, if the GPU fails: logged), then each head's norm and
+    /// gate. Shapes: qkv (after the conv), a, gate, ys `[T, P]`; b `[T, heads]`.
+    #[allow(clippy::too_many_arguments)]
+    fn heads_on_gpu(
+        &self,
+        gpu: &SpineRunner,
+        st: &mut KdaState,
+        qkv: &mut [Vec<f32>; 3],
+        a: &mut [f32],
+        b: &mut [f32],
+        gate: &[f32],
+        t_n: usize,
+        ys: &mut [f32],
+    ) {
+        let (nh, d) = (self.heads, self.head_dim);
+        let p = nh * d;
+        let [q, k, v] = qkv;
+        let (q, k, v, a, b, ys) = (
+            &mut q[..t_n * p],
+            &mut k[..t_n * p],
+            &v[..t_n * p],
+            &mut a[..t_n * p],
+            &mut b[..t_n * nh],
+            &mut ys[..t_n * p],
+        );
+        let tokens = q.par_chunks_mut(p).zip(k.par_chunks_mut(p)).zip(a.par_chunks_mut(p)).zip(b.par_chunks_mut(nh));
+        tokens.for_each(|(((qt, kt), at), bt)| {
+            for h in 0..nh {
+                let hs = h * d..(h + 1) * d;
+                self.normalise_qk(&mut qt[hs.clone()], &mut kt[hs.clone()]);
+                let ea = self.a_log[h].exp();
+                for (z, &bias) in at[hs.clone()].iter_mut().zip(&self.dt_bias[hs]) {
+                    *z = self.decay(ea, *z + bias);
+                }
+                bt[h] = sigmoid(bt[h]);
+            }
+        });
+        let on_gpu = gpu
+            .kda_recur(&mut st.s, q, k, a, v, b, nh, t_n, ys)
+            .inspect_err(|e| tracing::warn!("KDA's recurrence on the GPU failed, computed on the CPU instead: {e}"))
+            .is_ok();
+        if !on_gpu {
+            let mut per_head: Vec<Vec<&mut [f32]>> = (0..nh).map(|_| Vec::with_capacity(t_n)).collect();
+            for (i, seg) in ys.chunks_mut(d).enumerate() {
+                per_head[i % nh].push(seg);
+            }
+            let (q, k, a, b) = (&*q, &*k, &*a, &*b);
+            per_head.into_par_iter().zip(st.s.par_chunks_mut(d * d)).enumerate().for_each(|(h, (outs, s))| {
+                let mut delta = vec![0f32; d]; // [D]
+                for (t, y) in outs.into_iter().enumerate() {
+                    let o = t * p + h * d..t * p + (h + 1) * d;
+                    kda_head_step(s, &q[o.clone()], &k[o.clone()], &v[o.clone()], &a[o], b[t * nh + h], &mut delta, y);
+                }
+            });
+        }
+        ys.par_chunks_mut(p).zip(gate[..t_n * p].par_chunks(p)).for_each(|(yt, gt)| {
+            for (y, g) in yt.chunks_mut(d).zip(gt.chunks(d)) {
+                self.finish_head(y, g);
+            }
+        });
     }
 
     /// The recurrence of a chunk with the heads split over the thread pool: each head walks the
