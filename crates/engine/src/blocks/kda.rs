@@ -343,14 +343,14 @@ impl Kda {
         );
         let tokens = q.par_chunks_mut(p).zip(k.par_chunks_mut(p)).zip(a.par_chunks_mut(p)).zip(b.par_chunks_mut(nh));
         tokens.for_each(|(((qt, kt), at), bt)| {
-            for h in 0..nh {
+            for (h, beta) in bt.iter_mut().enumerate() {
                 let hs = h * d..(h + 1) * d;
                 self.normalise_qk(&mut qt[hs.clone()], &mut kt[hs.clone()]);
                 let ea = self.a_log[h].exp();
                 for (z, &bias) in at[hs.clone()].iter_mut().zip(&self.dt_bias[hs]) {
                     *z = self.decay(ea, *z + bias);
                 }
-                bt[h] = sigmoid(bt[h]);
+                *beta = sigmoid(*beta);
             }
         });
         let on_gpu = gpu
