@@ -249,6 +249,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
     }
     rows_out.extend(expert_rows(&gpu, software, secs, mem, fma)?);
     rows_out.extend(attention_rows(&gpu, software, secs, mem, fma)?);
+    rows_out.push(kda_row(&gpu, software, secs, mem, fma)?);
     let a = gpu.adapter();
     let out = json!({
         "device": "gpu",
@@ -376,6 +377,65 @@ fn attention_rows(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> R
         rows.push(m.report(mem, fma));
     }
     Ok(rows)
+}
+
+/// KDA's recurrence over a prompt chunk (K3's 96 heads of 128, 1,024 tokens), the call whole as
+/// the model pays it (q, k, decays, v, beta and the state up; outputs and the state back), its
+/// first two heads checked against the scalar step.
+fn kda_row(gpu: &Gpu, software: bool, secs: f64, mem: f64, fma: f64) -> Result<Value> {
+    use deltafin_gpu::kda::KdaRecurrence;
+    let (heads, d, t_n) = if software { (2, 128, 16) } else { (96, 128, 1024) };
+    let p = heads * d;
+    let unit = |seed: u64| -> Vec<f32> {
+        let mut v: Vec<f32> = bytes(t_n * p, seed).iter().map(|&b| (f32::from(b) - 127.5) / 128.0).collect();
+        for row in v.chunks_mut(d) {
+            let n = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+            row.iter_mut().for_each(|x| *x /= n);
+        }
+        v
+    };
+    let (q, k) = (unit(31), unit(32));
+    let g: Vec<f32> = bytes(t_n * p, 33).iter().map(|&b| 0.6 + 0.4 * f32::from(b) / 256.0).collect();
+    let v: Vec<f32> = bytes(t_n * p, 34).iter().map(|&b| (f32::from(b) - 127.5) / 64.0).collect();
+    let beta: Vec<f32> = bytes(t_n * heads, 35).iter().map(|&b| 0.05 + 0.9 * f32::from(b) / 256.0).collect();
+    let rec = KdaRecurrence::new(gpu, d)?;
+    let mut y = vec![0f32; t_n * p]; // [T, heads, D]
+    let start = std::time::Instant::now();
+    let mut calls = 0u32;
+    let mut s = vec![0f32; heads * d * d]; // [heads, D, D]
+    while calls < 3 || start.elapsed().as_secs_f64() < secs {
+        s.fill(0.0);
+        rec.run(gpu, &mut s, &q, &k, &g, &v, &beta, heads, t_n, &mut y)?;
+        calls += 1;
+    }
+    let per = start.elapsed().as_secs_f64() / f64::from(calls);
+    let mut err = 0f64;
+    let mut scale = 0f64;
+    for h in 0..heads.min(2) {
+        let (mut sh, mut delta, mut yh) = (vec![0f32; d * d], vec![0f32; d], vec![0f32; d]);
+        for t in 0..t_n {
+            let o = t * p + h * d..t * p + (h + 1) * d;
+            let (qo, ko, go, vo) = (&q[o.clone()], &k[o.clone()], &g[o.clone()], &v[o.clone()]);
+            deltafin_kernels::scalar::kda_head_step(&mut sh, qo, ko, vo, go, beta[t * heads + h], &mut delta, &mut yh);
+            for (a, b) in y[o].iter().zip(&yh) {
+                err = err.max(f64::from((a - b).abs()));
+                scale = scale.max(f64::from(b.abs()));
+            }
+        }
+    }
+    // Per token and head: the decay (D^2 multiplies), S k and S q (2 D^2 each), the update
+    // (2 D^2).
+    let flops = 7.0 * (t_n * heads * d * d) as f64;
+    let m = Measured {
+        name: &format!("kda recurrence call: {heads} heads of {d}"),
+        shape: [heads, d],
+        tokens: t_n,
+        seconds: per,
+        flops,
+        weight_bytes: (4 * 5 * t_n * p) as f64,
+        err: err / scale.max(f64::MIN_POSITIVE),
+    };
+    Ok(m.report(mem, fma))
 }
 
 /// One measured kernel: what it did in how long, and its worst error against the scalar twin.
