@@ -16,7 +16,7 @@
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$1"; fi; }
-mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert gpu-tests-dense_ops gpu-tests-spine gpu-tests-attention; do
+mkdir -p /tmp/bin && for b in deltafin deltafin-base gpu-tests-mxfp4 gpu-tests-int8 gpu-tests-expert gpu-tests-dense_ops gpu-tests-spine gpu-tests-attention gpu-tests-kda; do
   [ -f .devbin/$b.xz ] && unxz .devbin/$b.xz > /tmp/bin/$b && chmod +x /tmp/bin/$b
 done
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
@@ -27,7 +27,7 @@ R=/tmp/results; mkdir -p $R
 save() { (cd /tmp && tar cf "$OUT/results.tar" results); }
 trap save EXIT
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv; nproc; free -g; df -h /tmp; } > "$OUT/gpu-tests.log" 2>&1
-for t in $([ "${TESTS:-1}" = 1 ] && echo mxfp4 int8 expert dense_ops spine attention); do
+for t in $([ "${TESTS:-1}" = 1 ] && echo mxfp4 int8 expert dense_ops spine attention kda); do
   [ -x /tmp/bin/gpu-tests-$t ] || continue
   DELTAFIN_REQUIRE_GPU=1 DELTAFIN_GPU_ADAPTER=${ADAPTER:-NVIDIA} /tmp/bin/gpu-tests-$t --test-threads 1 >> "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests ($t) rc=$?" >> "$OUT/gpu-tests.log"
