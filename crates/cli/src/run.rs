@@ -121,6 +121,9 @@ pub fn say_device(session: &Session) {
     if let Some(choice) = session.device_choice() {
         eprintln!("{choice}");
     }
+    if let Some(note) = session.gpu_note() {
+        eprintln!("{note}");
+    }
     if let Some(a) = session.adapter() {
         eprintln!("routed experts on the GPU: {a}");
         let cached = session.gpu_expert_cache().map_or(0, |c| c.0);

@@ -172,6 +172,50 @@ fn device_auto_says_what_it_chose() {
     assert_eq!(v["device"], "gpu");
 }
 
+/// A GPU that shares the host's memory (llvmpipe's, like an integrated GPU's or Apple's) takes
+/// its --gpu-memory out of the memory budget: said at start, the plan's budget is what is left,
+/// and a GPU share as large as the budget is refused with why.
+#[test]
+fn a_gpu_in_host_memory_takes_its_share_from_the_budget() {
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let args = |gm: &'static str| {
+        vec![
+            "generate",
+            "--model",
+            s,
+            "--prompt-tokens",
+            "1,2",
+            "--max-tokens",
+            "3",
+            "--json",
+            "--device",
+            "gpu",
+            "--gpu-adapter",
+            "llvmpipe",
+            "--memory-budget",
+            "2G",
+            "--gpu-memory",
+            gm,
+        ]
+    };
+    let o = run(&args("512M"));
+    if skipped_for_want_of_a_gpu(&o) {
+        return;
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("the GPU shares the host's memory (Cpu): its 512.0 MiB (--gpu-memory) come out of the memory budget, which leaves the host 1.50 GiB"),
+        "{err}"
+    );
+    assert!(err.contains("less the GPU's 512.0 MiB in the same memory"), "the plan's budget: {err}");
+    let o = run(&args("2G"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && !err.contains("panicked"), "{err}");
+    assert!(err.contains("--gpu-memory 2.00 GiB is all of the memory budget 2.00 GiB"), "{err}");
+}
+
 #[test]
 fn device_gpu_errors_say_why() {
     let o = run(&["bench", "--kernels", "--device", "gpu", "--gpu-adapter", "no-such-adapter-7f3a"]);

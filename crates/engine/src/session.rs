@@ -108,6 +108,8 @@ pub struct Session {
     activity: Arc<DiskActivity>,
     /// `--device auto`'s choice and its reason.
     device_choice: Option<String>,
+    /// What the GPU's memory takes from the host's budget, where they share it.
+    gpu_note: Option<String>,
 }
 
 /// How a run read its experts, for reports.
@@ -146,14 +148,19 @@ impl Session {
     /// The memory plan this run would use, without loading anything: a `--context` beyond the
     /// model or a budget that cannot hold it is an error here, before minutes of loading.
     pub fn plan(store: &Store, opts: &RunOptions) -> Result<Plan> {
+        Self::check_context(store, opts)?;
+        let (budget, req) = plan_request(store, opts);
+        make_plan(&store.manifest, &budget, &req)
+    }
+
+    fn check_context(store: &Store, opts: &RunOptions) -> Result<()> {
         let max = store.manifest.config.max_position_embeddings;
         anyhow::ensure!(
             opts.context_tokens <= max,
             "--context {} is beyond the model's {max} positions (its max_position_embeddings)",
             opts.context_tokens
         );
-        let (budget, req) = plan_request(store, opts);
-        make_plan(&store.manifest, &budget, &req)
+        Ok(())
     }
 
     /// The most sequences a continuous batch may carry with these options (at most `cap`;
@@ -174,8 +181,28 @@ impl Session {
         // idle time.
         let activity = Arc::new(if opts.log_reads { DiskActivity::logging() } else { DiskActivity::default() });
         let latent_cache = opts.latent_cache.unwrap_or(LatentDtype::auto(store.manifest.spine.matrix_dtype));
-        let plan = Self::plan(store, opts)?;
-        let (gpu_experts, gpu_spine, device_choice) = Self::open_gpu(store, opts, &plan)?;
+        let (gpu, device_choice) = Self::open_adapter(opts)?;
+        let (mut budget, req) = plan_request(store, opts);
+        Self::check_context(store, opts)?;
+        // On memory the GPU shares with the host, its share comes out of the host's budget.
+        let gpu_memory = gpu.as_ref().map(|g| gpu_memory_for(opts.gpu_memory, budget.bytes, g.shares_host_memory()));
+        let mut gpu_note = None;
+        if let (Some(g), Some(share)) = (&gpu, gpu_memory)
+            && g.shares_host_memory()
+        {
+            budget = budget_less_gpu(budget, share)?;
+            gpu_note = Some(format!(
+                "the GPU shares the host's memory ({}): its {} (--gpu-memory) come out of the memory budget, which leaves the host {}",
+                g.adapter().device_type,
+                crate::units::human(share),
+                crate::units::human(budget.bytes)
+            ));
+        }
+        let plan = make_plan(&store.manifest, &budget, &req)?;
+        let (gpu_experts, gpu_spine) = match (gpu, gpu_memory) {
+            (Some(g), Some(total)) => Self::gpu_runners(store, g, total, &plan)?,
+            _ => (None, None),
+        };
         let model = K3Model::load(
             store,
             &RunConfig {
@@ -214,53 +241,61 @@ impl Session {
             move |b| Watched::wrap(b, watch.clone(), &expert_paths),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
-        Ok(Session { model, experts, plan, default_top_k, activity, device_choice })
+        Ok(Session { model, experts, plan, default_top_k, activity, device_choice, gpu_note })
     }
 
-    /// The GPU's runners for `--device gpu` (an adapter that will not open is an error) or
-    /// `--device auto` (the CPU then, with the reason), and what `auto` chose.
-    #[allow(clippy::type_complexity)]
-    fn open_gpu(
-        store: &Store,
-        opts: &RunOptions,
-        plan: &Plan,
-    ) -> Result<(
-        Option<Arc<deltafin_gpu::expert::ExpertRunner>>,
-        Option<Arc<deltafin_gpu::spine::SpineRunner>>,
-        Option<String>,
-    )> {
-        let Some(g) = &opts.gpu else { return Ok((None, None, None)) };
+    /// The adapter of `--device gpu` (one that will not open is an error) or `--device auto`
+    /// (the CPU then, with the reason), and what `auto` chose.
+    fn open_adapter(opts: &RunOptions) -> Result<(Option<deltafin_gpu::Gpu>, Option<String>)> {
+        let Some(g) = &opts.gpu else { return Ok((None, None)) };
         if opts.approx {
             anyhow::ensure!(
                 opts.gpu_auto,
                 "--approx runs on the CPU's integer kernels: it does not combine with --device gpu"
             );
-            return Ok((None, None, Some("device auto: the CPU (--approx runs on the CPU's integer kernels)".into())));
+            return Ok((None, Some("device auto: the CPU (--approx runs on the CPU's integer kernels)".into())));
         }
         let gpu = match deltafin_gpu::Gpu::open(g) {
             Ok(gpu) => gpu,
-            Err(e) if opts.gpu_auto => return Ok((None, None, Some(format!("device auto: the CPU ({e})")))),
+            Err(e) if opts.gpu_auto => return Ok((None, Some(format!("device auto: the CPU ({e})")))),
             Err(e) => return Err(e.into()),
         };
         let choice = opts.gpu_auto.then(|| {
             format!(
-                "device auto: the GPU, {} (its arithmetic takes prompt chunks' spine, MLA attention and the routed experts)",
+                "device auto: the GPU, {} (its arithmetic takes prompt chunks' spine, MLA attention and KDA recurrence, and the routed experts)",
                 gpu.adapter()
             )
         });
+        Ok((Some(gpu), choice))
+    }
+
+    /// The GPU's runners with `total` bytes of its memory: the spine's matrices first (what
+    /// prompt chunks use every time), then as many routed experts as the rest holds.
+    #[allow(clippy::type_complexity)]
+    fn gpu_runners(
+        store: &Store,
+        gpu: deltafin_gpu::Gpu,
+        total: u64,
+        plan: &Plan,
+    ) -> Result<(Option<Arc<deltafin_gpu::expert::ExpertRunner>>, Option<Arc<deltafin_gpu::spine::SpineRunner>>)> {
         let c = &store.manifest.config;
         let situ = deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
-        // The GPU's memory: the spine's matrices first (what prompt chunks use every time),
-        // then as many routed experts as the rest holds.
-        let total = opts.gpu_memory.unwrap_or(DEFAULT_GPU_MEMORY);
         let spine_bytes = total.min(plan.spine_bytes);
-        let cached_experts = ((total - spine_bytes) / plan.record_bytes.max(1)) as usize;
+        // No more slots than the model has routed experts.
+        let all = plan.moe_layers * plan.experts_per_layer;
+        let cached_experts = (((total - spine_bytes) / plan.record_bytes.max(1)) as usize).min(all);
         let spine = (spine_bytes > 0)
             .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
         let experts =
             deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?
                 .with_cache(cached_experts);
-        Ok((Some(Arc::new(experts)), spine, choice))
+        Ok((Some(Arc::new(experts)), spine))
+    }
+
+    /// On memory the GPU shares with the host: how much of the budget its copies take (said at
+    /// start).
+    pub fn gpu_note(&self) -> Option<&str> {
+        self.gpu_note.as_deref()
     }
 
     /// With `--device auto`: what it chose and why (said at start).
@@ -377,6 +412,32 @@ impl Session {
 }
 
 /// The budget and what the plan is asked to fit, from the command line's options.
+/// Bytes of GPU memory for a run: `--gpu-memory`, else [`DEFAULT_GPU_MEMORY`], or a quarter
+/// of the host's budget where the GPU shares the host's memory (whichever is smaller).
+fn gpu_memory_for(given: Option<u64>, budget: u64, shared: bool) -> u64 {
+    match given {
+        Some(b) => b,
+        None if shared => DEFAULT_GPU_MEMORY.min(budget / 4),
+        None => DEFAULT_GPU_MEMORY,
+    }
+}
+
+/// The host's budget less what the GPU holds in the same memory; an error when nothing would be
+/// left.
+fn budget_less_gpu(budget: Budget, gpu: u64) -> Result<Budget> {
+    anyhow::ensure!(
+        gpu < budget.bytes,
+        "--gpu-memory {} is all of the memory budget {} ({}): this GPU shares the host's memory, so what it holds comes out of that budget; give it less",
+        crate::units::human(gpu),
+        crate::units::human(budget.bytes),
+        budget.source
+    );
+    Ok(Budget {
+        bytes: budget.bytes - gpu,
+        source: format!("{}, less the GPU's {} in the same memory", budget.source, crate::units::human(gpu)),
+    })
+}
+
 fn plan_request(store: &Store, opts: &RunOptions) -> (Budget, PlanRequest) {
     let k = opts.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
     // Demand reads for one layer, plus as many for the next layer's prefetch.

@@ -125,6 +125,13 @@ impl Gpu {
         self.adapter.device_type == format!("{:?}", wgpu::DeviceType::Cpu)
     }
 
+    /// Whether the adapter's memory is the host's RAM (an integrated GPU, Apple's unified memory,
+    /// or a CPU-type adapter): what it holds comes out of the same memory the host uses.
+    pub fn shares_host_memory(&self) -> bool {
+        let t = &self.adapter.device_type;
+        *t == format!("{:?}", wgpu::DeviceType::IntegratedGpu) || *t == format!("{:?}", wgpu::DeviceType::Cpu)
+    }
+
     /// The largest storage buffer one binding may hold, in bytes.
     pub fn max_binding(&self) -> u64 {
         self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
