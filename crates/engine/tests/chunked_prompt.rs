@@ -202,3 +202,34 @@ fn a_chunk_takes_no_more_than_the_plan_reserves_per_token() {
         }
     }
 }
+
+/// A chunk long enough to route its tokens on the thread pool (and to take every other parallel
+/// path a long prompt takes) gives the logits and routing of the same tokens in short chunks,
+/// which route serially: on this machine's pool and on three threads.
+#[test]
+fn a_long_chunk_routes_as_short_ones_do() {
+    let check = || {
+        for name in FIXTURES {
+            let dir = convert_fixture(name, SpineDtype::Int8, 0, ExpertLayout::Pack);
+            let store = Store::open(dir.path(), None).unwrap();
+            let model = K3Model::load(&store, &RunConfig::default()).unwrap();
+            let v = model.config.vocab_size;
+            let tokens: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % v as u32).collect();
+            let (mut a, mut b) = (vec![0f32; v], vec![0f32; v]);
+            let mut a_st = model.new_state();
+            model.forward_chunk(&mut a_st, &mut StoreExperts::new(&store), &tokens, &mut a).unwrap();
+            let mut b_st = model.new_state();
+            let mut src = StoreExperts::new(&store);
+            for chunk in tokens.chunks(16) {
+                model.forward_chunk(&mut b_st, &mut src, chunk, &mut b).unwrap();
+            }
+            assert!(same(&a, &b), "{name}: a 150-token chunk's logits differ from chunks of 16");
+            for (l, (ra, rb)) in a_st.routing.iter().zip(&b_st.routing).enumerate() {
+                assert_eq!(ra.experts, rb.experts, "{name}: layer {l}: the last token's experts");
+                assert_eq!(ra.weights, rb.weights, "{name}: layer {l}: the last token's weights");
+            }
+        }
+    };
+    check();
+    rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap().install(check);
+}

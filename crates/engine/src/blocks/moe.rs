@@ -10,12 +10,19 @@ use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
+use rayon::prelude::*;
 
 use super::mlp::GatedMlp;
 use super::router::{select_experts, weights_for};
 use crate::experts::{ExpertSource, RecordLayout};
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
+
+/// A chunk of at least this many tokens routes them on the thread pool, [`ROUTING_SHARE`] per
+/// work item (each token's sigmoids and top-k over all the layer's experts, at every MoE layer,
+/// ran on one thread before); decode steps stay serial and allocate nothing.
+const PARALLEL_ROUTING_TOKENS: usize = 64;
+const ROUTING_SHARE: usize = 64;
 
 pub struct LatentMoe {
     pub layer: usize,
@@ -290,13 +297,41 @@ impl LatentMoe {
         let mut logits = sc.take(t_n * e_n); // [T, E] router logits
         self.gate.forward_batch(xs, t_n, &mut logits);
         let mut union = sc.take_ids(); // distinct experts of the chunk, first-use order
-        for (t, r) in routings.iter_mut().enumerate() {
-            self.route(&logits[t * e_n..(t + 1) * e_n], r, sc)?;
-            r.predicted_next.clear();
-            for &e in &r.experts {
-                anyhow::ensure!(e < self.gate.rows, "expert id out of range");
-                if !union.contains(&e) {
-                    union.push(e);
+        if t_n >= PARALLEL_ROUTING_TOKENS {
+            // A long chunk's tokens routed on the thread pool (each token's choice is the one
+            // serial routing makes), then the union in token order.
+            routings
+                .par_chunks_mut(ROUTING_SHARE)
+                .zip(logits[..t_n * e_n].par_chunks(ROUTING_SHARE * e_n))
+                .try_for_each(|(rs, lg)| -> Result<()> {
+                    let mut local = Scratch::default();
+                    for (r, l) in rs.iter_mut().zip(lg.chunks_exact(e_n)) {
+                        self.route(l, r, &mut local)?;
+                        r.predicted_next.clear();
+                    }
+                    Ok(())
+                })?;
+            let mut seen = sc.take(e_n); // [E] 1 where the union has the expert
+            seen.fill(0.0);
+            for r in routings.iter() {
+                for &e in &r.experts {
+                    anyhow::ensure!(e < e_n, "expert id out of range");
+                    if seen[e] == 0.0 {
+                        seen[e] = 1.0;
+                        union.push(e);
+                    }
+                }
+            }
+            sc.give(seen);
+        } else {
+            for (t, r) in routings.iter_mut().enumerate() {
+                self.route(&logits[t * e_n..(t + 1) * e_n], r, sc)?;
+                r.predicted_next.clear();
+                for &e in &r.experts {
+                    anyhow::ensure!(e < self.gate.rows, "expert id out of range");
+                    if !union.contains(&e) {
+                        union.push(e);
+                    }
                 }
             }
         }
