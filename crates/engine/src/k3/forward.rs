@@ -8,6 +8,7 @@
 
 use anyhow::Result;
 use deltafin_kernels::ops::rms_norm;
+use rayon::prelude::*;
 
 use super::state::{K3State, LayerState};
 use super::{Attention, Ffn, K3Model, Layer};
@@ -190,9 +191,20 @@ impl K3Model {
                 experts.read_ahead(m.layer);
             }
             let restart = self.block_restart(&layer, l);
-            for t in 0..t_n {
-                let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
-                self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
+            if t_n >= PARALLEL_TOKENS {
+                // A long chunk's tokens on the thread pool, each share with its own mixing buffer.
+                let items = blocks.par_chunks_mut(TOKEN_SHARE).zip(xs.par_chunks(TOKEN_SHARE * h));
+                items.zip(normed.par_chunks_mut(TOKEN_SHARE * h)).for_each(|((bs, xc), nc)| {
+                    let mut mix = vec![0f32; h]; // [H]
+                    for ((b, x), nm) in bs.iter_mut().zip(xc.chunks_exact(h)).zip(nc.chunks_exact_mut(h)) {
+                        self.pre_attention(&layer, b, restart, x, &mut mix, nm);
+                    }
+                });
+            } else {
+                for t in 0..t_n {
+                    let (x, nm) = (&xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
+                    self.pre_attention(&layer, &mut blocks[t], restart, x, &mut hmix, nm);
+                }
             }
             let attention_start = std::time::Instant::now();
             let gpu_start = gpu_busy();
@@ -209,9 +221,21 @@ impl K3Model {
             }
             let attention = attention_start.elapsed();
             let attention_gpu = gpu_busy() - gpu_start;
-            for t in 0..t_n {
-                let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
-                self.post_attention(&layer, &mut blocks[t], restart, x, &ys[t * h..(t + 1) * h], &mut hmix, nm);
+            if t_n >= PARALLEL_TOKENS {
+                let items = blocks.par_chunks_mut(TOKEN_SHARE).zip(xs.par_chunks_mut(TOKEN_SHARE * h));
+                let items = items.zip(ys.par_chunks(TOKEN_SHARE * h)).zip(normed.par_chunks_mut(TOKEN_SHARE * h));
+                items.for_each(|(((bs, xc), yc), nc)| {
+                    let mut mix = vec![0f32; h]; // [H]
+                    let tokens = bs.iter_mut().zip(xc.chunks_exact_mut(h)).zip(yc.chunks_exact(h));
+                    for (((b, x), y), nm) in tokens.zip(nc.chunks_exact_mut(h)) {
+                        self.post_attention(&layer, b, restart, x, y, &mut mix, nm);
+                    }
+                });
+            } else {
+                for t in 0..t_n {
+                    let (x, nm) = (&mut xs[t * h..(t + 1) * h], &mut normed[t * h..(t + 1) * h]);
+                    self.post_attention(&layer, &mut blocks[t], restart, x, &ys[t * h..(t + 1) * h], &mut hmix, nm);
+                }
             }
             let ffn_start = std::time::Instant::now();
             match &layer.ffn {
@@ -348,3 +372,10 @@ impl K3Model {
         rms_norm(hmix, &layer.post_norm, self.config.rms_norm_eps, normed);
     }
 }
+
+/// A chunk of at least this many tokens mixes and norms its tokens' residual streams on the
+/// thread pool, [`TOKEN_SHARE`] tokens per work item (K3's attention residuals take a dot
+/// product and an update of the hidden size per block of earlier layers, per token and
+/// sub-layer); decode steps and short chunks stay on the calling thread and allocate nothing.
+const PARALLEL_TOKENS: usize = 64;
+const TOKEN_SHARE: usize = 16;
