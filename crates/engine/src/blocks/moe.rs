@@ -18,6 +18,25 @@ use crate::experts::{ExpertSource, RecordLayout};
 use crate::scratch::Scratch;
 use crate::weights::{Linear, load_vec};
 
+/// Which tokens chose each of a chunk's experts ([`LatentMoe::index_users`]).
+#[derive(Default)]
+struct UserIndex {
+    /// `[E]` an expert's place in the union.
+    pos: Vec<usize>,
+    /// `[union]` where each expert's next user goes.
+    cursor: Vec<usize>,
+    /// `[union + 1]` where each expert's users start in `list`.
+    start: Vec<usize>,
+    /// token * k + slot of every (token, slot), grouped by expert.
+    list: Vec<usize>,
+}
+
+impl UserIndex {
+    fn users(&self, u: usize) -> &[usize] {
+        &self.list[self.start[u]..self.start[u + 1]]
+    }
+}
+
 /// A chunk of at least this many tokens routes them on the thread pool, [`ROUTING_SHARE`] per
 /// work item (each token's sigmoids and top-k over all the layer's experts, at every MoE layer,
 /// ran on one thread before); decode steps stay serial and allocate nothing.
@@ -240,17 +259,44 @@ impl LatentMoe {
         Ok(())
     }
 
-    /// The tokens that chose expert `e`, each as token * k + its routing slot, in token order.
-    fn users_of(routings: &[Routing], e: usize, k: usize) -> impl Iterator<Item = usize> + '_ {
-        routings.iter().enumerate().flat_map(move |(t, r)| {
-            r.experts.iter().enumerate().filter(move |(_, x)| **x == e).map(move |(s, _)| t * k + s)
-        })
+    /// Each union expert's users (token * k + slot, tokens in order, then slots), as one list
+    /// cut by `start`: expert `union[u]`'s are `list[start[u]..start[u + 1]]`. Built once per
+    /// chunk (two passes over the routings) instead of a pass per expert. `pos` and `cursor` are
+    /// scratch.
+    fn index_users(routings: &[Routing], union: &[usize], k: usize, ix: &mut UserIndex) {
+        let UserIndex { pos, cursor, start, list } = ix;
+        pos.clear();
+        pos.resize(union.iter().max().map_or(0, |&m| m + 1), usize::MAX);
+        for (u, &e) in union.iter().enumerate() {
+            pos[e] = u;
+        }
+        start.clear();
+        start.resize(union.len() + 1, 0);
+        for r in routings {
+            for &e in &r.experts {
+                start[pos[e] + 1] += 1;
+            }
+        }
+        for u in 0..union.len() {
+            start[u + 1] += start[u];
+        }
+        cursor.clear();
+        cursor.extend_from_slice(&start[..union.len()]);
+        list.clear();
+        list.resize(start[union.len()], 0);
+        for (t, r) in routings.iter().enumerate() {
+            for (s, &e) in r.experts.iter().enumerate() {
+                let u = pos[e];
+                list[cursor[u]] = t * k + s;
+                cursor[u] += 1;
+            }
+        }
     }
 
-    /// Put the GPU's outputs of expert `e` (`[n, LAT]`, one row per token that chose it, in
-    /// the order of [`Self::users_of`]) into their slots of eo `[T, k, LAT]`.
-    fn scatter(routings: &[Routing], e: usize, k: usize, lat: usize, out: &[f32], eo: &mut [f32]) {
-        for (ts, row) in Self::users_of(routings, e, k).zip(out.chunks_exact(lat)) {
+    /// Put the GPU's outputs of one expert (`[n, LAT]`, one row per user, in the order of its
+    /// users) into their slots of eo `[T, k, LAT]`.
+    fn scatter(users: &[usize], lat: usize, out: &[f32], eo: &mut [f32]) {
+        for (&ts, row) in users.iter().zip(out.chunks_exact(lat)) {
             eo[ts * lat..(ts + 1) * lat].copy_from_slice(row);
         }
     }
@@ -374,7 +420,9 @@ impl LatentMoe {
         let mut done = sc.take_ids(); // [union] 1 once an expert's record has been computed
         done.resize(union.len(), 0);
         // An expert used by several tokens of the chunk runs them as one small batch.
-        let mut users = sc.take_ids(); // token * k + slot of each token that chose the expert
+        // token * k + slot of each token that chose each expert
+        let mut ix = UserIndex { pos: sc.take_ids(), cursor: sc.take_ids(), start: sc.take_ids(), list: sc.take_ids() };
+        Self::index_users(routings, &union, k, &mut ix);
         let batch = if t_n > 1 { t_n } else { 0 }; // rows of a batch (a pinned routing may repeat an expert)
         let mut xb = sc.take(batch * lat); // [n, LAT] inputs of one expert's tokens
         let mut ab = sc.take(batch * i); // [n, I]
@@ -385,15 +433,14 @@ impl LatentMoe {
         }
         let drained = experts.drain(&mut |u, record| {
             let e = union[u];
-            users.clear();
-            users.extend(Self::users_of(routings, e, k));
+            let users = ix.users(u);
             if let Some(g) = run.gpu {
                 // Submitted now, delivered (and marked done) when the GPU finishes the layer.
                 let mut deliver = |u: usize, out: &[f32]| {
-                    Self::scatter(routings, union[u], k, lat, out, &mut eo);
+                    Self::scatter(ix.users(u), lat, out, &mut eo);
                     done[u] = 1;
                 };
-                self.expert_to_gpu(g, record, e, u, &users, k, &xl, &mut xb, &mut deliver)?;
+                self.expert_to_gpu(g, record, e, u, users, k, &xl, &mut xb, &mut deliver)?;
                 return Ok(());
             } else if run.approx || users.len() == 1 || users.len() > batch {
                 for &ts in users.iter() {
@@ -419,7 +466,7 @@ impl LatentMoe {
         if let Some(g) = run.gpu {
             // Also after a failed drain: the runner is left with nothing in flight.
             let mut deliver = |u: usize, out: &[f32]| {
-                Self::scatter(routings, union[u], k, lat, out, &mut eo);
+                Self::scatter(ix.users(u), lat, out, &mut eo);
                 done[u] = 1;
             };
             let finished = g.finish(&mut deliver);
@@ -434,24 +481,31 @@ impl LatentMoe {
             self.layer
         );
         let mut acc = sc.take(t_n * lat); // [T, LAT] each token's weighted, normed expert sum
-        for (t, r) in routings.iter().enumerate() {
-            let eo_t = &eo[t * k * lat..(t * k + r.experts.len()) * lat];
-            self.routed_sum(&r.weights, eo_t, &mut acc[t * lat..(t + 1) * lat]);
+        let sum_token = |(t, (r, a)): (usize, (&Routing, &mut [f32]))| {
+            self.routed_sum(&r.weights, &eo[t * k * lat..(t * k + r.experts.len()) * lat], a);
+        };
+        if t_n >= PARALLEL_ROUTING_TOKENS {
+            routings.par_iter().zip(acc.par_chunks_mut(lat)).enumerate().for_each(sum_token);
+        } else {
+            routings.iter().zip(acc.chunks_mut(lat)).enumerate().for_each(sum_token);
         }
         match &self.up {
             Some(up) => up.forward_batch(&acc, t_n, &mut outs[..t_n * h]),
             None => outs[..t_n * h].copy_from_slice(&acc),
         }
         if self.shared.is_some() {
-            for (o, v) in outs[..t_n * h].iter_mut().zip(&shared) {
-                *o += v;
+            let add = |(o, v): (&mut [f32], &[f32])| o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
+            if t_n >= PARALLEL_ROUTING_TOKENS {
+                outs[..t_n * h].par_chunks_mut(h).zip(shared.par_chunks(h)).for_each(add);
+            } else {
+                outs[..t_n * h].chunks_mut(h).zip(shared.chunks(h)).for_each(add);
             }
         }
         for buf in [logits, shared, xl, eo, a, gu, acc, xb, ab, ob] {
             sc.give(buf);
         }
         (sc.xqs, sc.aq) = (xqs, aq);
-        for ids in [union, done, users] {
+        for ids in [union, done, ix.pos, ix.cursor, ix.start, ix.list] {
             sc.give_ids(ids);
         }
         Ok(())

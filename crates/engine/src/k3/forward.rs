@@ -271,7 +271,13 @@ impl K3Model {
                 }
             }
             self.phases.add(attention, matches!(layer.attn, Attention::Mla(_)), attention_gpu, ffn_start.elapsed());
-            xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
+            if t_n >= PARALLEL_TOKENS {
+                xs.par_chunks_mut(h)
+                    .zip(ys.par_chunks(h))
+                    .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+            } else {
+                xs.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
+            }
             if !on_layer(l) && l + 1 < self.layers.len() {
                 // Stopped between layers: no read is open, the buffers go back.
                 for buf in [xs, normed, ys, hmix] {
