@@ -29,6 +29,8 @@ struct UserIndex {
     start: Vec<usize>,
     /// token * k + slot of every (token, slot), grouped by expert.
     list: Vec<usize>,
+    /// `[T * k]` where token * k + slot sits in `list` (its output's row).
+    row: Vec<usize>,
 }
 
 impl UserIndex {
@@ -36,6 +38,11 @@ impl UserIndex {
         &self.list[self.start[u]..self.start[u + 1]]
     }
 }
+
+/// An expert's outputs of at least this many values are put in place by the thread pool,
+/// [`COPY_SHARE`] values per work item (a long prompt's popular expert returns tens of MB).
+const PARALLEL_COPY_VALUES: usize = 1 << 20;
+const COPY_SHARE: usize = 1 << 16;
 
 /// A chunk of at least this many tokens routes them on the thread pool, [`ROUTING_SHARE`] per
 /// work item (each token's sigmoids and top-k over all the layer's experts, at every MoE layer,
@@ -249,10 +256,7 @@ impl LatentMoe {
             if xb.len() < n * lat {
                 xb.resize(n * lat, 0.0);
             }
-            for (j, &ts) in users.iter().enumerate() {
-                let t = ts / k;
-                xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
-            }
+            Self::gather_rows(users, k, lat, xl, &mut xb[..n * lat]);
             &xb[..n * lat]
         };
         g.enqueue(Some((self.layer, e)), m(0), m(4), m(2), x, n, u, deliver)?;
@@ -260,11 +264,12 @@ impl LatentMoe {
     }
 
     /// Each union expert's users (token * k + slot, tokens in order, then slots), as one list
-    /// cut by `start`: expert `union[u]`'s are `list[start[u]..start[u + 1]]`. Built once per
-    /// chunk (two passes over the routings) instead of a pass per expert. `pos` and `cursor` are
-    /// scratch.
+    /// cut by `start`: expert `union[u]`'s are `list[start[u]..start[u + 1]]`, and their outputs
+    /// rows `start[u]..start[u + 1]` of the chunk's expert outputs (`row` maps a (token, slot)
+    /// to its row). Built once per chunk (two passes over the routings) instead of a pass per
+    /// expert. `pos` and `cursor` are scratch.
     fn index_users(routings: &[Routing], union: &[usize], k: usize, ix: &mut UserIndex) {
-        let UserIndex { pos, cursor, start, list } = ix;
+        let UserIndex { pos, cursor, start, list, row } = ix;
         pos.clear();
         pos.resize(union.iter().max().map_or(0, |&m| m + 1), usize::MAX);
         for (u, &e) in union.iter().enumerate() {
@@ -284,30 +289,47 @@ impl LatentMoe {
         cursor.extend_from_slice(&start[..union.len()]);
         list.clear();
         list.resize(start[union.len()], 0);
+        row.clear();
+        row.resize(routings.len() * k, usize::MAX);
         for (t, r) in routings.iter().enumerate() {
             for (s, &e) in r.experts.iter().enumerate() {
                 let u = pos[e];
                 list[cursor[u]] = t * k + s;
+                row[t * k + s] = cursor[u];
                 cursor[u] += 1;
             }
         }
     }
 
-    /// Put the GPU's outputs of one expert (`[n, LAT]`, one row per user, in the order of its
-    /// users) into their slots of eo `[T, k, LAT]`.
-    fn scatter(users: &[usize], lat: usize, out: &[f32], eo: &mut [f32]) {
-        for (&ts, row) in users.iter().zip(out.chunks_exact(lat)) {
-            eo[ts * lat..(ts + 1) * lat].copy_from_slice(row);
+    /// The inputs of an expert's users, one row each (`users`: token * k + slot), on the thread
+    /// pool when they are large. Shapes: xl `[T, LAT]`, xb `[n, LAT]`.
+    fn gather_rows(users: &[usize], k: usize, lat: usize, xl: &[f32], xb: &mut [f32]) {
+        let put = |(d, &ts): (&mut [f32], &usize)| d.copy_from_slice(&xl[(ts / k) * lat..(ts / k + 1) * lat]);
+        if xb.len() >= PARALLEL_COPY_VALUES {
+            xb.par_chunks_mut(lat).zip(users.par_iter()).for_each(put);
+        } else {
+            xb.chunks_mut(lat).zip(users.iter()).for_each(put);
+        }
+    }
+
+    /// Put an expert's outputs (`[n, LAT]`, one row per user) into their rows of the chunk's
+    /// outputs (`first` onwards: contiguous), on the thread pool when they are large.
+    fn put_rows(first: usize, lat: usize, out: &[f32], eo: &mut [f32]) {
+        let dst = &mut eo[first * lat..first * lat + out.len()];
+        if out.len() >= PARALLEL_COPY_VALUES {
+            dst.par_chunks_mut(COPY_SHARE).zip(out.par_chunks(COPY_SHARE)).for_each(|(d, s)| d.copy_from_slice(s));
+        } else {
+            dst.copy_from_slice(out);
         }
     }
 
     /// The routed sum of one token, normed (the input of the projection back). Shapes: eo
-    /// `[k, LAT]` in routing order, acc `[LAT]`.
-    fn routed_sum(&self, weights: &[f32], eo: &[f32], acc: &mut [f32]) {
+    /// `[rows, LAT]`, the token's slots at rows `rows` (routing order), acc `[LAT]`.
+    fn routed_sum(&self, weights: &[f32], eo: &[f32], rows: &[usize], acc: &mut [f32]) {
         let lat = self.latent;
         acc.fill(0.0);
-        for (slot, &w) in weights.iter().enumerate() {
-            for (s, &v) in acc.iter_mut().zip(&eo[slot * lat..(slot + 1) * lat]) {
+        for (&w, &r) in weights.iter().zip(rows) {
+            for (s, &v) in acc.iter_mut().zip(&eo[r * lat..(r + 1) * lat]) {
                 *s += w * v;
             }
         }
@@ -413,20 +435,27 @@ impl LatentMoe {
             }
         }
         let k = self.top_k.max(routings.iter().map(|r| r.experts.len()).max().unwrap_or(0));
-        let mut eo = sc.take(t_n * k * lat); // [T, k, LAT] each expert's output, in routing order
+        // [T * k, LAT] each (token, slot)'s expert output, grouped by expert (rows of
+        // `ix.row`): an expert's users' outputs are contiguous, written in one piece.
+        let mut eo = sc.take(t_n * k * lat);
         let mut a = sc.take(i); // [I] SiTU activations of the expert being computed
         let mut gu = sc.take(if run.approx { i } else { 0 }); // [I] gate products (approximate mode)
         let mut aq = std::mem::take(&mut sc.aq);
         let mut done = sc.take_ids(); // [union] 1 once an expert's record has been computed
         done.resize(union.len(), 0);
-        // An expert used by several tokens of the chunk runs them as one small batch.
-        // token * k + slot of each token that chose each expert
-        let mut ix = UserIndex { pos: sc.take_ids(), cursor: sc.take_ids(), start: sc.take_ids(), list: sc.take_ids() };
+        // token * k + slot of each token that chose each expert, and their outputs' rows
+        let mut ix = UserIndex {
+            pos: sc.take_ids(),
+            cursor: sc.take_ids(),
+            start: sc.take_ids(),
+            list: sc.take_ids(),
+            row: sc.take_ids(),
+        };
         Self::index_users(routings, &union, k, &mut ix);
+        // An expert used by several tokens of the chunk runs them as one small batch.
         let batch = if t_n > 1 { t_n } else { 0 }; // rows of a batch (a pinned routing may repeat an expert)
         let mut xb = sc.take(batch * lat); // [n, LAT] inputs of one expert's tokens
         let mut ab = sc.take(batch * i); // [n, I]
-        let mut ob = sc.take(batch * lat); // [n, LAT]
         if let Some(g) = run.gpu {
             // Whatever an interrupted layer left in flight (a panic mid-layer) is not this one's.
             g.finish(&mut |_, _| {})?;
@@ -437,28 +466,24 @@ impl LatentMoe {
             if let Some(g) = run.gpu {
                 // Submitted now, delivered (and marked done) when the GPU finishes the layer.
                 let mut deliver = |u: usize, out: &[f32]| {
-                    Self::scatter(ix.users(u), lat, out, &mut eo);
+                    Self::put_rows(ix.start[u], lat, out, &mut eo);
                     done[u] = 1;
                 };
                 self.expert_to_gpu(g, record, e, u, users, k, &xl, &mut xb, &mut deliver)?;
                 return Ok(());
             } else if run.approx || users.len() == 1 || users.len() > batch {
-                for &ts in users.iter() {
+                for (j, &ts) in users.iter().enumerate() {
                     let t = ts / k;
-                    let out = &mut eo[ts * lat..(ts + 1) * lat];
+                    let row = ix.start[u] + j;
+                    let out = &mut eo[row * lat..(row + 1) * lat];
                     let x = &xl[t * lat..(t + 1) * lat];
                     self.expert_into(record, x, &xqs[t], run.approx, &mut a, &mut gu, &mut aq, out)?;
                 }
             } else {
                 let n = users.len();
-                for (j, &ts) in users.iter().enumerate() {
-                    let t = ts / k;
-                    xb[j * lat..(j + 1) * lat].copy_from_slice(&xl[t * lat..(t + 1) * lat]);
-                }
-                self.expert_batch_into(record, &xb[..n * lat], n, &mut ab[..n * i], &mut ob[..n * lat])?;
-                for (j, &ts) in users.iter().enumerate() {
-                    eo[ts * lat..(ts + 1) * lat].copy_from_slice(&ob[j * lat..(j + 1) * lat]);
-                }
+                Self::gather_rows(users, k, lat, &xl, &mut xb[..n * lat]);
+                let rows = &mut eo[ix.start[u] * lat..(ix.start[u] + n) * lat];
+                self.expert_batch_into(record, &xb[..n * lat], n, &mut ab[..n * i], rows)?;
             }
             done[u] = 1;
             Ok(())
@@ -466,7 +491,7 @@ impl LatentMoe {
         if let Some(g) = run.gpu {
             // Also after a failed drain: the runner is left with nothing in flight.
             let mut deliver = |u: usize, out: &[f32]| {
-                Self::scatter(ix.users(u), lat, out, &mut eo);
+                Self::put_rows(ix.start[u], lat, out, &mut eo);
                 done[u] = 1;
             };
             let finished = g.finish(&mut deliver);
@@ -482,7 +507,7 @@ impl LatentMoe {
         );
         let mut acc = sc.take(t_n * lat); // [T, LAT] each token's weighted, normed expert sum
         let sum_token = |(t, (r, a)): (usize, (&Routing, &mut [f32]))| {
-            self.routed_sum(&r.weights, &eo[t * k * lat..(t * k + r.experts.len()) * lat], a);
+            self.routed_sum(&r.weights, &eo, &ix.row[t * k..t * k + r.experts.len()], a);
         };
         if t_n >= PARALLEL_ROUTING_TOKENS {
             routings.par_iter().zip(acc.par_chunks_mut(lat)).enumerate().for_each(sum_token);
@@ -501,11 +526,11 @@ impl LatentMoe {
                 outs[..t_n * h].chunks_mut(h).zip(shared.chunks(h)).for_each(add);
             }
         }
-        for buf in [logits, shared, xl, eo, a, gu, acc, xb, ab, ob] {
+        for buf in [logits, shared, xl, eo, a, gu, acc, xb, ab] {
             sc.give(buf);
         }
         (sc.xqs, sc.aq) = (xqs, aq);
-        for ids in [union, done, ix.pos, ix.cursor, ix.start, ix.list] {
+        for ids in [union, done, ix.pos, ix.cursor, ix.start, ix.list, ix.row] {
             sc.give_ids(ids);
         }
         Ok(())
@@ -520,5 +545,52 @@ impl LatentMoe {
         select_experts(&logits, &self.bias, self.top_k, self.renormalize, self.scaling, ids, &mut w, sc);
         sc.give(w);
         sc.give(logits);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows gathered and put on the thread pool (above the size where that starts) and below it
+    /// land where a plain loop puts them.
+    #[test]
+    fn rows_go_where_a_loop_puts_them() {
+        let (lat, k, t_n) = (1024usize, 3usize, 700usize);
+        let xl: Vec<f32> = (0..t_n * lat).map(|i| i as f32).collect();
+        for n in [5usize, 1100] {
+            // Users: every token's slot (j % k), some tokens twice, in a scrambled order.
+            let users: Vec<usize> = (0..n).map(|j| ((j * 37) % t_n) * k + j % k).collect();
+            let mut xb = vec![0f32; n * lat];
+            LatentMoe::gather_rows(&users, k, lat, &xl, &mut xb);
+            for (j, &ts) in users.iter().enumerate() {
+                assert_eq!(xb[j * lat..(j + 1) * lat], xl[(ts / k) * lat..(ts / k + 1) * lat], "n {n}: row {j}");
+            }
+            assert_eq!(n * lat >= PARALLEL_COPY_VALUES, n == 1100, "both sides of the threshold");
+            let first = 7;
+            let mut eo = vec![-1f32; (first + n + 3) * lat];
+            LatentMoe::put_rows(first, lat, &xb, &mut eo);
+            assert!(eo[..first * lat].iter().chain(&eo[(first + n) * lat..]).all(|&v| v == -1.0), "n {n}: outside");
+            assert_eq!(eo[first * lat..(first + n) * lat], xb[..], "n {n}: the rows");
+        }
+    }
+
+    /// The index gives each expert its users in token order, then slot order (a pinned routing
+    /// may name an expert twice), and each (token, slot) the row its output takes.
+    #[test]
+    fn users_are_indexed_in_token_order() {
+        let r = |experts: &[usize]| Routing { experts: experts.to_vec(), ..Default::default() };
+        let routings = [r(&[4, 9]), r(&[9, 2]), r(&[4, 4])];
+        let union = [4, 9, 2];
+        let mut ix = UserIndex::default();
+        LatentMoe::index_users(&routings, &union, 2, &mut ix);
+        assert_eq!(ix.users(0), &[0, 4, 5]);
+        assert_eq!(ix.users(1), &[1, 2]);
+        assert_eq!(ix.users(2), &[3]);
+        for u in 0..3 {
+            for (j, &ts) in ix.users(u).iter().enumerate() {
+                assert_eq!(ix.row[ts], ix.start[u] + j);
+            }
+        }
     }
 }
