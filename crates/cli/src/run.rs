@@ -129,7 +129,7 @@ pub fn say_device(session: &Session) {
         let cached = session.gpu_expert_cache().map_or(0, |c| c.0);
         match session.gpu_spine_bytes() {
             Some((_, budget)) => eprintln!(
-                "GPU memory (--gpu-memory): prompt chunks' spine products there, up to {} of matrices; {cached} routed experts cached there",
+                "GPU memory (--gpu-memory): prompt chunks' spine products there, up to {} of matrices kept (the rest sent for each chunk's product); {cached} routed experts cached there",
                 deltafin_engine::units::human(budget as u64)
             ),
             None => eprintln!("spine on the CPU and no expert cached on the GPU (--gpu-memory 0)"),
@@ -500,7 +500,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             "approximate": s.model.run().approx,
             "device": s.device(),
             "adapter": s.adapter(),
-            "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget, "mla_attention_tokens": s.gpu_mla_tokens().unwrap_or(0), "kda_recurrence_tokens": s.gpu_kda_tokens().unwrap_or(0)})),
+            "gpu_spine": s.gpu_spine_bytes().map(|(used, budget)| serde_json::json!({"bytes_on_gpu": used, "budget_bytes": budget, "mla_attention_tokens": s.gpu_mla_tokens().unwrap_or(0), "kda_recurrence_tokens": s.gpu_kda_tokens().unwrap_or(0), "streamed_bytes": s.gpu_streamed_bytes().unwrap_or(0)})),
             "gpu_expert_cache": s.gpu_expert_cache().map(|(capacity, held, hits, misses)| serde_json::json!({"capacity": capacity, "held": held, "hits": hits, "misses": misses})),
             "latent_cache": s.model.latent_cache(),
             "kernel_path": deltafin_engine::kernel_path(),

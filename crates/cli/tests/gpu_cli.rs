@@ -114,6 +114,50 @@ fn the_model_on_the_gpu_matches_the_reference() {
     }
 }
 
+/// With a GPU share smaller than the spine, the matrices past it go over the bus for each
+/// prompt chunk's product: the 40-token prompt still matches mlx-lm, some bytes were sent that
+/// way, and what is kept stays within the share.
+#[test]
+fn a_spine_past_the_gpu_share_is_sent_per_chunk() {
+    let store = convert_small();
+    let s = store.path().to_str().unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("k3-small").join("reference.json")).unwrap()).unwrap();
+    let p = &reference["prompts"][3];
+    let ids: Vec<String> = p["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+    let ids = ids.join(",");
+    let share = 2u64 << 20; // k3-small's f32 spine is 6.1 MiB
+    let share_arg = share.to_string();
+    let o = run(&[
+        "generate",
+        "--model",
+        s,
+        "--prompt-tokens",
+        &ids,
+        "--max-tokens",
+        "12",
+        "--json",
+        "--ignore-eos",
+        "--device",
+        "gpu",
+        "--gpu-adapter",
+        "llvmpipe",
+        "--gpu-memory",
+        &share_arg,
+    ]);
+    if skipped_for_want_of_a_gpu(&o) {
+        return;
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("stays on the CPU") && !err.contains("failed"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], p["greedy"]);
+    let kept = v["gpu_spine"]["bytes_on_gpu"].as_u64().unwrap();
+    let sent = v["gpu_spine"]["streamed_bytes"].as_u64().unwrap();
+    assert!(kept > 0 && kept <= share && sent > 0, "kept {kept} of {share}, sent {sent}");
+}
+
 /// `--device auto` says what it took and why, and the run reports that device: with an adapter
 /// that will not open, the CPU (never an error); with llvmpipe named, that adapter; with
 /// `--approx`, the CPU; unnamed, whatever this machine has (a hardware GPU or the CPU).

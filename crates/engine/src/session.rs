@@ -352,6 +352,12 @@ impl Session {
         self.model.run().gpu_spine.as_ref().map(|g| g.mla_tokens())
     }
 
+    /// With `--device gpu`: bytes of spine matrices past the GPU's share sent for single
+    /// products of prompt chunks so far.
+    pub fn gpu_streamed_bytes(&self) -> Option<u64> {
+        self.model.run().gpu_spine.as_ref().map(|g| g.streamed_bytes())
+    }
+
     /// With `--device gpu`: tokens of prompt chunks whose KDA recurrence ran on the GPU so far,
     /// summed over KDA layers.
     pub fn gpu_kda_tokens(&self) -> Option<u64> {

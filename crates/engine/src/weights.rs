@@ -13,9 +13,21 @@ pub struct Linear {
     pub rows: usize,
     pub cols: usize,
     data: SpineData,
-    /// Its copy on the GPU, made the first time a prompt chunk runs it there (`None` inside:
-    /// the budget had no room, or the GPU refused it; it stays on the CPU).
-    gpu: std::sync::OnceLock<Option<Box<deltafin_gpu::spine::GpuMatrix>>>,
+    /// Where a prompt chunk's product runs on the GPU, settled the first time one does.
+    gpu: std::sync::OnceLock<OnGpu>,
+}
+
+/// A matrix's place for prompt chunks with `--device gpu`.
+#[derive(Default)]
+enum OnGpu {
+    /// Kept in GPU memory (within the spine's share of `--gpu-memory`).
+    Resident(Box<deltafin_gpu::spine::GpuMatrix>),
+    /// Past that share: sent for each product (a chunk's product costs the CPU far more than
+    /// the matrix costs the bus).
+    Streamed,
+    /// The GPU refused it (logged): on the CPU.
+    #[default]
+    Cpu,
 }
 
 impl Linear {
@@ -95,20 +107,25 @@ impl Linear {
         });
     }
 
-    /// [`Self::forward_batch`] on the GPU, the matrix uploaded on first use; false (the caller
-    /// computes on the CPU) when it is not there or the GPU failed, which is logged: the result
-    /// is the same either way, to f32 rounding. Shapes: xs `[T, cols]`, outs `[T, rows]`.
+    /// [`Self::forward_batch`] on the GPU: the matrix uploaded on first use and kept while the
+    /// spine's share of GPU memory has room, else sent for each product; false (the caller
+    /// computes on the CPU) when the GPU refused it or failed, which is logged: the result is
+    /// the same either way, to f32 rounding. Shapes: xs `[T, cols]`, outs `[T, rows]`.
     fn forward_batch_gpu(&self, g: &SpineRunner, xs: &[f32], t_n: usize, outs: &mut [f32]) -> bool {
-        let m = self.gpu.get_or_init(|| {
-            let w = self.dense_rows(0, self.rows);
-            g.upload(w, self.rows, self.cols)
-                .inspect_err(|e| tracing::warn!("{} stays on the CPU: {e}", self.name))
-                .ok()
-                .flatten()
-                .map(Box::new)
+        let place = self.gpu.get_or_init(|| match g.upload(self.dense_rows(0, self.rows), self.rows, self.cols) {
+            Ok(Some(m)) => OnGpu::Resident(Box::new(m)),
+            Ok(None) => OnGpu::Streamed,
+            Err(e) => {
+                tracing::warn!("{} stays on the CPU: {e}", self.name);
+                OnGpu::Cpu
+            }
         });
-        let Some(m) = m else { return false };
-        match g.product(m, xs, t_n, outs) {
+        let r = match place {
+            OnGpu::Resident(m) => g.product(m, xs, t_n, outs),
+            OnGpu::Streamed => g.product_streamed(self.dense_rows(0, self.rows), self.rows, self.cols, xs, t_n, outs),
+            OnGpu::Cpu => return false,
+        };
+        match r {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!("{} on the GPU failed, computed on the CPU instead: {e}", self.name);

@@ -2,9 +2,10 @@
 //! token over the shared latent cache, causally, with an online softmax. Its oracle is the CPU's
 //! `deltafin_kernels::attention::mla_attend_chunk` (`tests/attention.rs`).
 //!
-//! Each call uploads the absorbed queries and the cache rows the chunk sees and reads the latent
-//! outputs back: the cache is the sequence's own (`MlaState`), which the CPU keeps, and a call
-//! covers a few dozen tokens at a time, so the buffers stay small whatever the prompt.
+//! A chunk uploads the cache rows it sees once ([`MlaAttention::chunk`]: the cache is the
+//! sequence's own, `MlaState`, which the CPU keeps); each call then uploads a few dozen tokens'
+//! absorbed queries and reads their latent outputs back, so the buffers stay small whatever the
+//! prompt.
 
 use std::sync::Mutex;
 
@@ -78,7 +79,7 @@ impl MlaAttention {
     /// rows already in the cache): `s_t = q . c_t`, softmax, `o = sum_t p_t c_t[..kvl]`. Waits
     /// for the result. Shapes: q `[heads, t_n, width]` (absorbed and pre-scaled), cache `[>=
     /// first + t_n, width]`, out `[heads, t_n, kvl]` (head-major, as the value absorption
-    /// takes it).
+    /// takes it). One call of [`Self::chunk`]'s.
     #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
@@ -92,59 +93,106 @@ impl MlaAttention {
         kvl: usize,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
+        self.chunk(gpu, cache, first + t_n, width, kvl)?.attend(q, heads, t_n, first, out)
+    }
+
+    /// The first `rows` rows of a sequence's cache uploaded once, for the calls of one prompt
+    /// chunk ([`ChunkAttention::attend`]), which hold this attention's buffers until dropped.
+    pub fn chunk<'a>(
+        &'a self,
+        gpu: &'a Gpu,
+        cache: LatentRows<'_>,
+        rows: usize,
+        width: usize,
+        kvl: usize,
+    ) -> Result<ChunkAttention<'a>, GpuError> {
         let what = "an MLA attention";
-        let len = first + t_n;
-        let (cache_bytes, cache_values): (&[u8], usize) = match cache {
-            LatentRows::F32(c) => (bytemuck::cast_slice(c.get(..len * width).unwrap_or(c)), c.len()),
-            LatentRows::Bf16(c) => (bytemuck::cast_slice(c.get(..len * width).unwrap_or(c)), c.len()),
-        };
         if !Self::supports(width, kvl) {
             return Err(GpuError::Shape { what, why: format!("rows of {width} with a latent of {kvl}") });
         }
-        if heads == 0
-            || t_n == 0
-            || t_n > MAX_GROUPS
-            || q.len() != heads * t_n * width
-            || out.len() != heads * t_n * kvl
-        {
-            return Err(GpuError::Shape {
-                what,
-                why: format!("{heads} heads x {t_n} tokens: q {}, out {}", q.len(), out.len()),
-            });
-        }
-        if cache_values < len * width {
-            return Err(GpuError::Shape { what, why: format!("a cache of {cache_values} values for {len} rows") });
+        let (bytes, values): (&[u8], usize) = match cache {
+            LatentRows::F32(c) => (bytemuck::cast_slice(c.get(..rows * width).unwrap_or(c)), c.len()),
+            LatentRows::Bf16(c) => (bytemuck::cast_slice(c.get(..rows * width).unwrap_or(c)), c.len()),
+        };
+        if rows == 0 || values < rows * width {
+            return Err(GpuError::Shape { what, why: format!("a cache of {values} values for {rows} rows") });
         }
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        let cache_words = cache_bytes.len() / 4;
-        if work.as_ref().is_none_or(|w| w.q.len < q.len() || w.cache.len < cache_words || w.out.len < out.len()) {
-            let grow = |have: Option<usize>, need: usize| have.map_or(need, |h| h.max(need).max(2 * h));
-            let (nq, nc, no) = match work.as_ref() {
-                Some(w) => (
-                    grow(Some(w.q.len), q.len()),
-                    grow(Some(w.cache.len), cache_words),
-                    grow(Some(w.out.len), out.len()),
-                ),
-                None => (q.len(), cache_words, out.len()),
-            };
-            *work = Some(Work {
-                q: gpu.zeros_f32(nq)?,
-                cache: gpu.zeros_f32(nc)?,
-                out: gpu.zeros_f32(no)?,
-                staging: gpu.staging(no),
-            });
+        let w = match work.as_mut() {
+            Some(w) => w,
+            None => work.insert(Work {
+                q: gpu.zeros_f32(1)?,
+                cache: gpu.zeros_f32(1)?,
+                out: gpu.zeros_f32(1)?,
+                staging: gpu.staging(1),
+            }),
+        };
+        let words = bytes.len() / 4;
+        if w.cache.len < words {
+            w.cache = gpu.zeros_f32(words.max(2 * w.cache.len))?;
         }
-        let Some(w) = work.as_ref() else { unreachable!("made above") };
-        gpu.queue.write_buffer(&w.q.buf, 0, bytemuck::cast_slice(q));
-        gpu.queue.write_buffer(&w.cache.buf, 0, cache_bytes);
+        gpu.queue.write_buffer(&w.cache.buf, 0, bytes);
         let pipeline = match cache {
             LatentRows::F32(_) => &self.f32_cache,
             LatentRows::Bf16(_) => &self.bf16_cache,
         };
+        Ok(ChunkAttention { gpu, pipeline, work, rows, width, kvl })
+    }
+}
+
+/// A prompt chunk's attention on the GPU with its sequence's cache rows uploaded
+/// ([`MlaAttention::chunk`]).
+pub struct ChunkAttention<'a> {
+    gpu: &'a Gpu,
+    pipeline: &'a wgpu::ComputePipeline,
+    work: std::sync::MutexGuard<'a, Option<Work>>,
+    rows: usize,
+    width: usize,
+    kvl: usize,
+}
+
+impl ChunkAttention<'_> {
+    /// [`MlaAttention::attend`] for `t_n` tokens from position `first` over the uploaded rows
+    /// (`first + t_n` at most). Shapes: q `[heads, t_n, width]`, out `[heads, t_n, kvl]`.
+    pub fn attend(
+        &mut self,
+        q: &[f32],
+        heads: usize,
+        t_n: usize,
+        first: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let (gpu, width, kvl) = (self.gpu, self.width, self.kvl);
+        if heads == 0
+            || t_n == 0
+            || t_n > MAX_GROUPS
+            || first + t_n > self.rows
+            || q.len() != heads * t_n * width
+            || out.len() != heads * t_n * kvl
+        {
+            return Err(GpuError::Shape {
+                what: "an MLA attention",
+                why: format!(
+                    "{heads} heads x {t_n} tokens from {first} over {} rows: q {}, out {}",
+                    self.rows,
+                    q.len(),
+                    out.len()
+                ),
+            });
+        }
+        let Some(w) = self.work.as_mut() else { unreachable!("made by MlaAttention::chunk") };
+        if w.q.len < q.len() {
+            w.q = gpu.zeros_f32(q.len().max(2 * w.q.len))?;
+        }
+        if w.out.len < out.len() {
+            w.out = gpu.zeros_f32(out.len().max(2 * w.out.len))?;
+            w.staging = gpu.staging(w.out.len);
+        }
+        gpu.queue.write_buffer(&w.q.buf, 0, bytemuck::cast_slice(q));
         let dims = gpu.uniform(&[heads as u32, t_n as u32, first as u32, width as u32, kvl as u32, 0, 0, 0]);
         let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("mla attention"),
-            layout: &pipeline.get_bind_group_layout(0),
+            layout: &self.pipeline.get_bind_group_layout(0),
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: w.q.buf.as_entire_binding() },
                 wgpu::BindGroupEntry { binding: 1, resource: w.cache.buf.as_entire_binding() },
@@ -155,7 +203,7 @@ impl MlaAttention {
         let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("mla") });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            pass.set_pipeline(pipeline);
+            pass.set_pipeline(self.pipeline);
             pass.set_bind_group(0, &bind, &[]);
             pass.dispatch_workgroups(heads.div_ceil(HEADS_PER_GROUP) as u32, t_n as u32, 1);
         }

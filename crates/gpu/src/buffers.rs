@@ -186,65 +186,58 @@ impl Gpu {
         rows: usize,
         cols: usize,
     ) -> Result<GpuInt8, GpuError> {
-        let what = "an int8 matrix";
-        if rows == 0
-            || cols == 0
-            || group == 0
-            || !cols.is_multiple_of(32)
-            || !group.is_multiple_of(16)
-            || !cols.is_multiple_of(group)
-        {
-            return Err(GpuError::Shape {
-                what,
-                why: format!(
-                    "{rows} x {cols} in groups of {group}: cols must be a positive multiple of 32 and group of 16, the group dividing cols"
-                ),
-            });
-        }
-        if q.len() != rows * cols || scales.len() != rows * (cols / group) {
-            return Err(GpuError::Shape {
-                what,
-                why: format!(
-                    "{rows} x {cols} in groups of {group} needs {} values and {} scales, got {} and {}",
-                    rows * cols,
-                    rows * (cols / group),
-                    q.len(),
-                    scales.len()
-                ),
-            });
-        }
-        self.check_size(what, q.len())?;
-        let bytes: Vec<u8> = q.iter().map(|&v| v as u8).collect();
-        let sc: Vec<u8> = scales.iter().flat_map(|f| f.to_le_bytes()).collect();
+        check_int8(q, scales, group, rows, cols)?;
+        self.check_size("an int8 matrix", q.len())?;
         Ok(GpuInt8 {
-            q: self.storage("int8 values", &bytes),
-            scales: self.storage("int8 scales", &sc),
+            q: self.storage("int8 values", bytemuck::cast_slice(q)),
+            scales: self.storage("int8 scales", bytemuck::cast_slice(scales)),
             rows,
             cols,
             group,
         })
     }
 
+    /// An int8 matrix written into `reuse`'s buffers (grown where too small), for a product
+    /// whose matrix is not kept on the GPU. Shapes as [`Self::upload_int8`].
+    pub(crate) fn write_int8(
+        &self,
+        q: &[i8],
+        scales: &[f32],
+        group: usize,
+        rows: usize,
+        cols: usize,
+        reuse: &mut Streamed,
+    ) -> Result<GpuInt8, GpuError> {
+        check_int8(q, scales, group, rows, cols)?;
+        self.check_size("an int8 matrix", q.len())?;
+        let (a, b) = reuse.take(self, q.len(), scales.len() * 4);
+        self.queue.write_buffer(&a, 0, bytemuck::cast_slice(q));
+        self.queue.write_buffer(&b, 0, bytemuck::cast_slice(scales));
+        Ok(GpuInt8 { q: a, scales: b, rows, cols, group })
+    }
+
     /// Upload a dense matrix of bf16 values (raw bits) or f32 values. Shapes: `[rows, cols]`,
     /// `cols` a multiple of 32 (a step of the chunk kernel).
     pub fn upload_dense(&self, w: DenseValues<'_>, rows: usize, cols: usize) -> Result<GpuDense, GpuError> {
-        let what = "a dense matrix";
-        let (len, width) = match w {
-            DenseValues::Bf16(v) => (v.len(), 2),
-            DenseValues::F32(v) => (v.len(), 4),
-        };
-        if rows == 0 || cols == 0 || !cols.is_multiple_of(32) || len != rows * cols {
-            return Err(GpuError::Shape {
-                what,
-                why: format!("{rows} x {cols} (cols a positive multiple of 32) from {len} values"),
-            });
-        }
-        self.check_size(what, len * width)?;
-        let bytes: Vec<u8> = match w {
-            DenseValues::Bf16(v) => v.iter().flat_map(|b| b.to_le_bytes()).collect(),
-            DenseValues::F32(v) => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
-        };
-        Ok(GpuDense { w: self.storage("dense", &bytes), rows, cols, width })
+        let width = check_dense(w, rows, cols)?;
+        self.check_size("a dense matrix", rows * cols * width)?;
+        Ok(GpuDense { w: self.storage("dense", dense_bytes(w)), rows, cols, width })
+    }
+
+    /// A dense matrix written into `reuse`'s buffer (grown where too small), for a product whose
+    /// matrix is not kept on the GPU. Shapes as [`Self::upload_dense`].
+    pub(crate) fn write_dense(
+        &self,
+        w: DenseValues<'_>,
+        rows: usize,
+        cols: usize,
+        reuse: &mut Streamed,
+    ) -> Result<GpuDense, GpuError> {
+        let width = check_dense(w, rows, cols)?;
+        self.check_size("a dense matrix", rows * cols * width)?;
+        let (a, _) = reuse.take(self, rows * cols * width, 4);
+        self.queue.write_buffer(&a, 0, dense_bytes(w));
+        Ok(GpuDense { w: a, rows, cols, width })
     }
 
     /// Read an f32 vector back to the host (waits for everything submitted before).
@@ -301,5 +294,92 @@ impl Gpu {
             contents: &bytes,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         })
+    }
+}
+
+fn check_int8(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: usize) -> Result<(), GpuError> {
+    let what = "an int8 matrix";
+    if rows == 0
+        || cols == 0
+        || group == 0
+        || !cols.is_multiple_of(32)
+        || !group.is_multiple_of(16)
+        || !cols.is_multiple_of(group)
+    {
+        return Err(GpuError::Shape {
+            what,
+            why: format!(
+                "{rows} x {cols} in groups of {group}: cols must be a positive multiple of 32 and group of 16, the group dividing cols"
+            ),
+        });
+    }
+    if q.len() != rows * cols || scales.len() != rows * (cols / group) {
+        return Err(GpuError::Shape {
+            what,
+            why: format!(
+                "{rows} x {cols} in groups of {group} needs {} values and {} scales, got {} and {}",
+                rows * cols,
+                rows * (cols / group),
+                q.len(),
+                scales.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The dense matrix's bytes per value, once its shape is checked.
+fn check_dense(w: DenseValues<'_>, rows: usize, cols: usize) -> Result<usize, GpuError> {
+    let (len, width) = match w {
+        DenseValues::Bf16(v) => (v.len(), 2),
+        DenseValues::F32(v) => (v.len(), 4),
+    };
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(32) || len != rows * cols {
+        return Err(GpuError::Shape {
+            what: "a dense matrix",
+            why: format!("{rows} x {cols} (cols a positive multiple of 32) from {len} values"),
+        });
+    }
+    Ok(width)
+}
+
+/// The values' bytes as the shaders read them (little-endian: every target Deltafin builds for
+/// is, which the assertion below holds it to).
+const _: () = assert!(cfg!(target_endian = "little"), "GPU buffers are written in the host's byte order");
+
+/// The values' bytes as the shaders read them.
+fn dense_bytes(w: DenseValues<'_>) -> &[u8] {
+    match w {
+        DenseValues::Bf16(v) => bytemuck::cast_slice(v),
+        DenseValues::F32(v) => bytemuck::cast_slice(v),
+    }
+}
+
+/// Two storage buffers kept for matrices that pass through the GPU a product at a time (a
+/// spine matrix past the GPU's budget), grown to the largest seen.
+#[derive(Default)]
+pub(crate) struct Streamed {
+    bufs: Option<(wgpu::Buffer, wgpu::Buffer)>,
+}
+
+impl Streamed {
+    /// Buffers of at least `a` and `b` bytes (rounded up to whole words).
+    fn take(&mut self, gpu: &Gpu, a: usize, b: usize) -> (wgpu::Buffer, wgpu::Buffer) {
+        let (a, b) = (a.div_ceil(4).max(1) as u64 * 4, b.div_ceil(4).max(1) as u64 * 4);
+        let fits = self.bufs.as_ref().is_some_and(|(x, y)| x.size() >= a && y.size() >= b);
+        if !fits {
+            let (oa, ob) = self.bufs.as_ref().map_or((0, 0), |(x, y)| (x.size(), y.size()));
+            let make = |size: u64| {
+                gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("streamed matrix"),
+                    size,
+                    usage: STORAGE,
+                    mapped_at_creation: false,
+                })
+            };
+            self.bufs = Some((make(a.max(oa)), make(b.max(ob))));
+        }
+        let Some((x, y)) = &self.bufs else { unreachable!("made above") };
+        (x.clone(), y.clone())
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use deltafin_kernels::format::{Dense, LatentRows};
 
-use crate::attention::MlaAttention;
+use crate::attention::{ChunkAttention, MlaAttention};
 use crate::dense::DenseProduct;
 use crate::int8::Int8Product;
 use crate::kda::KdaRecurrence;
@@ -54,6 +54,10 @@ pub struct SpineRunner {
     busy_ns: AtomicU64,
     /// Tokens whose MLA attention ran here, summed over layers.
     mla_tokens: AtomicU64,
+    /// Buffers for matrices past the budget, which pass through a product at a time.
+    streamed: Mutex<crate::buffers::Streamed>,
+    /// Bytes of such matrices sent so far.
+    streamed_bytes: AtomicU64,
     /// KDA's recurrence, made on first use for the model's head size.
     kda: Mutex<Vec<Arc<KdaRecurrence>>>,
     /// Tokens whose KDA recurrence ran here, summed over layers.
@@ -89,32 +93,27 @@ impl SpineRunner {
             work: Mutex::new(None),
             busy_ns: AtomicU64::new(0),
             mla_tokens: AtomicU64::new(0),
+            streamed: Mutex::new(Default::default()),
+            streamed_bytes: AtomicU64::new(0),
             kda: Mutex::new(Vec::new()),
             kda_tokens: AtomicU64::new(0),
         }
     }
 
-    /// Absorbed-MLA attention of `t_n` tokens of a chunk over their sequence's cache
-    /// ([`MlaAttention::attend`], whose shapes it takes), counted in [`Self::busy_seconds`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_attend(
-        &self,
-        q: &[f32],
-        heads: usize,
-        t_n: usize,
-        first: usize,
+    /// A prompt chunk's absorbed-MLA attention over its sequence's cache, whose first `rows`
+    /// rows go up now ([`MlaAttention::chunk`]); its calls ([`SpineAttention::attend`]) are
+    /// counted in [`Self::busy_seconds`].
+    pub fn mla_chunk<'a>(
+        &'a self,
         cache: LatentRows<'_>,
+        rows: usize,
         width: usize,
         kvl: usize,
-        out: &mut [f32],
-    ) -> Result<(), GpuError> {
+    ) -> Result<SpineAttention<'a>, GpuError> {
         let start = std::time::Instant::now();
-        let r = self.mla.attend(&self.gpu, q, heads, t_n, first, cache, width, kvl, out);
+        let inner = self.mla.chunk(&self.gpu, cache, rows, width, kvl);
         self.count(start);
-        if r.is_ok() {
-            self.mla_tokens.fetch_add(t_n as u64, Ordering::Relaxed);
-        }
-        r
+        Ok(SpineAttention { runner: self, inner: inner? })
     }
 
     /// KDA's recurrence over `t_n` tokens of a chunk for every head of a layer
@@ -222,13 +221,54 @@ impl SpineRunner {
     /// `[n, rows]`.
     pub fn product(&self, m: &GpuMatrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
         let start = std::time::Instant::now();
-        let r = self.product_inner(m, xs, n, out);
+        let r = self.product_inner(&m.m, xs, n, out);
         self.count(start);
         r
     }
 
-    fn product_inner(&self, m: &GpuMatrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
-        let (rows, cols) = match &m.m {
+    /// `out[t] = W xs[t]` for a matrix the budget has no room for: its bytes go to the GPU for
+    /// this product alone (into buffers kept for such matrices), which for a prompt chunk costs
+    /// the bus far less than the product costs the CPU. Shapes: w `[rows, cols]`, xs `[n,
+    /// cols]`, out `[n, rows]`.
+    pub fn product_streamed(
+        &self,
+        w: Dense<'_>,
+        rows: usize,
+        cols: usize,
+        xs: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let r = (|| {
+            let mut streamed = self.streamed.lock().unwrap_or_else(|p| p.into_inner());
+            let (m, bytes) = match w {
+                Dense::F32(v) => {
+                    (Matrix::Dense(self.gpu.write_dense(DenseValues::F32(v), rows, cols, &mut streamed)?), v.len() * 4)
+                }
+                Dense::Bf16(v) => {
+                    (Matrix::Dense(self.gpu.write_dense(DenseValues::Bf16(v), rows, cols, &mut streamed)?), v.len() * 2)
+                }
+                Dense::Int8 { q, scales, group } => (
+                    Matrix::Int8(self.gpu.write_int8(q, scales, group, rows, cols, &mut streamed)?),
+                    q.len() + scales.len() * 4,
+                ),
+            };
+            self.streamed_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            // The streamed buffers stay locked until the product has read them.
+            self.product_inner(&m, xs, n, out)
+        })();
+        self.count(start);
+        r
+    }
+
+    /// Bytes of matrices past the budget sent to the GPU for single products so far.
+    pub fn streamed_bytes(&self) -> u64 {
+        self.streamed_bytes.load(Ordering::Relaxed)
+    }
+
+    fn product_inner(&self, m: &Matrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
+        let (rows, cols) = match m {
             Matrix::Int8(w) => (w.rows, w.cols),
             Matrix::Dense(w) => (w.rows, w.cols),
         };
@@ -251,7 +291,7 @@ impl SpineRunner {
         self.gpu.queue.write_buffer(&w.xs.buf, 0, bytemuck::cast_slice(xs));
         let xv = GpuVec { buf: w.xs.buf.clone(), len: xs.len() };
         let ov = GpuVec { buf: w.out.buf.clone(), len: out.len() };
-        let bound = match &m.m {
+        let bound = match m {
             Matrix::Int8(g) => self.int8.bind(&self.gpu, g, &xv, n, &ov)?,
             Matrix::Dense(g) => self.dense.bind(&self.gpu, g, &xv, n, &ov)?,
         };
@@ -263,5 +303,31 @@ impl SpineRunner {
         self.gpu.queue.submit([enc.finish()]);
         // Copies the outputs behind the product and waits for both.
         self.gpu.read_f32_into(&ov, &w.staging, out)
+    }
+}
+
+/// A prompt chunk's MLA attention on the runner's GPU ([`SpineRunner::mla_chunk`]).
+pub struct SpineAttention<'a> {
+    runner: &'a SpineRunner,
+    inner: ChunkAttention<'a>,
+}
+
+impl SpineAttention<'_> {
+    /// [`ChunkAttention::attend`], whose shapes it takes, timed and its tokens counted.
+    pub fn attend(
+        &mut self,
+        q: &[f32],
+        heads: usize,
+        t_n: usize,
+        first: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let r = self.inner.attend(q, heads, t_n, first, out);
+        self.runner.count(start);
+        if r.is_ok() {
+            self.runner.mla_tokens.fetch_add(t_n as u64, Ordering::Relaxed);
+        }
+        r
     }
 }

@@ -48,6 +48,29 @@ fn chunk_attention_matches_the_cpu_kernel() {
                     }
                 }
             }
+            // The same chunk in two calls over rows uploaded once (as the model runs a long
+            // chunk), and a call past the uploaded rows refused.
+            let half = t_n / 2;
+            let mut two = vec![f32::NAN; heads * t_n * kvl];
+            {
+                let mut ch = mla.chunk(&g, rows, len, width, kvl).unwrap();
+                for (t0, n) in [(0, half), (half, t_n - half)] {
+                    let qs: Vec<f32> = (0..heads)
+                        .flat_map(|h| q[(h * t_n + t0) * width..(h * t_n + t0 + n) * width].to_vec())
+                        .collect();
+                    let mut o = vec![0f32; heads * n * kvl];
+                    ch.attend(&qs, heads, n, first + t0, &mut o).unwrap();
+                    for h in 0..heads {
+                        two[(h * t_n + t0) * kvl..(h * t_n + t0 + n) * kvl]
+                            .copy_from_slice(&o[h * n * kvl..(h + 1) * n * kvl]);
+                    }
+                }
+                let mut o = vec![0f32; heads * kvl];
+                let r = ch.attend(&q[..heads * width], heads, 1, len, &mut o);
+                assert!(matches!(r, Err(GpuError::Shape { .. })), "{r:?}");
+            }
+            let d = two.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(d <= 1e-6, "{name}: two calls over one upload differ from one call by {d}");
             // Token 0 of a chunk from position 0 sees only its own row: its output is that row.
             if first == 0 {
                 for h in 0..heads {

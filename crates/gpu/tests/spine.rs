@@ -78,3 +78,65 @@ fn chunk_products_match_the_scalar_twins_within_the_budget() {
     drop((mi, mh));
     assert_eq!(runner.used(), 0);
 }
+
+/// A matrix past the budget goes over for each product: int8, f32 and bf16 in turn through the
+/// same kept buffers (a smaller one after a larger), each against its scalar twin, its bytes
+/// counted and no budget taken.
+#[test]
+fn streamed_products_match_the_scalar_twins() {
+    let Some(g) = gpu("streamed_products_match_the_scalar_twins") else { return };
+    let (cols, n, group) = (96, 18, 32);
+    let runner = SpineRunner::new(g, 0);
+    let mut sent = 0u64;
+    for rows in [72, 40] {
+        let q: Vec<i8> = bytes(rows * cols, 13).iter().map(|&b| b as i8).collect();
+        let sc: Vec<f32> = bytes(rows * cols / group, 14).iter().map(|&b| (f32::from(b) + 1.0) / 4096.0).collect();
+        let f: Vec<f32> = bytes(rows * cols, 15).iter().map(|&b| (f32::from(b) - 127.5) / 256.0).collect();
+        let h: Vec<u16> = f.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let xs: Vec<f32> = bytes(n * cols, 16).iter().map(|&b| (f32::from(b) - 127.5) / 64.0).collect();
+        let mut got = vec![0f32; n * rows];
+        let (mut want, mut mags) = (vec![0f32; rows], vec![0f32; rows]);
+        runner.product_streamed(Dense::Int8 { q: &q, scales: &sc, group }, rows, cols, &xs, n, &mut got).unwrap();
+        sent += (q.len() + sc.len() * 4) as u64;
+        for t in 0..n {
+            let x = &xs[t * cols..(t + 1) * cols];
+            int8_matvec(&q, &sc, group, rows, cols, x, &mut want);
+            for (r, m) in mags.iter_mut().enumerate() {
+                *m = (0..cols).map(|c| (f32::from(q[r * cols + c]) * sc[(r * cols + c) / group] * x[c]).abs()).sum();
+            }
+            close(&got[t * rows..(t + 1) * rows], &want, &mags, &format!("streamed int8 {rows} rows, token {t}"));
+        }
+        runner.product_streamed(Dense::F32(&f), rows, cols, &xs, n, &mut got).unwrap();
+        sent += (f.len() * 4) as u64;
+        for t in 0..n {
+            let x = &xs[t * cols..(t + 1) * cols];
+            f32_matvec(&f, rows, cols, x, &mut want);
+            for (r, m) in mags.iter_mut().enumerate() {
+                *m = (0..cols).map(|c| (f[r * cols + c] * x[c]).abs()).sum();
+            }
+            close(&got[t * rows..(t + 1) * rows], &want, &mags, &format!("streamed f32 {rows} rows, token {t}"));
+        }
+        runner.product_streamed(Dense::Bf16(&h), rows, cols, &xs, n, &mut got).unwrap();
+        sent += (h.len() * 2) as u64;
+        for t in 0..n {
+            let x = &xs[t * cols..(t + 1) * cols];
+            bf16_matvec(&h, rows, cols, x, &mut want);
+            for (r, m) in mags.iter_mut().enumerate() {
+                *m = (0..cols).map(|c| (f32::from_bits(u32::from(h[r * cols + c]) << 16) * x[c]).abs()).sum();
+            }
+            close(&got[t * rows..(t + 1) * rows], &want, &mags, &format!("streamed bf16 {rows} rows, token {t}"));
+        }
+    }
+    assert_eq!(runner.streamed_bytes(), sent);
+    assert_eq!(runner.used(), 0, "streamed matrices take no budget");
+    let q = vec![0i8; 10 * cols];
+    let r = runner.product_streamed(
+        Dense::Int8 { q: &q, scales: &[1.0; 2], group },
+        10,
+        cols,
+        &[0.0; 96],
+        1,
+        &mut [0.0; 10],
+    );
+    assert!(matches!(r, Err(GpuError::Shape { .. })), "{r:?}");
+}

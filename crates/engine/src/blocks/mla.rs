@@ -11,7 +11,8 @@
 //! attention is matrix work: the key absorption of every head and token at once (a transposed
 //! product against each head's key rows of `kv_b`), one pass over the cache per token for all
 //! its heads (`kernels::attention::mla_attend_chunk`), and the value absorption as a batched
-//! product over each head's value rows; the heads run on the thread pool. The cache holds the
+//! product over each head's value rows; the heads run on the thread pool (with `--device gpu`
+//! a prompt chunk's attention runs on the GPU, `deltafin_gpu::attention`). The cache holds the
 //! latent and rope channels of each position together, in bf16 (the default) or f32.
 
 use anyhow::Result;
@@ -245,8 +246,8 @@ impl Mla {
 
     /// Bytes of the attention's working set for a chunk (absorbed queries `[heads, width]`, latent
     /// outputs `[heads, kv_lora]` x 2, value-absorbed outputs `[heads, v]` and the attention
-    /// kernel's scratch, for [`ATTENTION_TOKENS`] tokens), held besides the chunk's per-token
-    /// buffers.
+    /// kernel's scratch, for [`ATTENTION_TOKENS`] tokens, or [`GPU_ATTENTION_TOKENS`] where the
+    /// GPU attends, whichever is larger), held besides the chunk's per-token buffers.
     pub fn working_bytes(heads: usize, kv_lora: usize, rope: usize, v_dim: usize) -> usize {
         let width = kv_lora + rope;
         // The larger of the CPU's and the GPU's groups of tokens (the GPU's falls back to the
@@ -265,7 +266,8 @@ impl Mla {
     /// per share of tokens), every token's latent row appended to the cache, then the
     /// attention of up to [`ATTENTION_TOKENS`] tokens at a time (key absorption, one pass over
     /// the cache per token for all heads, value absorption; heads and tokens on the thread
-    /// pool), then the output projection of the chunk. Per token the arithmetic does not depend
+    /// pool; the attention on the GPU, [`GPU_ATTENTION_TOKENS`] at a time, when the chunk's
+    /// spine products go there), then the output projection of the chunk. Per token the arithmetic does not depend
     /// on the chunk or the thread count. Shapes: xs, outs `[T, hidden]` (xs already normed).
     pub fn forward_chunk(&self, st: &mut MlaState, xs: &[f32], t_n: usize, outs: &mut [f32], sc: &mut Scratch) {
         let (nh, nope, rope, vd, kvl) = (self.heads, self.nope, self.rope, self.v_dim, self.kv_lora);
@@ -296,9 +298,15 @@ impl Mla {
             st.push(c);
         }
 
-        // A prompt chunk whose spine products go to the GPU sends its attention there too.
-        let mut gpu = crate::spine_gpu::current()
+        // A prompt chunk whose spine products go to the GPU sends its attention there too, the
+        // cache's rows uploaded once for the chunk.
+        let runner = crate::spine_gpu::current()
             .filter(|_| t_n >= SpineRunner::MIN_TOKENS && MlaAttention::supports(width, kvl));
+        let mut gpu = runner.as_deref().and_then(|g| {
+            g.mla_chunk(st.rows(), first + t_n, width, kvl)
+                .inspect_err(|e| tracing::warn!("MLA attention on the GPU failed, computed on the CPU instead: {e}"))
+                .ok()
+        });
         let sub = t_n.min(if gpu.is_some() { GPU_ATTENTION_TOKENS } else { ATTENTION_TOKENS });
         let mut attn = sc.take(t_n * nh * vd); // [T, heads, v]
         let mut q_cat = sc.take(nh * sub * width); // [heads, S, kv_lora + rope] absorbed queries
@@ -329,9 +337,8 @@ impl Mla {
             }
             // Each head's latent outputs side by side, from the GPU, or from the CPU's kernel
             // (token-major) rearranged (a single token's already are).
-            let on_gpu = gpu.as_ref().is_some_and(|g| {
-                let oh = &mut o_head[..nh * sn * kvl];
-                g.mla_attend(q_cat, nh, sn, first + s0, st.rows(), width, kvl, oh)
+            let on_gpu = gpu.as_mut().is_some_and(|g| {
+                g.attend(q_cat, nh, sn, first + s0, &mut o_head[..nh * sn * kvl])
                     .inspect_err(|e| {
                         tracing::warn!("MLA attention on the GPU failed, computed on the CPU instead: {e}")
                     })
