@@ -40,6 +40,10 @@ pub const ATTENTION_TOKENS: usize = 32;
 /// workgroups on K3) and its round trip is shared by more work.
 pub const GPU_ATTENTION_TOKENS: usize = 64;
 
+/// A chunk of at least this many tokens does its element-wise work (the query's scale, the
+/// output gate, the heads' outputs put in token order) on the thread pool.
+const PARALLEL_ROWS_TOKENS: usize = 64;
+
 /// How the latent cache stores its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -289,7 +293,13 @@ impl Mla {
         }
         // The softmax scale goes into the query (nope and rope parts) before the absorption.
         let scale = (qd as f32).powf(-0.5);
-        q.iter_mut().for_each(|v| *v *= scale);
+        // (A long chunk's element-wise work on the thread pool, in rows of a token.)
+        let wide = t_n >= PARALLEL_ROWS_TOKENS;
+        if wide {
+            q.par_chunks_mut(nh * qd).for_each(|row| row.iter_mut().for_each(|v| *v *= scale));
+        } else {
+            q.iter_mut().for_each(|v| *v *= scale);
+        }
         let mut ckv = sc.take(t_n * width); // [T, kv_lora + rope]
         self.kv_a.forward_batch(xs, t_n, &mut ckv);
         let first = st.len; // positions cached before this chunk
@@ -375,18 +385,26 @@ impl Mla {
             } else {
                 o_v.chunks_mut(sn * vd).enumerate().for_each(|(h, ov)| absorb_values(h, ov));
             }
-            for i in 0..sn {
-                for h in 0..nh {
-                    let dst = ((s0 + i) * nh + h) * vd;
-                    attn[dst..dst + vd].copy_from_slice(&o_v[(h * sn + i) * vd..(h * sn + i + 1) * vd]);
+            let put = |(i, row): (usize, &mut [f32])| {
+                for (h, dst) in row.chunks_mut(vd).enumerate() {
+                    dst.copy_from_slice(&o_v[(h * sn + i) * vd..(h * sn + i + 1) * vd]);
                 }
+            };
+            let rows = &mut attn[s0 * nh * vd..(s0 + sn) * nh * vd];
+            if wide {
+                rows.par_chunks_mut(nh * vd).enumerate().for_each(put);
+            } else {
+                rows.chunks_mut(nh * vd).enumerate().for_each(put);
             }
         }
         if let Some(g) = &self.gate {
             let mut gv = sc.take(t_n * nh * vd); // [T, heads * v]
             g.forward_batch(xs, t_n, &mut gv);
-            for (a, &gg) in attn.iter_mut().zip(&gv) {
-                *a *= sigmoid(gg);
+            let gate = |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a *= sigmoid(g));
+            if wide {
+                attn.par_chunks_mut(nh * vd).zip(gv.par_chunks(nh * vd)).for_each(gate);
+            } else {
+                attn.chunks_mut(nh * vd).zip(gv.chunks(nh * vd)).for_each(gate);
             }
             sc.give(gv);
         }
