@@ -62,6 +62,14 @@ pub struct PlanArgs {
     /// budget and drive rate, the seconds per step, per generated token and the aggregate rate.
     #[arg(long, value_delimiter = ',')]
     pub streams: Vec<usize>,
+    /// GPU memory (e.g. 24G): what it holds of the spine and the routed experts, and what
+    /// crosses the bus per prompt chunk and per decode token, beside each budget's plan.
+    #[arg(long, value_parser = deltafin_engine::plan::parse_size, value_name = "BYTES")]
+    pub gpu_memory: Option<u64>,
+    /// With --gpu-memory: the GPU shares the host's memory (Apple's unified memory, an
+    /// integrated GPU), so its share comes out of each budget.
+    #[arg(long, requires = "gpu_memory")]
+    pub unified_memory: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -145,7 +153,14 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             prefill_chunk: a.prefill_chunk,
             latent_cache,
         };
-        let plan = make_plan(&m, &Budget::given(b), &req)?;
+        let budget = match a.gpu_memory {
+            Some(g) if a.unified_memory => deltafin_engine::gpu_plan::host_budget(Budget::given(b), g)?,
+            _ => Budget::given(b),
+        };
+        let plan = make_plan(&m, &budget, &req)?;
+        let gpu = a
+            .gpu_memory
+            .map(|g| deltafin_engine::gpu_plan::GpuSplit::new(g, plan.spine_bytes + plan.spine_bytes_per_token, &plan));
         let per_token = plan.spine_bytes_per_token + plan.expected_expert_bytes_per_token;
         let longest = longest_context(&m, &Budget::given(b), &req);
         let state_per_1k = state_bytes(&m, 1000, latent_cache.bytes()) - state_bytes(&m, 0, latent_cache.bytes());
@@ -153,6 +168,9 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             rates.iter().map(|&g| crate::plan_speed::estimate(&m, &plan, g, a.prompt_length, gflops)).collect();
         if !a.json {
             println!("{}", plan.describe());
+            if let Some(g) = &gpu {
+                println!("  {}", g.describe());
+            }
             println!(
                 "  read per token (cold, uniform routing): {} = streamed spine {} + experts {}",
                 human(per_token),
@@ -197,7 +215,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             }
             println!();
         }
-        out.push(json!({ "plan": plan, "read_bytes_per_token": per_token, "longest_context": longest,
+        out.push(json!({ "plan": plan, "gpu": gpu, "read_bytes_per_token": per_token, "longest_context": longest,
                          "state_bytes_per_1000_tokens": state_per_1k, "estimates": estimates.iter().map(|e| e.to_json()).collect::<Vec<_>>(),
                          "streams": streams }));
     }

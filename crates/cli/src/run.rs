@@ -126,26 +126,13 @@ pub fn say_device(session: &Session) {
     }
     if let Some(a) = session.adapter() {
         eprintln!("routed experts on the GPU: {a}");
-        let cached = session.gpu_expert_cache().map_or(0, |c| c.0);
         match session.gpu_spine_bytes() {
-            Some((_, budget)) => eprintln!(
-                "GPU memory (--gpu-memory): prompt chunks' spine products there, up to {} of matrices kept (the rest sent for each chunk's product); {cached} routed experts cached there",
-                deltafin_engine::units::human(budget as u64)
-            ),
+            Some(_) => eprintln!("prompt chunks' spine products, MLA attention and KDA recurrence on the GPU too"),
             None => eprintln!("spine on the CPU and no expert cached on the GPU (--gpu-memory 0)"),
         }
-        // What a decode step sends over the bus: the chosen experts the GPU does not hold, at
-        // uniform routing (the share of each layer's experts the cache holds), besides each
-        // expert's activations (a few KB).
-        let p = &session.plan;
-        let all = (p.moe_layers * p.experts_per_layer).max(1);
-        let missed = 1.0 - (cached as f64 / all as f64).min(1.0);
-        let per_token = (p.experts_per_token * p.moe_layers) as f64 * p.record_bytes as f64 * missed;
-        eprintln!(
-            "over the bus per decode token at uniform routing: {} of experts ({:.0}% of the chosen ones not held on the GPU)",
-            deltafin_engine::units::human(per_token as u64),
-            100.0 * missed
-        );
+        if let Some(split) = session.gpu_split() {
+            eprintln!("{} (--gpu-memory)", split.describe());
+        }
     }
 }
 

@@ -235,6 +235,50 @@ fn plan_for_kimi_k3_on_paper() {
     assert!(err.contains("below the minimum"), "{err}");
 }
 
+/// `plan --gpu-memory` says what a GPU holds and what crosses the bus: with room for the spine
+/// and some experts, the spine is kept whole, the rest of the share caches experts (whole
+/// records), and the bus carries the chosen experts the cache does not hold; with less room
+/// than the spine, the rest of the spine goes per chunk and no expert is cached; with
+/// `--unified-memory` the share comes out of the budget.
+#[test]
+fn plan_with_a_gpu_says_what_sits_where() {
+    let gpu = |budget: &str, share: &str, unified: bool| {
+        let mut args = vec!["plan", "--preset", "kimi-k3", "--memory-budget", budget, "--gpu-memory", share, "--json"];
+        if unified {
+            args.push("--unified-memory");
+        }
+        let v: serde_json::Value = serde_json::from_str(&ok(&args)).expect("one JSON object");
+        v["plans"][0].clone()
+    };
+    let p = gpu("128G", "80G", false);
+    let (plan, g) = (&p["plan"], &p["gpu"]);
+    let spine = plan["spine_bytes"].as_u64().unwrap() + plan["spine_bytes_per_token"].as_u64().unwrap();
+    let record = plan["record_bytes"].as_u64().unwrap();
+    let (layers, k) = (plan["moe_layers"].as_u64().unwrap(), plan["experts_per_token"].as_u64().unwrap());
+    let all = layers * plan["experts_per_layer"].as_u64().unwrap();
+    assert_eq!(g["spine_kept"].as_u64().unwrap(), spine, "{g}");
+    assert_eq!(g["spine_sent_per_chunk"], 0);
+    let cached = g["experts_cached"].as_u64().unwrap();
+    assert_eq!(cached, ((80u64 << 30) - spine) / record, "{g}");
+    let bus = g["bus_bytes_per_token"].as_u64().unwrap() as f64;
+    let want = (k * layers * record) as f64 * (1.0 - cached as f64 / all as f64);
+    assert!((bus - want).abs() <= 1.0, "bus {bus} vs {want}");
+    let p = gpu("128G", "24G", false);
+    assert_eq!(p["gpu"]["spine_kept"].as_u64().unwrap(), 24 << 30);
+    assert_eq!(p["gpu"]["spine_sent_per_chunk"].as_u64().unwrap(), spine - (24 << 30));
+    assert_eq!(p["gpu"]["experts_cached"], 0);
+    let p = gpu("64G", "16G", true);
+    assert_eq!(p["plan"]["budget_bytes"].as_u64().unwrap(), 48 << 30, "the GPU's share comes out of the budget");
+    let err =
+        fails(&["plan", "--preset", "kimi-k3", "--memory-budget", "16G", "--gpu-memory", "16G", "--unified-memory"]);
+    assert!(err.contains("is all of the memory budget"), "{err}");
+    let text = ok(&["plan", "--preset", "kimi-k3", "--memory-budget", "128G", "--gpu-memory", "24G"]);
+    assert!(
+        text.contains("GPU memory 24.00 GiB: spine matrices 24.00 GiB kept (prompt chunks send the other"),
+        "{text}"
+    );
+}
+
 /// `plan` answers "how fast, and how much disk": at a given drive rate the decode estimate is
 /// the bytes read per token over that rate, a faster drive gives a shorter time to first token,
 /// and a full install is the spine plus every expert record.

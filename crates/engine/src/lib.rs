@@ -17,6 +17,7 @@ pub mod blocks;
 pub mod experts;
 pub mod fault;
 pub mod generate;
+pub mod gpu_plan;
 pub mod k3;
 pub mod os;
 pub mod plan;

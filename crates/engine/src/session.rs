@@ -17,10 +17,8 @@ use crate::stream::cache::Policy;
 use crate::stream::reader::BackendKind;
 use crate::stream::streaming::{LayerStats, StreamOptions, StreamingExperts};
 
-/// GPU memory for spine matrices and cached routed experts unless `--gpu-memory` says otherwise:
-/// what a GPU with 12 GB or more has room for beside the experts' slots and a chunk's buffers
-/// (wgpu does not say how much memory an adapter has).
-pub const DEFAULT_GPU_MEMORY: u64 = 8 << 30;
+pub use crate::gpu_plan::DEFAULT_GPU_MEMORY;
+use crate::gpu_plan::{GpuSplit, gpu_memory_for, host_budget};
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -110,6 +108,8 @@ pub struct Session {
     device_choice: Option<String>,
     /// What the GPU's memory takes from the host's budget, where they share it.
     gpu_note: Option<String>,
+    /// With a GPU: what its memory holds and what crosses the bus.
+    gpu_split: Option<GpuSplit>,
 }
 
 /// How a run read its experts, for reports.
@@ -190,7 +190,7 @@ impl Session {
         if let (Some(g), Some(share)) = (&gpu, gpu_memory)
             && g.shares_host_memory()
         {
-            budget = budget_less_gpu(budget, share)?;
+            budget = host_budget(budget, share)?;
             gpu_note = Some(format!(
                 "the GPU shares the host's memory ({}): its {} (--gpu-memory) come out of the memory budget, which leaves the host {}",
                 g.adapter().device_type,
@@ -199,8 +199,11 @@ impl Session {
             ));
         }
         let plan = make_plan(&store.manifest, &budget, &req)?;
-        let (gpu_experts, gpu_spine) = match (gpu, gpu_memory) {
-            (Some(g), Some(total)) => Self::gpu_runners(store, g, total, &plan)?,
+        // The whole spine's matrices, resident on the host or streamed: a prompt chunk uses all.
+        let gpu_split =
+            gpu_memory.map(|total| GpuSplit::new(total, plan.spine_bytes + plan.spine_bytes_per_token, &plan));
+        let (gpu_experts, gpu_spine) = match (gpu, &gpu_split) {
+            (Some(g), Some(split)) => Self::gpu_runners(store, g, split)?,
             _ => (None, None),
         };
         let model = K3Model::load(
@@ -241,7 +244,7 @@ impl Session {
             move |b| Watched::wrap(b, watch.clone(), &expert_paths),
         )?;
         experts.set_fetcher(opts.fetcher.clone());
-        Ok(Session { model, experts, plan, default_top_k, activity, device_choice, gpu_note })
+        Ok(Session { model, experts, plan, default_top_k, activity, device_choice, gpu_note, gpu_split })
     }
 
     /// The adapter of `--device gpu` (one that will not open is an error) or `--device auto`
@@ -275,17 +278,13 @@ impl Session {
     fn gpu_runners(
         store: &Store,
         gpu: deltafin_gpu::Gpu,
-        total: u64,
-        plan: &Plan,
+        split: &GpuSplit,
     ) -> Result<(Option<Arc<deltafin_gpu::expert::ExpertRunner>>, Option<Arc<deltafin_gpu::spine::SpineRunner>>)> {
         let c = &store.manifest.config;
         let situ = deltafin_gpu::expert::Situ { beta: c.situ_beta(), linear_beta: c.activation_situ_linear_beta };
-        let spine_bytes = total.min(plan.spine_bytes);
-        // No more slots than the model has routed experts.
-        let all = plan.moe_layers * plan.experts_per_layer;
-        let cached_experts = (((total - spine_bytes) / plan.record_bytes.max(1)) as usize).min(all);
-        let spine = (spine_bytes > 0)
-            .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), spine_bytes as usize)));
+        let spine = (split.spine_kept > 0)
+            .then(|| Arc::new(deltafin_gpu::spine::SpineRunner::new(gpu.clone(), split.spine_kept as usize)));
+        let cached_experts = split.experts_cached;
         let experts =
             deltafin_gpu::expert::ExpertRunner::new(gpu, c.moe_intermediate_size, c.expert_input_dim(), situ)?
                 .with_cache(cached_experts);
@@ -296,6 +295,11 @@ impl Session {
     /// start).
     pub fn gpu_note(&self) -> Option<&str> {
         self.gpu_note.as_deref()
+    }
+
+    /// With a GPU: what its memory holds and what crosses the bus (said at start).
+    pub fn gpu_split(&self) -> Option<&GpuSplit> {
+        self.gpu_split.as_ref().filter(|_| self.model.run().gpu_experts.is_some())
     }
 
     /// With `--device auto`: what it chose and why (said at start).
@@ -418,32 +422,6 @@ impl Session {
 }
 
 /// The budget and what the plan is asked to fit, from the command line's options.
-/// Bytes of GPU memory for a run: `--gpu-memory`, else [`DEFAULT_GPU_MEMORY`], or a quarter
-/// of the host's budget where the GPU shares the host's memory (whichever is smaller).
-fn gpu_memory_for(given: Option<u64>, budget: u64, shared: bool) -> u64 {
-    match given {
-        Some(b) => b,
-        None if shared => DEFAULT_GPU_MEMORY.min(budget / 4),
-        None => DEFAULT_GPU_MEMORY,
-    }
-}
-
-/// The host's budget less what the GPU holds in the same memory; an error when nothing would be
-/// left.
-fn budget_less_gpu(budget: Budget, gpu: u64) -> Result<Budget> {
-    anyhow::ensure!(
-        gpu < budget.bytes,
-        "--gpu-memory {} is all of the memory budget {} ({}): this GPU shares the host's memory, so what it holds comes out of that budget; give it less",
-        crate::units::human(gpu),
-        crate::units::human(budget.bytes),
-        budget.source
-    );
-    Ok(Budget {
-        bytes: budget.bytes - gpu,
-        source: format!("{}, less the GPU's {} in the same memory", budget.source, crate::units::human(gpu)),
-    })
-}
-
 fn plan_request(store: &Store, opts: &RunOptions) -> (Budget, PlanRequest) {
     let k = opts.experts_per_token.unwrap_or(store.manifest.config.num_experts_per_token);
     // Demand reads for one layer, plus as many for the next layer's prefetch.
