@@ -118,8 +118,8 @@ fn a_chunk_attends_on_the_gpu_within_the_plan() {
     gpu_model.forward_chunk(&mut one, &mut StoreExperts::new(&store), &[7], &mut logits).unwrap();
     let base = held(&one);
     assert_eq!(spine.mla_tokens() + spine.kda_tokens(), 0, "one token attends on the CPU");
-    // 150 tokens: two full calls of 64 and one of 22.
-    let t_n = 150;
+    // 1,100 tokens: MLA's calls of 64 (the last of 12), KDA's blocks of 1,024 (the second of 76).
+    let t_n = 1100;
     let tokens: Vec<u32> = (0..t_n as u32).map(|i| (i * 37 + 11) % vocab).collect();
     let mut st = gpu_model.new_state();
     gpu_model.forward_chunk(&mut st, &mut StoreExperts::new(&store), &tokens, &mut logits).unwrap();

@@ -353,19 +353,40 @@ impl Kda {
                 *beta = sigmoid(*beta);
             }
         });
-        let on_gpu = gpu
-            .kda_recur(&mut st.s, q, k, a, v, b, nh, t_n, ys)
-            .inspect_err(|e| tracing::warn!("KDA's recurrence on the GPU failed, computed on the CPU instead: {e}"))
-            .is_ok();
-        if !on_gpu {
-            let mut per_head: Vec<Vec<&mut [f32]>> = (0..nh).map(|_| Vec::with_capacity(t_n)).collect();
-            for (i, seg) in ys.chunks_mut(d).enumerate() {
+        // In blocks of tokens (the GPU's buffers bounded whatever the chunk), the state carried
+        // from one to the next; from the first block the GPU fails, the CPU takes the rest.
+        let mut done = 0;
+        while done < t_n {
+            let n = (t_n - done).min(GPU_RECURRENCE_TOKENS);
+            let (span, heads) = (done * p..(done + n) * p, done * nh..(done + n) * nh);
+            let r = gpu.kda_recur(
+                &mut st.s,
+                &q[span.clone()],
+                &k[span.clone()],
+                &a[span.clone()],
+                &v[span.clone()],
+                &b[heads],
+                nh,
+                n,
+                &mut ys[span],
+            );
+            if let Err(e) = r {
+                tracing::warn!("KDA's recurrence on the GPU failed, computed on the CPU instead: {e}");
+                break;
+            }
+            done += n;
+        }
+        if done < t_n {
+            let rest = t_n - done;
+            let mut per_head: Vec<Vec<&mut [f32]>> = (0..nh).map(|_| Vec::with_capacity(rest)).collect();
+            for (i, seg) in ys[done * p..].chunks_mut(d).enumerate() {
                 per_head[i % nh].push(seg);
             }
             let (q, k, a, b) = (&*q, &*k, &*a, &*b);
             per_head.into_par_iter().zip(st.s.par_chunks_mut(d * d)).enumerate().for_each(|(h, (outs, s))| {
                 let mut delta = vec![0f32; d]; // [D]
-                for (t, y) in outs.into_iter().enumerate() {
+                for (j, y) in outs.into_iter().enumerate() {
+                    let t = done + j;
                     let o = t * p + h * d..t * p + (h + 1) * d;
                     kda_head_step(s, &q[o.clone()], &k[o.clone()], &v[o.clone()], &a[o], b[t * nh + h], &mut delta, y);
                 }
@@ -415,6 +436,10 @@ impl Kda {
         });
     }
 }
+
+/// Tokens per call of KDA's recurrence on the GPU: its inputs `[4, T, P]` are 200 MB a call on
+/// K3, within what any adapter binds at once.
+const GPU_RECURRENCE_TOKENS: usize = 1024;
 
 /// The most inputs before the newest that the short conv of a chunk takes (K3: 3).
 const MAX_CONV_LAG: usize = 8;
