@@ -4,10 +4,10 @@
 //! (`tests/kda.rs`).
 //!
 //! One workgroup per head, one invocation per row of the state: a row's update needs only its
-//! own values and the token's k, g and q (the same for every row, read by all invocations at
-//! once), so the tokens go by with no barrier. The row stays in registers for the whole chunk
-//! as named vec4s, which the shader spells out for the model's head size (generated here: an
-//! array indexed by a variable would go to local memory).
+//! own values and the token's k, g and q (the same for every row), which the workgroup stages
+//! in its memory 16 tokens at a time, so the tokens go by with a barrier per 16. The row stays
+//! in registers for the whole chunk as named vec4s, which the shader spells out for the model's
+//! head size (generated here: an array indexed by a variable would go to local memory).
 
 use std::sync::Mutex;
 
@@ -37,7 +37,14 @@ struct Work {
     staging: wgpu::Buffer,
 }
 
-/// The shader for head size `d`: row `r` of head `h`'s state in `s0 .. s{d/4-1}`.
+/// Tokens whose q, k and decays a workgroup stages in its memory at once (`[TB, 3, D]`: 24 KiB
+/// at K3's head of 128), loaded by all its invocations together.
+const TB: usize = 16;
+
+/// The shader for head size `d`: row `r` of head `h`'s state in `s0 .. s{d/4-1}`; each block
+/// of [`TB`] tokens' q, k and decays staged in workgroup memory (every invocation reads all of
+/// them: from there, not from global memory, at each token); the row's two dot products summed
+/// in four chains (`j % 4`) so that they do not wait on one add after another.
 fn shader(d: usize) -> String {
     let d4 = d / 4;
     let mut load = String::new();
@@ -45,9 +52,12 @@ fn shader(d: usize) -> String {
     let mut update = String::new();
     let mut store = String::new();
     for j in 0..d4 {
+        let c = j % 4;
         load.push_str(&format!("    var s{j} = state[sb + {j}u];\n"));
-        decay.push_str(&format!("        s{j} *= xs[gb + {j}u];\n        mem += dot(s{j}, xs[kb + {j}u]);\n"));
-        update.push_str(&format!("        s{j} += xs[kb + {j}u] * delta;\n        acc += dot(s{j}, xs[qb + {j}u]);\n"));
+        decay.push_str(&format!("            s{j} *= sh[gb + {j}u];\n            m{c} += dot(s{j}, sh[kb + {j}u]);\n"));
+        update.push_str(&format!(
+            "            s{j} += sh[kb + {j}u] * delta;\n            a{c} += dot(s{j}, sh[qb + {j}u]);\n"
+        ));
         store.push_str(&format!("    state[sb + {j}u] = s{j};\n"));
     }
     format!(
@@ -58,25 +68,49 @@ fn shader(d: usize) -> String {
 @group(0) @binding(3) var<storage, read_write> y: array<f32>; // [T, P]
 @group(0) @binding(4) var<uniform> dims: Dims;
 
+var<workgroup> sh: array<vec4<f32>, {staged}>; // [TB, 3, D / 4]: each token's q, k, decays
+
 @compute @workgroup_size({d})
 fn recur(@builtin(local_invocation_index) r: u32, @builtin(workgroup_id) wg: vec3<u32>) {{
     let h = wg.x;
     let p4 = dims.p / 4u;
     let plane = dims.t * p4; // vec4s of one of q, k, g, v
     let sb = (h * {d}u + r) * {d4}u;
-{load}    for (var t = 0u; t < dims.t; t++) {{
-        let qb = t * p4 + h * {d4}u;
-        let kb = plane + qb;
-        let gb = 2u * plane + qb;
-        let vq = xs[3u * plane + qb + r / 4u];
-        let v = vq[r % 4u];
-        var mem = 0.0;
-{decay}        let delta = (v - mem) * beta[t * dims.heads + h];
-        var acc = 0.0;
-{update}        y[t * dims.p + h * {d}u + r] = acc;
+{load}    for (var t0 = 0u; t0 < dims.t; t0 += {tb}u) {{
+        let nt = min({tb}u, dims.t - t0);
+        for (var i = r; i < nt * {three_d4}u; i += {d}u) {{
+            let tt = i / {three_d4}u;
+            let which = (i % {three_d4}u) / {d4}u; // 0 q, 1 k, 2 decays: their planes in xs
+            let j = i % {d4}u;
+            sh[i] = xs[which * plane + (t0 + tt) * p4 + h * {d4}u + j];
+        }}
+        workgroupBarrier();
+        for (var tt = 0u; tt < nt; tt++) {{
+            let t = t0 + tt;
+            let qb = tt * {three_d4}u;
+            let kb = qb + {d4}u;
+            let gb = qb + {two_d4}u;
+            let vq = xs[3u * plane + t * p4 + h * {d4}u + r / 4u];
+            let v = vq[r % 4u];
+            var m0 = 0.0;
+            var m1 = 0.0;
+            var m2 = 0.0;
+            var m3 = 0.0;
+{decay}            let delta = (v - ((m0 + m1) + (m2 + m3))) * beta[t * dims.heads + h];
+            var a0 = 0.0;
+            var a1 = 0.0;
+            var a2 = 0.0;
+            var a3 = 0.0;
+{update}            y[t * dims.p + h * {d}u + r] = (a0 + a1) + (a2 + a3);
+        }}
+        workgroupBarrier();
     }}
 {store}}}
-"
+",
+        staged = TB * 3 * d4,
+        tb = TB,
+        three_d4 = 3 * d4,
+        two_d4 = 2 * d4,
     )
 }
 
