@@ -13,6 +13,7 @@
 #   TESTS=0  skip crates/gpu's tests     PROMPT_LEN=0  no prompt runs
 #   GPU_MEMORY  --gpu-memory for the GPU runs (e.g. 16G: k3-real4's spine and all its experts)
 #   BASE_MODEL=1  the model runs with deltafin-base too (A/B on one machine)
+#   DEVICES  the MODEL runs' devices (default "cpu gpu")
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$1"; fi; }
@@ -45,7 +46,7 @@ mbins=(deltafin); [ "${BASE_MODEL:-0}" = 1 ] && mbins=("${bins[@]}")
 if [ "${MODEL:-0}" = 1 ]; then
   log synth k3-real4
   /tmp/bin/deltafin synth --preset kimi-k3 --layers 4 --experts 64 --spine real --out /tmp/k3-real4 >> "$OUT/bench.log" 2>&1
-  for dev in cpu gpu; do for b in "${mbins[@]}"; do
+  for dev in ${DEVICES:-cpu gpu}; do for b in "${mbins[@]}"; do
     [ $dev = cpu ] && [ $b = deltafin-base ] && continue
     gm=(); [ $dev = gpu ] && [ -n "${GPU_MEMORY:-}" ] && gm=(--gpu-memory "$GPU_MEMORY")
     log "$b k3-real4 decode, experts on $dev ${gm[*]}"

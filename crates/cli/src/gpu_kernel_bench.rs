@@ -8,7 +8,7 @@ use deltafin_gpu::dense::DenseProduct;
 use deltafin_gpu::expert::{ExpertProgram, GpuExpert, Situ};
 use deltafin_gpu::int8::Int8Product;
 use deltafin_gpu::mxfp4::Mxfp4Product;
-use deltafin_gpu::roofline::{fma_peak_gflops, read_bandwidth_gbps, time_rounds};
+use deltafin_gpu::roofline::{bus_gbps, fma_peak_gflops, read_bandwidth_gbps, time_rounds};
 use deltafin_gpu::{BoundProduct, DenseValues, Gpu, GpuOptions, GpuVec};
 use deltafin_kernels::format::{BLOCK, mxfp4_decode_row};
 use deltafin_kernels::testdata::{bytes, scales};
@@ -184,6 +184,13 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
     let mem = read_bandwidth_gbps(&gpu, read_bytes, secs)?;
     let fma = fma_peak_gflops(&gpu, if software { 32 } else { 4096 }, secs)?;
     eprintln!("roofs: read {mem:.1} GB/s, FMA {fma:.0} GFLOP/s");
+    // The bus at a prompt chunk's size (4,096 tokens of K3's 12,288-wide projections: 201 MB).
+    let bus_bytes = if software { 16 << 20 } else { 4096 * 12288 * 4 };
+    let (up, down) = bus_gbps(&gpu, bus_bytes)?;
+    eprintln!(
+        "bus ({} each way, the engine's paths): up {up:.1} GB/s, back {down:.1} GB/s",
+        deltafin_engine::units::human(bus_bytes as u64)
+    );
     let mxfp4 = Mxfp4Product::new(&gpu);
     let int8 = Int8Product::new(&gpu);
     let dense = DenseProduct::new(&gpu);
@@ -255,6 +262,7 @@ pub fn gpu_kernel_bench(json_out: bool, secs: f64, adapter: Option<String>) -> R
         "device": "gpu",
         "adapter": {"name": a.name, "backend": a.backend, "device_type": a.device_type, "driver": a.driver},
         "roofs": {"read_gbps": mem, "fma_gflops": fma},
+        "bus": {"bytes": bus_bytes, "up_gbps": up, "back_gbps": down},
         "kernels": rows_out,
         "git_commit": option_env!("DELTAFIN_BUILD_COMMIT"),
     });

@@ -91,3 +91,31 @@ pub fn fma_peak_gflops(gpu: &Gpu, iters: u32, secs: f64) -> Result<f64, GpuError
     })?;
     Ok(f64::from(FMA_INVOCATIONS) * f64::from(iters) * 8.0 * 4.0 * 2.0 / per / 1e9)
 }
+
+/// The host-GPU bus as the engine uses it, in GB/s, best of a few trials of `bytes`: up,
+/// `Queue::write_buffer` of a host slice into a storage buffer until the GPU has it; back, a
+/// storage buffer copied into a mapped read-back buffer and out into a host slice (what every
+/// product's outputs take, `read_f32_into`).
+pub fn bus_gbps(gpu: &Gpu, bytes: usize) -> Result<(f64, f64), GpuError> {
+    let n = (bytes.min(gpu.max_binding() as usize) / 4).max(1);
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let v = gpu.zeros_f32(n)?;
+    let staging = gpu.staging(n);
+    let mut back = vec![0f32; n];
+    let (mut up, mut down) = (f64::MAX, f64::MAX);
+    for _ in 0..TRIALS {
+        let t0 = Instant::now();
+        gpu.queue.write_buffer(&v.buf, 0, bytemuck::cast_slice(&host));
+        gpu.queue.submit([]);
+        gpu.wait()?;
+        up = up.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        gpu.read_f32_into(&v, &staging, &mut back)?;
+        down = down.min(t0.elapsed().as_secs_f64());
+    }
+    if back.iter().zip(&host).any(|(a, b)| a != b) {
+        return Err(GpuError::Lost("the bus probe read back other values than it wrote".into()));
+    }
+    let b = (n * 4) as f64;
+    Ok((b / up / 1e9, b / down / 1e9))
+}
