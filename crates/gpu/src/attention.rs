@@ -36,6 +36,7 @@ struct Work {
     /// `[heads, s, kvl]` f32.
     out: GpuVec,
     staging: wgpu::Buffer,
+    up: crate::buffers::Uploader,
 }
 
 const F32_ROWS: &str = "
@@ -125,13 +126,14 @@ impl MlaAttention {
                 cache: gpu.zeros_f32(1)?,
                 out: gpu.zeros_f32(1)?,
                 staging: gpu.staging(1),
+                up: Default::default(),
             }),
         };
         let words = bytes.len() / 4;
         if w.cache.len < words {
             w.cache = gpu.zeros_f32(words.max(2 * w.cache.len))?;
         }
-        gpu.queue.write_buffer(&w.cache.buf, 0, bytes);
+        w.up.write(gpu, &[(&w.cache.buf, 0, bytes)])?;
         let pipeline = match cache {
             LatentRows::F32(_) => &self.f32_cache,
             LatentRows::Bf16(_) => &self.bf16_cache,
@@ -188,7 +190,7 @@ impl ChunkAttention<'_> {
             w.out = gpu.zeros_f32(out.len().max(2 * w.out.len))?;
             w.staging = gpu.staging(w.out.len);
         }
-        gpu.queue.write_buffer(&w.q.buf, 0, bytemuck::cast_slice(q));
+        w.up.write(gpu, &[(&w.q.buf, 0, bytemuck::cast_slice(q))])?;
         let dims = gpu.uniform(&[heads as u32, t_n as u32, first as u32, width as u32, kvl as u32, 0, 0, 0]);
         let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("mla attention"),

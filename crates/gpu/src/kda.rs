@@ -35,6 +35,7 @@ struct Work {
     /// `[T, P]`.
     y: GpuVec,
     staging: wgpu::Buffer,
+    up: crate::buffers::Uploader,
 }
 
 /// Tokens whose q, k and decays a workgroup stages in its memory at once (`[TB, 3, D]`: 24 KiB
@@ -183,14 +184,22 @@ impl KdaRecurrence {
                 state: gpu.zeros_f32(s.len())?,
                 y: gpu.zeros_f32(nx / 4)?,
                 staging: gpu.staging((nx / 4).max(s.len())),
+                up: work.take().map(|w| w.up).unwrap_or_default(),
             });
         }
-        let Some(w) = work.as_ref() else { unreachable!("made above") };
-        for (i, part) in [q, k, g, v].into_iter().enumerate() {
-            gpu.queue.write_buffer(&w.xs.buf, (i * n * 4) as u64, bytemuck::cast_slice(part));
-        }
-        gpu.queue.write_buffer(&w.beta.buf, 0, bytemuck::cast_slice(beta));
-        gpu.queue.write_buffer(&w.state.buf, 0, bytemuck::cast_slice(s));
+        let Some(w) = work.as_mut() else { unreachable!("made above") };
+        let plane = (n * 4) as u64;
+        w.up.write(
+            gpu,
+            &[
+                (&w.xs.buf, 0, bytemuck::cast_slice(q)),
+                (&w.xs.buf, plane, bytemuck::cast_slice(k)),
+                (&w.xs.buf, 2 * plane, bytemuck::cast_slice(g)),
+                (&w.xs.buf, 3 * plane, bytemuck::cast_slice(v)),
+                (&w.beta.buf, 0, bytemuck::cast_slice(beta)),
+                (&w.state.buf, 0, bytemuck::cast_slice(s)),
+            ],
+        )?;
         let dims = gpu.uniform(&[heads as u32, t_n as u32, p as u32, 0]);
         let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("kda recurrence"),

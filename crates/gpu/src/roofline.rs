@@ -92,8 +92,9 @@ pub fn fma_peak_gflops(gpu: &Gpu, iters: u32, secs: f64) -> Result<f64, GpuError
     Ok(f64::from(FMA_INVOCATIONS) * f64::from(iters) * 8.0 * 4.0 * 2.0 / per / 1e9)
 }
 
-/// The host-GPU bus as the engine uses it, in GB/s, best of a few trials of `bytes`: up,
-/// `Queue::write_buffer` of a host slice into a storage buffer until the GPU has it; back, a
+/// The host-GPU bus as the engine uses it, in GB/s, best of a few trials of `bytes`: up, a host
+/// slice through the engine's kept upload buffer into a storage buffer until the GPU has it
+/// (`buffers::Uploader`); back, a
 /// storage buffer copied into a mapped read-back buffer and out into a host slice (what every
 /// product's outputs take, `read_f32_into`).
 pub fn bus_gbps(gpu: &Gpu, bytes: usize) -> Result<(f64, f64), GpuError> {
@@ -103,10 +104,10 @@ pub fn bus_gbps(gpu: &Gpu, bytes: usize) -> Result<(f64, f64), GpuError> {
     let staging = gpu.staging(n);
     let mut back = vec![0f32; n];
     let (mut up, mut down) = (f64::MAX, f64::MAX);
+    let mut uploader = crate::buffers::Uploader::default();
     for _ in 0..TRIALS {
         let t0 = Instant::now();
-        gpu.queue.write_buffer(&v.buf, 0, bytemuck::cast_slice(&host));
-        gpu.queue.submit([]);
+        uploader.write(gpu, &[(&v.buf, 0, bytemuck::cast_slice(&host))])?;
         gpu.wait()?;
         up = up.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();

@@ -68,6 +68,7 @@ struct Work {
     xs: GpuVec,
     out: GpuVec,
     staging: wgpu::Buffer,
+    up: crate::buffers::Uploader,
 }
 
 impl std::fmt::Debug for SpineRunner {
@@ -284,11 +285,15 @@ impl SpineRunner {
                 Some(w) => (w.xs.len.max(xs.len()), w.out.len.max(out.len())),
                 None => (xs.len(), out.len()),
             };
-            *work =
-                Some(Work { xs: self.gpu.zeros_f32(nx)?, out: self.gpu.zeros_f32(no)?, staging: self.gpu.staging(no) });
+            *work = Some(Work {
+                xs: self.gpu.zeros_f32(nx)?,
+                out: self.gpu.zeros_f32(no)?,
+                staging: self.gpu.staging(no),
+                up: work.take().map(|w| w.up).unwrap_or_default(),
+            });
         }
-        let Some(w) = work.as_ref() else { unreachable!("made above") };
-        self.gpu.queue.write_buffer(&w.xs.buf, 0, bytemuck::cast_slice(xs));
+        let Some(w) = work.as_mut() else { unreachable!("made above") };
+        w.up.write(&self.gpu, &[(&w.xs.buf, 0, bytemuck::cast_slice(xs))])?;
         let xv = GpuVec { buf: w.xs.buf.clone(), len: xs.len() };
         let ov = GpuVec { buf: w.out.buf.clone(), len: out.len() };
         let bound = match m {
