@@ -14,6 +14,8 @@
 #   GPU_MEMORY  --gpu-memory for the GPU runs (e.g. 16G: k3-real4's spine and all its experts)
 #   BASE_MODEL=1  the model runs with deltafin-base too (A/B on one machine)
 #   DEVICES  the MODEL runs' devices (default "cpu gpu")
+#   KERNEL_BINS  whose kernels the ROUNDS measure (default: every carried build)
+#   DECODE=0  no decode runs in MODEL
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$1"; fi; }
@@ -36,7 +38,7 @@ done
 bins=(deltafin); [ -x /tmp/bin/deltafin-base ] && bins=(deltafin-base deltafin)
 log() { echo "== $(date +%T) $*" >> "$OUT/bench.log"; }
 for r in $(seq 1 "${ROUNDS:-2}"); do
-  for b in "${bins[@]}"; do
+  for b in ${KERNEL_BINS:-${bins[@]}}; do
     log "$b kernels, run $r"
     /tmp/bin/$b bench --kernels --device gpu --kernel-seconds ${SECS:-0.5} --json > "$R/kernels-$b-run$r.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"; save
@@ -49,9 +51,11 @@ if [ "${MODEL:-0}" = 1 ]; then
   for dev in ${DEVICES:-cpu gpu}; do for b in "${mbins[@]}"; do
     [ $dev = cpu ] && [ $b = deltafin-base ] && continue
     gm=(); [ $dev = gpu ] && [ -n "${GPU_MEMORY:-}" ] && gm=(--gpu-memory "$GPU_MEMORY")
+    if [ "${DECODE:-1}" = 1 ]; then
     log "$b k3-real4 decode, experts on $dev ${gm[*]}"
     /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --context-fill 1000 --warm --max-tokens 8 --device $dev "${gm[@]}" --json > "$R/decode-$b-$dev.json" 2>> "$OUT/bench.log"
     echo "bench rc=$?" >> "$OUT/bench.log"
+    fi
     [ "${PROMPT_LEN:-512}" = 0 ] && continue
     log "$b k3-real4 prompt ${PROMPT_LEN:-512}, experts (and chunks' spine) on $dev"
     /tmp/bin/$b bench --model /tmp/k3-real4 --memory-budget 60G --runs ${MODEL_RUNS:-2} --prompt-length ${PROMPT_LEN:-512} --context $(( ${PROMPT_LEN:-512} + 64 )) --max-tokens 3 --device $dev "${gm[@]}" --json > "$R/prompt-$b-$dev.json" 2>> "$OUT/bench.log"
