@@ -112,15 +112,7 @@ impl Linear {
     /// computes on the CPU) when the GPU refused it or failed, which is logged: the result is
     /// the same either way, to f32 rounding. Shapes: xs `[T, cols]`, outs `[T, rows]`.
     fn forward_batch_gpu(&self, g: &SpineRunner, xs: &[f32], t_n: usize, outs: &mut [f32]) -> bool {
-        let place = self.gpu.get_or_init(|| match g.upload(self.dense_rows(0, self.rows), self.rows, self.cols) {
-            Ok(Some(m)) => OnGpu::Resident(Box::new(m)),
-            Ok(None) => OnGpu::Streamed,
-            Err(e) => {
-                tracing::warn!("{} stays on the CPU: {e}", self.name);
-                OnGpu::Cpu
-            }
-        });
-        let r = match place {
+        let r = match self.placement(g) {
             OnGpu::Resident(m) => g.product(m, xs, t_n, outs),
             OnGpu::Streamed => g.product_streamed(self.dense_rows(0, self.rows), self.rows, self.cols, xs, t_n, outs),
             OnGpu::Cpu => return false,
@@ -131,6 +123,51 @@ impl Linear {
                 tracing::warn!("{} on the GPU failed, computed on the CPU instead: {e}", self.name);
                 false
             }
+        }
+    }
+
+    /// Where this matrix's chunk products run on the GPU, settled (and uploaded) on first use.
+    fn placement(&self, g: &SpineRunner) -> &OnGpu {
+        self.gpu.get_or_init(|| match g.upload(self.dense_rows(0, self.rows), self.rows, self.cols) {
+            Ok(Some(m)) => OnGpu::Resident(Box::new(m)),
+            Ok(None) => OnGpu::Streamed,
+            Err(e) => {
+                tracing::warn!("{} stays on the CPU: {e}", self.name);
+                OnGpu::Cpu
+            }
+        })
+    }
+
+    /// [`Self::forward_batch`] of several matrices on the same inputs (a layer's projections of
+    /// one normed input): where a prompt chunk's products go to the GPU and every matrix is kept
+    /// there, the inputs cross the bus once for all of them. Shapes: xs `[T, cols]`, outs[i]
+    /// `[T, rows_i]`.
+    pub fn forward_batch_shared(mats: &[&Linear], xs: &[f32], t_n: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(mats.len(), outs.len());
+        if let Some(first) = mats.first()
+            && t_n >= SpineRunner::MIN_TOKENS
+            && mats.iter().all(|m| m.cols == first.cols)
+            && let Some(g) = crate::spine_gpu::current()
+        {
+            let kept: Option<Vec<&deltafin_gpu::spine::GpuMatrix>> = mats
+                .iter()
+                .map(|m| match m.placement(&g) {
+                    OnGpu::Resident(b) => Some(&**b),
+                    _ => None,
+                })
+                .collect();
+            if let Some(kept) = kept {
+                match g.products(&kept, &xs[..t_n * first.cols], t_n, outs) {
+                    Ok(()) => return,
+                    Err(e) => tracing::warn!(
+                        "{} and the matrices beside it on the GPU failed, computed one by one: {e}",
+                        first.name
+                    ),
+                }
+            }
+        }
+        for (m, o) in mats.iter().zip(outs.iter_mut()) {
+            m.forward_batch(xs, t_n, o);
         }
     }
 

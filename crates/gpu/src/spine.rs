@@ -58,6 +58,8 @@ pub struct SpineRunner {
     streamed: Mutex<crate::buffers::Streamed>,
     /// Bytes of such matrices sent so far.
     streamed_bytes: AtomicU64,
+    /// Bytes of products' inputs sent so far.
+    input_bytes: AtomicU64,
     /// KDA's recurrence, made on first use for the model's head size.
     kda: Mutex<Vec<Arc<KdaRecurrence>>>,
     /// Tokens whose KDA recurrence ran here, summed over layers.
@@ -96,6 +98,7 @@ impl SpineRunner {
             mla_tokens: AtomicU64::new(0),
             streamed: Mutex::new(Default::default()),
             streamed_bytes: AtomicU64::new(0),
+            input_bytes: AtomicU64::new(0),
             kda: Mutex::new(Vec::new()),
             kda_tokens: AtomicU64::new(0),
         }
@@ -269,21 +272,50 @@ impl SpineRunner {
     }
 
     fn product_inner(&self, m: &Matrix, xs: &[f32], n: usize, out: &mut [f32]) -> Result<(), GpuError> {
-        let (rows, cols) = match m {
+        self.products_inner(&[m], xs, n, &mut [out])
+    }
+
+    /// `outs[i][t] = W_i xs[t]` for several matrices of the same width on the same inputs: the
+    /// inputs go up once, each product's outputs come back in turn. Shapes: xs `[n, cols]`,
+    /// outs[i] `[n, rows_i]`.
+    pub fn products(&self, ms: &[&GpuMatrix], xs: &[f32], n: usize, outs: &mut [&mut [f32]]) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let inner: Vec<&Matrix> = ms.iter().map(|m| &m.m).collect();
+        let r = self.products_inner(&inner, xs, n, outs);
+        self.count(start);
+        r
+    }
+
+    /// Bytes of inputs sent to the GPU for spine products so far.
+    pub fn input_bytes(&self) -> u64 {
+        self.input_bytes.load(Ordering::Relaxed)
+    }
+
+    fn products_inner(&self, ms: &[&Matrix], xs: &[f32], n: usize, outs: &mut [&mut [f32]]) -> Result<(), GpuError> {
+        let shape = |m: &Matrix| match m {
             Matrix::Int8(w) => (w.rows, w.cols),
             Matrix::Dense(w) => (w.rows, w.cols),
         };
-        if n == 0 || xs.len() != n * cols || out.len() != n * rows {
+        let bad = ms.len() != outs.len()
+            || ms.is_empty()
+            || ms.iter().zip(outs.iter()).any(|(m, o)| {
+                let (rows, cols) = shape(m);
+                n == 0 || xs.len() != n * cols || o.len() != n * rows
+            });
+        if bad {
+            let shapes: Vec<String> = ms.iter().map(|m| format!("{:?}", shape(m))).collect();
+            let lens: Vec<usize> = outs.iter().map(|o| o.len()).collect();
             return Err(GpuError::Shape {
                 what: "a spine product",
-                why: format!("{rows} x {cols} for {n} tokens: xs {}, out {}", xs.len(), out.len()),
+                why: format!("{} for {n} tokens: xs {}, outs {lens:?}", shapes.join(", "), xs.len()),
             });
         }
+        let most = outs.iter().map(|o| o.len()).max().unwrap_or(0);
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        if work.as_ref().is_none_or(|w| w.xs.len < xs.len() || w.out.len < out.len()) {
+        if work.as_ref().is_none_or(|w| w.xs.len < xs.len() || w.out.len < most) {
             let (nx, no) = match work.as_ref() {
-                Some(w) => (w.xs.len.max(xs.len()), w.out.len.max(out.len())),
-                None => (xs.len(), out.len()),
+                Some(w) => (w.xs.len.max(xs.len()), w.out.len.max(most)),
+                None => (xs.len(), most),
             };
             *work = Some(Work {
                 xs: self.gpu.zeros_f32(nx)?,
@@ -294,20 +326,26 @@ impl SpineRunner {
         }
         let Some(w) = work.as_mut() else { unreachable!("made above") };
         w.up.write(&self.gpu, &[(&w.xs.buf, 0, bytemuck::cast_slice(xs))])?;
+        self.input_bytes.fetch_add((xs.len() * 4) as u64, Ordering::Relaxed);
         let xv = GpuVec { buf: w.xs.buf.clone(), len: xs.len() };
-        let ov = GpuVec { buf: w.out.buf.clone(), len: out.len() };
-        let bound = match m {
-            Matrix::Int8(g) => self.int8.bind(&self.gpu, g, &xv, n, &ov)?,
-            Matrix::Dense(g) => self.dense.bind(&self.gpu, g, &xv, n, &ov)?,
-        };
-        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("spine") });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            bound.encode(&mut pass);
+        for (m, out) in ms.iter().zip(outs.iter_mut()) {
+            let ov = GpuVec { buf: w.out.buf.clone(), len: out.len() };
+            let bound = match m {
+                Matrix::Int8(g) => self.int8.bind(&self.gpu, g, &xv, n, &ov)?,
+                Matrix::Dense(g) => self.dense.bind(&self.gpu, g, &xv, n, &ov)?,
+            };
+            let mut enc =
+                self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("spine") });
+            {
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                bound.encode(&mut pass);
+            }
+            self.gpu.queue.submit([enc.finish()]);
+            // Copies the outputs behind the product and waits for both.
+            self.gpu.read_f32_into(&ov, &w.staging, out)?;
         }
-        self.gpu.queue.submit([enc.finish()]);
-        // Copies the outputs behind the product and waits for both.
-        self.gpu.read_f32_into(&ov, &w.staging, out)
+        Ok(())
     }
 }
 

@@ -140,3 +140,32 @@ fn streamed_products_match_the_scalar_twins() {
     );
     assert!(matches!(r, Err(GpuError::Shape { .. })), "{r:?}");
 }
+
+/// Several kept matrices on one input (a layer's projections of its normed input): each output
+/// equals its own product, and the input crossed the bus once.
+#[test]
+fn products_on_one_input_send_it_once() {
+    let Some(g) = gpu("products_on_one_input_send_it_once") else { return };
+    let (cols, n, group) = (64, 17, 32);
+    let runner = SpineRunner::new(g, 1 << 20);
+    let f1: Vec<f32> = bytes(40 * cols, 21).iter().map(|&b| (f32::from(b) - 127.5) / 256.0).collect();
+    let f2: Vec<f32> = bytes(24 * cols, 22).iter().map(|&b| (f32::from(b) - 127.5) / 256.0).collect();
+    let q: Vec<i8> = bytes(32 * cols, 23).iter().map(|&b| b as i8).collect();
+    let sc: Vec<f32> = bytes(32 * cols / group, 24).iter().map(|&b| (f32::from(b) + 1.0) / 4096.0).collect();
+    let m1 = runner.upload(Dense::F32(&f1), 40, cols).unwrap().unwrap();
+    let m2 = runner.upload(Dense::F32(&f2), 24, cols).unwrap().unwrap();
+    let m3 = runner.upload(Dense::Int8 { q: &q, scales: &sc, group }, 32, cols).unwrap().unwrap();
+    let xs: Vec<f32> = bytes(n * cols, 25).iter().map(|&b| (f32::from(b) - 127.5) / 64.0).collect();
+    let (mut o1, mut o2, mut o3) = (vec![0f32; n * 40], vec![0f32; n * 24], vec![0f32; n * 32]);
+    let before = runner.input_bytes();
+    runner.products(&[&m1, &m2, &m3], &xs, n, &mut [&mut o1, &mut o2, &mut o3]).unwrap();
+    assert_eq!(runner.input_bytes() - before, (xs.len() * 4) as u64, "the input went up once");
+    for (m, got, rows) in [(&m1, &o1, 40), (&m2, &o2, 24), (&m3, &o3, 32)] {
+        let mut want = vec![0f32; n * rows];
+        runner.product(m, &xs, n, &mut want).unwrap();
+        assert_eq!(got, &want, "{rows} rows: the same as its own product");
+    }
+    // Outputs that do not match their matrices are an error.
+    let r = runner.products(&[&m1, &m2], &xs, n, &mut [&mut o1, &mut o3]);
+    assert!(matches!(r, Err(GpuError::Shape { .. })), "{r:?}");
+}

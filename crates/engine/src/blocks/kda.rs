@@ -180,25 +180,32 @@ impl Kda {
         let p = nh * d;
         // [T, P] q, k, v before the conv (after it, on the parallel path)
         let mut pre = [sc.take(t_n * p), sc.take(t_n * p), sc.take(t_n * p)];
-        for (proj, dst) in [&self.q_proj, &self.k_proj, &self.v_proj].into_iter().zip(pre.iter_mut()) {
-            proj.forward_batch(xs, t_n, dst);
-        }
         let mut fa = sc.take(t_n * d); // [T, D]
-        self.f_a.forward_batch(xs, t_n, &mut fa);
-        let mut a = sc.take(t_n * p); // [T, P] decay logits
-        self.f_b.forward_batch(&fa, t_n, &mut a);
         let mut b = sc.take(t_n * nh); // [T, heads]
-        self.b_proj.forward_batch(xs, t_n, &mut b);
         let mut gate = sc.take(t_n * p); // [T, P]
+        // Every projection of the normed input at once (on the GPU, the input goes up once).
+        let [q_pre, k_pre, v_pre] = &mut pre;
         match &self.gate {
-            Gate::FullRank(gp) => gp.forward_batch(xs, t_n, &mut gate),
+            Gate::FullRank(gp) => Linear::forward_batch_shared(
+                &[&self.q_proj, &self.k_proj, &self.v_proj, &self.f_a, &self.b_proj, gp],
+                xs,
+                t_n,
+                &mut [q_pre, k_pre, v_pre, &mut fa, &mut b, &mut gate],
+            ),
             Gate::LowRank(ga, gb) => {
                 let mut t = sc.take(t_n * d); // [T, D]
-                ga.forward_batch(xs, t_n, &mut t);
+                Linear::forward_batch_shared(
+                    &[&self.q_proj, &self.k_proj, &self.v_proj, &self.f_a, &self.b_proj, ga],
+                    xs,
+                    t_n,
+                    &mut [q_pre, k_pre, v_pre, &mut fa, &mut b, &mut t],
+                );
                 gb.forward_batch(&t, t_n, &mut gate);
                 sc.give(t);
             }
         }
+        let mut a = sc.take(t_n * p); // [T, P] decay logits
+        self.f_b.forward_batch(&fa, t_n, &mut a);
         let mut ys = sc.take(t_n * p); // [T, P]
         let mut q = sc.take(p); // [P]
         let mut k = sc.take(p); // [P]

@@ -278,18 +278,20 @@ impl Mla {
         let qd = nope + rope;
         let width = kvl + rope;
         let mut q = sc.take(t_n * nh * qd); // [T, heads, nope + rope]
+        let mut ckv = sc.take(t_n * width); // [T, kv_lora + rope]
         match &self.q {
             QProj::LowRank { a, norm, b } => {
                 let r = a.rows;
                 let mut t = sc.take(t_n * r); // [T, q_lora]
-                a.forward_batch(xs, t_n, &mut t);
+                // Both projections of the normed input at once (on the GPU, it goes up once).
+                Linear::forward_batch_shared(&[a, &self.kv_a], xs, t_n, &mut [&mut t, &mut ckv]);
                 for i in 0..t_n {
                     rms_norm_inplace(&mut t[i * r..(i + 1) * r], norm, LORA_NORM_EPS);
                 }
                 b.forward_batch(&t, t_n, &mut q);
                 sc.give(t);
             }
-            QProj::Full(p) => p.forward_batch(xs, t_n, &mut q),
+            QProj::Full(p) => Linear::forward_batch_shared(&[p, &self.kv_a], xs, t_n, &mut [&mut q, &mut ckv]),
         }
         // The softmax scale goes into the query (nope and rope parts) before the absorption.
         let scale = (qd as f32).powf(-0.5);
@@ -300,8 +302,6 @@ impl Mla {
         } else {
             q.iter_mut().for_each(|v| *v *= scale);
         }
-        let mut ckv = sc.take(t_n * width); // [T, kv_lora + rope]
-        self.kv_a.forward_batch(xs, t_n, &mut ckv);
         let first = st.len; // positions cached before this chunk
         for c in ckv.chunks_exact_mut(width) {
             rms_norm_inplace(&mut c[..kvl], &self.kv_a_norm, LORA_NORM_EPS);
