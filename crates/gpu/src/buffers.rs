@@ -265,16 +265,7 @@ impl Gpu {
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
         enc.copy_buffer_to_buffer(&v.buf, 0, staging, 0, size);
         self.queue.submit([enc.finish()]);
-        let (tx, rx) = std::sync::mpsc::channel();
-        staging.slice(..size).map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.wait()?;
-        match rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(GpuError::Lost(format!("mapping a result for reading: {e}"))),
-            Err(_) => return Err(GpuError::Lost("a result's mapping never completed".into())),
-        }
+        self.map_and_wait(staging.slice(..size), wgpu::MapMode::Read, "a result")?;
         let data =
             staging.slice(..size).get_mapped_range().map_err(|e| GpuError::Lost(format!("reading a result: {e}")))?;
         // One copy (a chunk's outputs are hundreds of MB): mapped ranges are aligned for f32.
@@ -284,6 +275,21 @@ impl Gpu {
         drop(data);
         staging.unmap();
         Ok(())
+    }
+
+    /// Map `slice` for `mode` and wait until it is mapped (after everything submitted before);
+    /// `what` names it in errors.
+    fn map_and_wait(&self, slice: wgpu::BufferSlice<'_>, mode: wgpu::MapMode, what: &str) -> Result<(), GpuError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(mode, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        match rx.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(GpuError::Lost(format!("mapping {what}: {e}"))),
+            Err(_) => Err(GpuError::Lost(format!("the mapping of {what} never completed"))),
+        }
     }
 
     /// A uniform buffer holding `words`.
@@ -413,16 +419,7 @@ impl Uploader {
             }));
         }
         let Some(buf) = &self.buf else { unreachable!("made above") };
-        let (tx, rx) = std::sync::mpsc::channel();
-        buf.slice(..total).map_async(wgpu::MapMode::Write, move |r| {
-            let _ = tx.send(r);
-        });
-        gpu.wait()?;
-        match rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(GpuError::Lost(format!("mapping an upload buffer: {e}"))),
-            Err(_) => return Err(GpuError::Lost("an upload buffer's mapping never completed".into())),
-        }
+        gpu.map_and_wait(buf.slice(..total), wgpu::MapMode::Write, "an upload buffer")?;
         {
             let mut view = buf
                 .slice(..total)
