@@ -158,6 +158,20 @@ def test_chat_raw_json_has_fingerprint_and_deltafin_block(default_server):
     assert body["deltafin"]["device"] == "cpu"
 
 
+def test_device_auto_names_the_device_it_settled_on(start_server):
+    # `serve --device auto` with an adapter that will not open computes on the CPU, and every
+    # response says so (not the GPU it asked for).
+    server = start_server("--device", "auto", "--gpu-adapter", "no-such-adapter-7f3a")
+    resp = http_request(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"model": SERVED_MODEL, "messages": user(PLAIN_PROMPT), "max_tokens": 2, "temperature": 0},
+    )
+    assert resp.status == 200, resp.body
+    assert resp.json()["deltafin"]["device"] == "cpu"
+
+
 def test_greedy_chat_is_deterministic(openai_client):
     def run():
         r = openai_client.chat.completions.create(

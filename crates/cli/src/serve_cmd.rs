@@ -151,6 +151,30 @@ pub fn run(a: ServeArgs) -> Result<()> {
             aliases.push(a.clone());
         }
     }
+    // `--device auto` is settled before the server answers: every response names the device.
+    let device = match (&run_opts.gpu, run_opts.gpu_auto) {
+        (None, _) => "cpu",
+        (Some(_), false) => "gpu",
+        (Some(g), true) => {
+            let opened = if run_opts.approx {
+                Err("--approx runs on the CPU's integer kernels".to_string())
+            } else {
+                deltafin_gpu::Gpu::open(g).map_err(|e| e.to_string())
+            };
+            match opened {
+                Ok(gpu) => {
+                    eprintln!("device auto: the GPU, {}", gpu.adapter());
+                    run_opts.gpu_auto = false;
+                    "gpu"
+                }
+                Err(why) => {
+                    eprintln!("device auto: the CPU ({why})");
+                    run_opts.gpu = None;
+                    "cpu"
+                }
+            }
+        }
+    };
     let model = ModelInfo {
         id,
         aliases,
@@ -159,7 +183,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         vocab: cfg.vocab_size,
         numerics: numerics.into(),
         approx: run_opts.approx,
-        device: if run_opts.gpu.is_some() { "gpu" } else { "cpu" }.into(),
+        device: device.into(),
     };
     if a.state_dir.is_some() && a.no_prefix_cache {
         anyhow::bail!("--state-dir keeps prompt states for reuse: it cannot go with --no-prefix-cache");
