@@ -319,9 +319,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // The compute and memory roofs, for the floors: measured before and after the run,
             // the higher of each kept (a short probe can catch a slow moment of the host, and a
             // roof below what the machine does gives a floor the run beats).
-            let before = roofs_now(gpu.as_ref())?;
+            let before = roofs_now(gpu.as_ref(), m.approx)?;
             let g = run_self(&ga)?;
-            let roofs = before.max(roofs_now(gpu.as_ref())?);
+            let roofs = before.max(roofs_now(gpu.as_ref(), m.approx)?);
             // The drive's rate for exactly this run's reads, at its queue depth, right after it.
             // A run that streamed its spine had the spine loader's pieces in flight beside the
             // expert reads: the replay gets that depth too.
@@ -385,7 +385,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 );
             }
             acc.records.push(records.as_ref().and_then(|r| r["gbps"].as_f64()).unwrap_or(f64::NAN));
-            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "gpu_peak_gflops": roofs.gpu_gflops, "memory_gbps": roofs.mem_gbps, "run": g }));
+            acc.runs.push(json!({ "probe": p, "probe_batched": pb, "replay": replay, "fio_random_records": records, "peak_gflops": peak_gflops, "gpu_peak_gflops": roofs.gpu_gflops, "int8_peak_gops": roofs.int8_gops, "memory_gbps": roofs.mem_gbps, "run": g }));
         }
     }
     let mut summaries: Vec<Value> =
@@ -444,6 +444,9 @@ struct Roofs {
     peak_gflops: f64,
     /// The GPU's share of it (0 on the CPU).
     gpu_gflops: f64,
+    /// The CPU's int8 dot-product rate (GOP/s) where approximate mode runs products in
+    /// integers, else 0.
+    int8_gops: f64,
     mem_gbps: f64,
 }
 
@@ -453,12 +456,13 @@ impl Roofs {
         Roofs {
             peak_gflops: self.peak_gflops.max(other.peak_gflops),
             gpu_gflops: self.gpu_gflops.max(other.gpu_gflops),
+            int8_gops: self.int8_gops.max(other.int8_gops),
             mem_gbps: self.mem_gbps.max(other.mem_gbps),
         }
     }
 }
 
-fn roofs_now(gpu: Option<&deltafin_gpu::Gpu>) -> Result<Roofs> {
+fn roofs_now(gpu: Option<&deltafin_gpu::Gpu>, integer: bool) -> Result<Roofs> {
     let threads = deltafin_engine::threads();
     // 256 MiB: far beyond any last-level cache, so the read comes from DRAM.
     let buf = vec![1u64; 32 << 20];
@@ -471,7 +475,8 @@ fn roofs_now(gpu: Option<&deltafin_gpu::Gpu>) -> Result<Roofs> {
         None => 0.0,
     };
     let cpu = deltafin_kernels::roofline::fma_peak_gflops(threads, 0.3);
-    Ok(Roofs { peak_gflops: cpu + gpu_gflops, gpu_gflops, mem_gbps })
+    let int8_gops = if integer { deltafin_kernels::roofline::int8_peak_gops(threads, 0.3) } else { 0.0 };
+    Ok(Roofs { peak_gflops: cpu + gpu_gflops, gpu_gflops, int8_gops, mem_gbps })
 }
 
 #[derive(Default)]
@@ -511,7 +516,9 @@ struct Acc {
     prefill_expert_read: Vec<f64>,
     prefill_spine: Vec<f64>,
     prefill_flops: Vec<f64>,
+    prefill_integer_flops: Vec<f64>,
     peak_gflops: Vec<f64>,
+    int8_gops: Vec<f64>,
     /// Per run: the disk's idle share of the steady decode steps (measured by the run).
     idle: Vec<f64>,
     /// Per run: the drive's rate for the run's own reads, replayed right after it (the disk
@@ -581,8 +588,18 @@ impl Acc {
         // at most those read with a warm one (--warm).
         let expert_read = pr["expert_bytes_read"].as_f64().unwrap_or(f64::INFINITY);
         let io_floor = (distinct.min(expert_read) + spine_bytes) / (limit_gbps * 1e9);
-        let compute_floor = flops / (peak_gflops * 1e9);
+        // Approximate mode's integer share at the integer roof, the rest at the FMA roof, one
+        // after the other: the two share the vector units (on Zen 4 a loop of both takes the
+        // sum of their times).
+        let integer = g["timing"]["prompt_integer_flops"].as_f64().unwrap_or(0.0).min(flops);
+        let compute_floor = if integer > 0.0 && roofs.int8_gops > 0.0 {
+            (flops - integer) / (peak_gflops * 1e9) + integer / (roofs.int8_gops * 1e9)
+        } else {
+            flops / (peak_gflops * 1e9)
+        };
         self.ttft_floor.push(io_floor.max(compute_floor));
+        self.prefill_integer_flops.push(integer);
+        self.int8_gops.push(roofs.int8_gops);
         self.prefill_distinct.push(distinct);
         self.prefill_expert_read.push(pr["expert_bytes_read"].as_f64().unwrap_or(f64::NAN));
         self.prefill_spine.push(pr["spine_bytes_read"].as_f64().unwrap_or(f64::NAN));
@@ -611,6 +628,8 @@ impl Acc {
             "prefill_expert_bytes_read": med(&self.prefill_expert_read),
             "prefill_spine_bytes": med(&self.prefill_spine),
             "prefill_flops": med(&self.prefill_flops),
+            "prefill_integer_flops": med(&self.prefill_integer_flops),
+            "int8_peak_gops": med(&self.int8_gops),
             "prefill_attention_flops": med(&self.prefill_attention_flops),
             "prefill_attention_s": med(&self.prefill_attention_s),
             "prefill_mla_attention_s": med(&self.prefill_mla_s),

@@ -237,6 +237,26 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 runs as f64 * flops / s,
                 fma[ti],
             ));
+            // --approx: the same product in integers on int8 activations (quantising included),
+            // against its own roof, the integer multiply-adds' (`vpdpbusd`) peak.
+            if deltafin_kernels::approx::has_integer_spine() {
+                let (runs, s) = pool.install(|| {
+                    run_timed(secs, || {
+                        deltafin_kernels::approx::int8_matmat_q8(&q, &scales, cols, rows, cols, &xs, n, &mut outs);
+                    })
+                });
+                let int_peak = pool.install(|| deltafin_kernels::roofline::int8_peak_gops(t, 0.3));
+                let mut row = chunk_row(
+                    format!("int8 spine product, chunk of {n} tokens, APPROX int8 activations"),
+                    [rows, cols],
+                    t,
+                    runs as f64 * flops / s,
+                    fma[ti],
+                );
+                row["int8_peak_gops"] = json!(int_peak);
+                row["fraction_of_int8_roof"] = json!(runs as f64 * flops / s / 1e9 / int_peak);
+                chunk_rows.push(row);
+            }
         }
     }
     {

@@ -75,8 +75,9 @@ pub struct ModelArgs {
     /// as the budget holds).
     #[arg(long)]
     pub resident_spine_layers: Option<usize>,
-    /// Approximate mode: routed experts take int8-quantised activations (faster, not exact;
-    /// every output says so).
+    /// Approximate mode: routed experts take int8-quantised activations, and on CPUs with
+    /// AVX-512 VNNI a prompt chunk's int8 spine products run in integers on int8 activations
+    /// (faster, not exact; every output says so).
     #[arg(long)]
     pub approx: bool,
     /// Where the model computes: cpu, or gpu (WGSL on Vulkan, Metal or DirectX 12): the routed
@@ -461,6 +462,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         g.prompt_tokens.len() - g.cached_prompt_tokens,
         g.timing.prompt.chunks,
     );
+    // What approximate mode may have run in integers (prompt chunks' products on the CPU's
+    // integer kernels): the bench puts it at the integer roof in the prompt's floor.
+    let prompt_integer_flops = if s.model.run().approx && deltafin_kernels::approx::has_integer_spine() {
+        deltafin_engine::plan::prompt_integer_flops(&store.manifest, k, g.prompt_tokens.len() - g.cached_prompt_tokens)
+    } else {
+        0.0
+    };
     let last_context = a.context_fill + g.prompt_tokens.len() + g.tokens.len().saturating_sub(1);
     let decode_work =
         deltafin_engine::plan::decode_work(&store.manifest, k, last_context, s.model.latent_cache().bytes());
@@ -498,6 +506,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
                 "prompt": g.timing.prompt,
                 "prompt_flops": prompt_flops,
                 "prompt_attention_flops": prompt_attention_flops,
+                "prompt_integer_flops": prompt_integer_flops,
                 "context_fill": a.context_fill,
                 // One decode step at the context the last token was generated at.
                 "decode_work": decode_work,

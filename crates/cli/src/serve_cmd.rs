@@ -141,7 +141,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "kimi-k3".into())
     });
-    let numerics = if run_opts.approx { "approximate (int8 activations for routed experts)" } else { "exact" };
+    let numerics = deltafin_engine::session::numerics(run_opts.approx);
     let mut aliases = Vec::new();
     for a in &a.aliases {
         if a.is_empty() || a.len() > 256 {

@@ -14,6 +14,7 @@
 
 pub mod batch;
 pub mod blocks;
+pub mod chunk_spine;
 pub mod experts;
 pub mod fault;
 pub mod generate;
@@ -24,7 +25,6 @@ pub mod plan;
 pub mod prefix_store;
 pub mod scratch;
 pub mod session;
-pub mod spine_gpu;
 pub mod stream;
 pub mod study;
 pub mod units;

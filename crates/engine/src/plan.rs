@@ -3,7 +3,7 @@
 //! get memory before any cache slot.
 
 use anyhow::{Result, bail};
-use deltafin_store::{AttnKind, Manifest};
+use deltafin_store::{AttnKind, Manifest, SpineDtype};
 use serde::Serialize;
 
 use crate::blocks::mla::LatentDtype;
@@ -268,6 +268,30 @@ pub fn prompt_flops(
     let attention = a.mla_per_position * attended + a.kda_per_token * t;
     let head = chunks as f64 * 2.0 * (c.vocab_size * c.hidden_size) as f64;
     (matrix_flops_per_token(m, experts_per_token) * t + attention + head, attention)
+}
+
+/// The share of [`prompt_flops`] that approximate mode may run in integers (`--approx` on a CPU
+/// with the integer kernels, prompt chunks of 16 tokens or more): every int8 layer matrix whose
+/// rows are a multiple of 64 wide and the routed experts (widths multiples of 64), per token.
+/// An upper bound (the router, `o_proj` and the MLPs' `down_proj` stay exact), so a floor that
+/// puts this share at the integer roof is one the run cannot beat.
+pub fn prompt_integer_flops(m: &Manifest, experts_per_token: usize, tokens: usize) -> f64 {
+    let c = &m.config;
+    let layer_matrices: f64 = m
+        .spine
+        .tensors
+        .iter()
+        .filter(|t| t.layer.is_some() && t.shape.len() == 2 && t.dtype == SpineDtype::Int8)
+        .filter(|t| t.shape[1].is_multiple_of(64))
+        .map(|t| (t.shape[0] * t.shape[1]) as f64)
+        .sum();
+    let widths = [c.moe_intermediate_size, c.expert_input_dim()];
+    let expert = if widths.iter().all(|w| w.is_multiple_of(64)) {
+        m.experts.layers.len() as f64 * experts_per_token as f64 * 3.0 * (widths[0] * widths[1]) as f64
+    } else {
+        0.0
+    };
+    2.0 * (layer_matrices + expert) * tokens as f64
 }
 
 /// What one decode step at a context of `context` positions computes and touches in memory:

@@ -36,7 +36,8 @@ pub struct RunOptions {
     pub experts_per_token: Option<usize>,
     /// Keep only this many leading spine layers resident (default: as many as the budget holds).
     pub resident_spine_layers: Option<usize>,
-    /// Approximate mode (int8 activations for routed experts).
+    /// Approximate mode (int8 activations for routed experts and prompt chunks' int8 spine
+    /// products): [`numerics`].
     pub approx: bool,
     /// Predict each next MoE layer's experts even without prefetch (for router traces).
     pub predict: bool,
@@ -332,7 +333,7 @@ impl Session {
 
     /// How this run computes, for every output.
     pub fn numerics(&self) -> &'static str {
-        if self.model.run().approx { "approximate (int8 activations for routed experts)" } else { "exact" }
+        numerics(self.model.run().approx)
     }
 
     /// Where the routed experts compute: "cpu", or "gpu" (with [`Self::adapter`]).
@@ -438,4 +439,17 @@ fn plan_request(store: &Store, opts: &RunOptions) -> (Budget, PlanRequest) {
         prefill_chunk: opts.prefill_chunk,
     };
     (budget, req)
+}
+
+/// How a run computes, as every output says it: with `approx`, the routed experts' activations
+/// in int8 and, where the CPU has the integer kernels (AVX-512 VNNI), a prompt chunk's int8
+/// spine products in integers with int8 activations.
+pub fn numerics(approx: bool) -> &'static str {
+    if !approx {
+        "exact"
+    } else if deltafin_kernels::approx::has_integer_spine() {
+        "approximate (int8 activations for routed experts and prompt chunks' int8 spine products)"
+    } else {
+        "approximate (int8 activations for routed experts)"
+    }
 }

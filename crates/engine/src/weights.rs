@@ -84,13 +84,20 @@ impl Linear {
             return self.forward(&xs[..cols], outs);
         }
         if t_n >= SpineRunner::MIN_TOKENS
-            && let Some(g) = crate::spine_gpu::current()
+            && let Some(g) = crate::chunk_spine::current()
             && self.forward_batch_gpu(&g, &xs[..t_n * cols], t_n, outs)
         {
             return;
         }
         if let SpineData::Int8 { q, scales, group } = &self.data {
-            return k::int8_matmat(q, scales, *group, rows, cols, &xs[..t_n * cols], t_n, outs);
+            let xs = &xs[..t_n * cols];
+            // --approx: a chunk's inputs in int8, the product in integers where the CPU has the
+            // kernel (k::approx::int8_matmat_q8 declines otherwise).
+            if crate::chunk_spine::integer() && k::approx::int8_matmat_q8(q, scales, *group, rows, cols, xs, t_n, outs)
+            {
+                return;
+            }
+            return k::int8_matmat(q, scales, *group, rows, cols, xs, t_n, outs);
         }
         let esize = if matches!(self.data, SpineData::F32(_)) { 4 } else { 2 };
         // About 128 KiB of weights per block: resident in L2 while the share's tokens go by.
@@ -105,6 +112,16 @@ impl Linear {
                 }
             }
         });
+    }
+
+    /// [`Self::forward_batch`] for a matrix whose inputs are an attention output or a SiTU
+    /// output (`o_proj`, an MLP's `down_proj`): those carry outlier channels that int8
+    /// activations blur, so approximate mode keeps these products exact. On the trained demo
+    /// model, at the end of prompt chunks (`tools/demo/chunk_fidelity.py`), they made up most of
+    /// the integer chunks' KL against exact mode.
+    pub fn forward_batch_exact_inputs(&self, xs: &[f32], t_n: usize, outs: &mut [f32]) {
+        let _exact = crate::chunk_spine::exact_here();
+        self.forward_batch(xs, t_n, outs);
     }
 
     /// [`Self::forward_batch`] on the GPU: the matrix uploaded on first use and kept while the
@@ -147,7 +164,7 @@ impl Linear {
         if let Some(first) = mats.first()
             && t_n >= SpineRunner::MIN_TOKENS
             && mats.iter().all(|m| m.cols == first.cols)
-            && let Some(g) = crate::spine_gpu::current()
+            && let Some(g) = crate::chunk_spine::current()
         {
             let kept: Option<Vec<&deltafin_gpu::spine::GpuMatrix>> = mats
                 .iter()

@@ -98,6 +98,91 @@ impl QuantizedX {
     }
 }
 
+/// Values per lane step of the integer spine products: one 512-bit `vpdpbusd` takes 64 int8
+/// pairs, summed in fours into 16 int32 lanes (lane `l` takes values `4l..4l+3`).
+pub const Q8_STEP: usize = 64;
+/// Lanes of [`Q8_STEP`].
+pub const Q8_LANES: usize = 16;
+
+/// A prompt chunk's inputs quantised for the integer spine products of approximate mode:
+/// each input's segments of `seg` values get one scale (`max|x| / 127`, 0 for an all-zero
+/// segment) and int8 values in their natural order. The kernels make the weights unsigned
+/// (`w + 128`, as `vpdpbusd` wants one unsigned operand); `offsets` cancels that exactly:
+/// per segment and lane, `-128 x` the sum of the lane's values, the lane accumulator's start.
+#[derive(Default)]
+pub struct QuantizedRows {
+    pub n: usize,
+    pub cols: usize,
+    pub seg: usize,
+    /// `[n, cols]`
+    pub q: Vec<i8>,
+    /// `[n, cols / seg]`
+    pub scales: Vec<f32>,
+    /// `[n, cols / seg, Q8_LANES]`
+    pub offsets: Vec<i32>,
+}
+
+impl QuantizedRows {
+    /// The segment for weights with one scale per `group` values: the largest of 256, 128 and
+    /// 64 dividing it (a segment never spans two weight scales); `None` when none does.
+    pub fn seg_for(group: usize) -> Option<usize> {
+        [256, 128, 64].into_iter().find(|&s| group != 0 && group.is_multiple_of(s))
+    }
+
+    /// Quantise `xs` `[n, cols]` in segments of `seg` (a multiple of [`Q8_STEP`] dividing
+    /// `cols`); the buffers are reused.
+    pub fn quantize(&mut self, xs: &[f32], n: usize, cols: usize, seg: usize) {
+        assert!(seg.is_multiple_of(Q8_STEP) && seg > 0 && cols.is_multiple_of(seg) && xs.len() >= n * cols);
+        let segs = cols / seg;
+        (self.n, self.cols, self.seg) = (n, cols, seg);
+        self.q.resize(n * cols, 0);
+        self.scales.resize(n * segs, 0.0);
+        self.offsets.resize(n * segs * Q8_LANES, 0);
+        // A chunk's inputs on the thread pool when there are many (a 7,168-wide input takes
+        // about 10 us).
+        use rayon::prelude::*;
+        let xs = &xs[..n * cols];
+        let q = self.q.par_chunks_exact_mut(cols);
+        let s = self.scales.par_chunks_exact_mut(segs);
+        let o = self.offsets.par_chunks_exact_mut(segs * Q8_LANES);
+        xs.par_chunks_exact(cols)
+            .zip(q.zip(s.zip(o)))
+            .with_min_len(32)
+            .for_each(|(x, (q, (s, o)))| Self::quantize_one(x, seg, q, s, o));
+    }
+
+    fn quantize_one(x: &[f32], seg: usize, q: &mut [i8], scales: &mut [f32], offsets: &mut [i32]) {
+        for ((xs, qs), (s, off)) in x
+            .chunks_exact(seg)
+            .zip(q.chunks_exact_mut(seg))
+            .zip(scales.iter_mut().zip(offsets.chunks_exact_mut(Q8_LANES)))
+        {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *s = amax / 127.0;
+            let inv = if *s > 0.0 { 1.0 / *s } else { 0.0 };
+            for (qv, &v) in qs.iter_mut().zip(xs) {
+                *qv = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+            off.fill(0);
+            for step in qs.chunks_exact(Q8_STEP) {
+                for (l, o) in off.iter_mut().enumerate() {
+                    *o -= 128 * step[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>();
+                }
+            }
+        }
+    }
+
+    /// Input `t`'s values, scales and offsets.
+    pub fn input(&self, t: usize) -> (&[i8], &[f32], &[i32]) {
+        let segs = self.cols / self.seg;
+        (
+            &self.q[t * self.cols..(t + 1) * self.cols],
+            &self.scales[t * segs..(t + 1) * segs],
+            &self.offsets[t * segs * Q8_LANES..(t + 1) * segs * Q8_LANES],
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -90,6 +90,22 @@ pub fn fma_peak_gflops(threads: usize, min_secs: f64) -> f64 {
     best_rate(threads, min_secs, |_, secs| fma_loop_on(Path::best(), secs)) / 1e9
 }
 
+/// Integer operations per second (GOP/s; a multiply-add is two) of `threads` threads' int8 dot
+/// products (`vpdpbusd`), the roof of approximate mode's integer spine products; 0 where this
+/// CPU has no such kernel ([`crate::approx::has_integer_spine`]).
+pub fn int8_peak_gops(threads: usize, min_secs: f64) -> f64 {
+    if !crate::approx::has_integer_spine() {
+        return 0.0;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX-512F and VNNI present (has_integer_spine).
+        best_rate(threads, min_secs, |_, secs| unsafe { avx512::vnni_loop(secs) }) / 1e9
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0.0
+}
+
 /// FLOPs done by one thread in `secs` of back-to-back FMAs on `path`, as wide as its kernels'
 /// registers (512-bit on AVX-512: on Zen 5 that is twice the AVX2 rate, and a roof measured with
 /// AVX2 would credit the AVX-512 kernels with twice their real efficiency), else scalar.

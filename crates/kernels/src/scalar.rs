@@ -287,6 +287,92 @@ pub fn int8_matvec(q: &[i8], scales: &[f32], group: usize, rows: usize, cols: us
     }
 }
 
+/// The sum of 16 lanes in the tree the SIMD integer tiles use: halves, then quarters, then
+/// pairs (`(l0 + l8) + (l4 + l12)` and so on).
+#[inline(always)]
+pub fn lane_tree_sum(l: &[f32; 16]) -> f32 {
+    let s8: [f32; 8] = std::array::from_fn(|i| l[i] + l[i + 8]);
+    let s4: [f32; 4] = std::array::from_fn(|i| s8[i] + s8[i + 4]);
+    let s2 = [s4[0] + s4[2], s4[1] + s4[3]];
+    s2[0] + s2[1]
+}
+
+/// The integer spine product of approximate mode for one quantised input (the oracle of the
+/// SIMD tiles, bit for bit): per scale group of the weights, per segment of the input, each of
+/// the 16 lanes' exact integer dot product (lane `l` takes values `4l..4l+3` of every 64),
+/// accumulated as `fa[l] = fma(dot_l, x_scale, fa[l])`; at the group's end the lanes summed
+/// ([`lane_tree_sum`]) and `total += w_scale * sum`. Shapes: q `[rows, cols]`, scales `[rows,
+/// cols/group]`, xq `[cols]`, xs `[cols/seg]`, out `[rows]`; `seg` divides `group`.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matvec_q8(
+    q: &[i8],
+    scales: &[f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+    xq: &[i8],
+    xs: &[f32],
+    seg: usize,
+    out: &mut [f32],
+) {
+    use crate::format::{Q8_LANES, Q8_STEP};
+    assert!(seg.is_multiple_of(Q8_STEP) && group.is_multiple_of(seg) && cols.is_multiple_of(group));
+    assert!(q.len() >= rows * cols && scales.len() >= rows * (cols / group) && out.len() >= rows);
+    assert!(xq.len() >= cols && xs.len() >= cols / seg);
+    let groups = cols / group;
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let row = &q[r * cols..(r + 1) * cols];
+        let mut total = 0f32;
+        for g in 0..groups {
+            let mut fa = [0f32; Q8_LANES];
+            let first = g * group / seg;
+            for (sg, &x_scale) in xs.iter().enumerate().take((g + 1) * group / seg).skip(first) {
+                let mut ia = [0i32; Q8_LANES];
+                for c in (sg * seg..(sg + 1) * seg).step_by(Q8_STEP) {
+                    for (l, a) in ia.iter_mut().enumerate() {
+                        for j in c + 4 * l..c + 4 * l + 4 {
+                            *a += row[j] as i32 * xq[j] as i32;
+                        }
+                    }
+                }
+                for (f, &a) in fa.iter_mut().zip(&ia) {
+                    *f = (a as f32).mul_add(x_scale, *f);
+                }
+            }
+            total += scales[r * groups + g] * lane_tree_sum(&fa);
+        }
+        *o = total;
+    }
+}
+
+/// The least block exponent of an MXFP4 row when every block lies within 3 of it (so `2·E2M1 x
+/// 2^(e - base)` fits int8 exactly: at most 96) and none is 0 or 255; else `None`.
+pub fn int8_row_base(scales: &[u8]) -> Option<u8> {
+    let (lo, hi) = scales.iter().fold((u8::MAX, 0u8), |(lo, hi), &e| (lo.min(e), hi.max(e)));
+    (!scales.is_empty() && lo >= 1 && hi <= 254 && hi - lo <= 3).then_some(lo)
+}
+
+/// The f32 scale of a row decoded at `base`: `2^(base - 127) / 2` (the int8 values are twice
+/// E2M1's), exact for every base 1..=254.
+pub fn int8_row_scale(base: u8) -> f32 {
+    crate::format::e8m0_to_f32(base) * 0.5
+}
+
+/// An MXFP4 row as int8 for the integer products of approximate mode, exactly: each value's
+/// 2·E2M1 shifted left by its block's exponent above the row's least ([`int8_row_base`]), so
+/// `value = q * scale`; returns the scale, or `None` (out untouched) for a row that int8
+/// cannot hold exactly. Shapes: packed `[cols/2]`, scales `[cols/32]`, out `[cols]`.
+pub fn mxfp4_row_to_int8(packed: &[u8], scales: &[u8], out: &mut [i8]) -> Option<f32> {
+    use crate::format::{BLOCK, E2M1_X2_I8};
+    let base = int8_row_base(scales)?;
+    for (j, &byte) in packed.iter().enumerate() {
+        let shift = scales[2 * j / BLOCK] - base;
+        out[2 * j] = E2M1_X2_I8[(byte & 0x0F) as usize] << shift;
+        out[2 * j + 1] = E2M1_X2_I8[(byte >> 4) as usize] << shift;
+    }
+    Some(int8_row_scale(base))
+}
+
 // ---- Attention steps -----------------------------------------------------------------------------
 
 /// One KDA (gated delta-rule) head step: `S <- S * g` (per key channel),

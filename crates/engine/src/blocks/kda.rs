@@ -228,7 +228,8 @@ impl Kda {
                 }
             }
             // A chunk whose spine products go to the GPU walks its states there too.
-            match crate::spine_gpu::current().filter(|_| t_n >= SpineRunner::MIN_TOKENS && KdaRecurrence::supports(d)) {
+            match crate::chunk_spine::current().filter(|_| t_n >= SpineRunner::MIN_TOKENS && KdaRecurrence::supports(d))
+            {
                 Some(g) => self.heads_on_gpu(&g, st, &mut pre, &mut a, &mut b, &gate, t_n, &mut ys),
                 None => self.heads_parallel(st, &pre, &a, &b, &gate, t_n, &mut ys),
             }
@@ -270,7 +271,7 @@ impl Kda {
             }
             sc.give(gd);
         }
-        self.o_proj.forward_batch(&ys, t_n, outs);
+        self.o_proj.forward_batch_exact_inputs(&ys, t_n, outs);
         let [p0, p1, p2] = pre;
         for buf in [p0, p1, p2, fa, a, b, gate, q, k, v, ys] {
             sc.give(buf);

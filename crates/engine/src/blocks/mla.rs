@@ -310,7 +310,7 @@ impl Mla {
 
         // A prompt chunk whose spine products go to the GPU sends its attention there too, the
         // cache's rows uploaded once for the chunk.
-        let runner = crate::spine_gpu::current()
+        let runner = crate::chunk_spine::current()
             .filter(|_| t_n >= SpineRunner::MIN_TOKENS && MlaAttention::supports(width, kvl));
         let mut gpu = runner.as_deref().and_then(|g| {
             g.mla_chunk(st.rows(), first + t_n, width, kvl)
@@ -408,7 +408,7 @@ impl Mla {
             }
             sc.give(gv);
         }
-        self.o_proj.forward_batch(&attn, t_n, outs);
+        self.o_proj.forward_batch_exact_inputs(&attn, t_n, outs);
         for buf in [q, ckv, attn, q_cat, o_lat, o_head, o_v, att_sc] {
             sc.give(buf);
         }

@@ -66,7 +66,7 @@ impl GatedMlp {
             let r = t * inter..(t + 1) * inter;
             situ(&g[r.clone()], &u[r.clone()], self.beta, self.linear_beta, &mut a[r]);
         }
-        self.down.forward_batch(&a, t_n, outs);
+        self.down.forward_batch_exact_inputs(&a, t_n, outs);
         sc.give(g);
         sc.give(u);
         sc.give(a);

@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use deltafin_gpu::expert::ExpertRunner;
-use deltafin_kernels::approx::{QuantizedX, expert_mxfp4_approx};
+use deltafin_kernels::approx::{QuantizedRows, QuantizedX, expert_mxfp4_approx, expert_mxfp4_batch_q8};
 use deltafin_kernels::expert::{Mxfp4, expert_mxfp4, expert_mxfp4_batch};
 use deltafin_kernels::ops::rms_norm_inplace;
 use deltafin_store::{K3Config, SpineSource};
@@ -227,6 +227,23 @@ impl LatentMoe {
         Ok(())
     }
 
+    /// [`Self::expert_batch_into`] in integers (approximate mode, a prompt chunk's): false where
+    /// this CPU has no integer kernel.
+    fn expert_batch_q8_into(
+        &self,
+        record: &[u8],
+        xs: &[f32],
+        n: usize,
+        act: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<bool> {
+        let layout = &self.layout;
+        anyhow::ensure!(record.len() >= layout.record_bytes, "expert record is too short");
+        let m = |p: usize| Mxfp4 { packed: layout.part(record, p), scales: layout.part(record, p + 1) };
+        let (beta, lb) = (self.beta, self.linear_beta);
+        Ok(expert_mxfp4_batch_q8(m(0), m(4), m(2), self.inter, self.latent, xs, n, beta, lb, act, out))
+    }
+
     /// Submit expert `e` to the GPU for the tokens that chose it (`users`: token * k + slot), as
     /// one batch; its outputs reach `deliver` (tagged `u`) when the runner finishes the layer's
     /// experts. The runner's cache knows the record as (layer, e). Shapes: xl `[T, LAT]`; xb
@@ -363,7 +380,12 @@ impl LatentMoe {
         let (i, lat) = (self.inter, self.latent);
         let e_n = self.gate.rows;
         let mut logits = sc.take(t_n * e_n); // [T, E] router logits
-        self.gate.forward_batch(xs, t_n, &mut logits);
+        {
+            // The router's scores stay exact in approximate mode: which experts a token takes
+            // is not approximated.
+            let _exact = crate::chunk_spine::exact_here();
+            self.gate.forward_batch(xs, t_n, &mut logits);
+        }
         let mut union = sc.take_ids(); // distinct experts of the chunk, first-use order
         if t_n >= PARALLEL_ROUTING_TOKENS {
             // A long chunk's tokens routed on the thread pool (each token's choice is the one
@@ -429,7 +451,14 @@ impl LatentMoe {
             Some(d) => d.forward_batch(xs, t_n, &mut xl),
             None => xl.copy_from_slice(&xs[..t_n * h]),
         }
-        if run.approx {
+        // Approximate mode's integer experts: the chunk runs its spine in integers and the
+        // CPU has the kernels for the expert's widths.
+        let integer = run.approx
+            && crate::chunk_spine::integer()
+            && deltafin_kernels::approx::has_integer_spine()
+            && QuantizedRows::seg_for(lat).is_some()
+            && QuantizedRows::seg_for(i).is_some();
+        if run.approx && !integer {
             for t in 0..t_n {
                 xqs[t].quantize(&xl[t * lat..(t + 1) * lat]);
             }
@@ -471,6 +500,16 @@ impl LatentMoe {
                 };
                 self.expert_to_gpu(g, record, e, u, users, k, &xl, &mut xb, &mut deliver)?;
                 return Ok(());
+            } else if integer && users.len() <= batch {
+                // A chunk in approximate mode: every expert in integers, one user or many, so a
+                // token's result does not depend on who else chose the expert.
+                let n = users.len();
+                Self::gather_rows(users, k, lat, &xl, &mut xb[..n * lat]);
+                let rows = &mut eo[ix.start[u] * lat..(ix.start[u] + n) * lat];
+                anyhow::ensure!(
+                    self.expert_batch_q8_into(record, &xb[..n * lat], n, &mut ab[..n * i], rows)?,
+                    "the integer expert kernel declined a product it was chosen for"
+                );
             } else if run.approx || users.len() == 1 || users.len() > batch {
                 for (j, &ts) in users.iter().enumerate() {
                     let t = ts / k;

@@ -156,10 +156,12 @@ impl K3Model {
         }
         // Sequence i's tokens are rows starts[i]..starts[i + 1] of every [T, ..] buffer.
         let t_n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        // A prompt chunk of one sequence sends its spine products to the GPU; a batch of
-        // sequences stays on the CPU, so that each sequence's arithmetic does not depend on
-        // what it is batched with.
-        let _gpu = crate::spine_gpu::Scope::enter(self.run.gpu_spine.clone().filter(|_| seqs.len() == 1));
+        // A prompt chunk of one sequence sends its spine products to the GPU, or with --approx
+        // runs its int8 ones in integers; a batch of sequences keeps the exact CPU products, so
+        // that each sequence's arithmetic does not depend on what it is batched with.
+        let one = seqs.len() == 1;
+        let integer = one && self.run.approx && t_n >= crate::chunk_spine::INTEGER_MIN_TOKENS;
+        let _chunk = crate::chunk_spine::Scope::enter(self.run.gpu_spine.clone().filter(|_| one), integer);
         let BatchBuffers { scratch: sc, blocks, routing: chunk_routing, routed_layer } = bufs;
         *routed_layer = None;
         while blocks.len() < t_n {

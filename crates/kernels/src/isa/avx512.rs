@@ -289,6 +289,31 @@ pub unsafe fn mxfp4_matvec_q8_vnni(
     }
 }
 
+/// Integer operations (a multiply-add is two) done by one thread in `secs` of back-to-back
+/// `vpdpbusd` (64 int8 multiply-adds each) on twelve independent chains: the roof of the
+/// integer spine products of approximate mode.
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX-512 VNNI.
+#[target_feature(enable = "avx512f,avx512vnni")]
+pub unsafe fn vnni_loop(secs: f64) -> f64 {
+    let t0 = std::time::Instant::now();
+    let a = _mm512_set1_epi8(std::hint::black_box(3));
+    let b = _mm512_set1_epi8(std::hint::black_box(-5));
+    let mut acc = [_mm512_setzero_si512(); 12];
+    let mut iters = 0u64;
+    while t0.elapsed().as_secs_f64() < secs {
+        for _ in 0..100_000 {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbusd_epi32(*v, a, b);
+            }
+        }
+        iters += 100_000;
+    }
+    std::hint::black_box(acc);
+    iters as f64 * 12.0 * 64.0 * 2.0
+}
+
 /// FLOPs done by one thread in `secs` of back-to-back 512-bit FMAs: the compute roof of the
 /// AVX-512 kernels. On cores whose AVX-512 units are as wide as the registers (Zen 5, Intel
 /// server cores with two FMA units) this is twice the AVX2 loop's rate; on cores that split

@@ -43,6 +43,8 @@ pub mod avx512_attn;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_math;
 #[cfg(target_arch = "x86_64")]
+pub mod avx512_qtile;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512_tile;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
