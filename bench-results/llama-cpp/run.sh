@@ -24,6 +24,7 @@ for r in $(seq 1 "$RUNS"); do
     prompt)
       "$LLAMA_BENCH" -m "$STORES/k3-arch4-q8_0.gguf" -t 2 -p "$n" -n 0 -r 1 -o json > "$OUT/llama-prompt-$n-run$r.json"
       "$BIN" bench "${common[@]}" --prompt-length "$n" --max-tokens 4 > "$OUT/deltafin-prompt-$n-run$r.json"
+      "$BIN" bench "${common[@]}" --prompt-length "$n" --max-tokens 4 --approx > "$OUT/deltafin-approx-prompt-$n-run$r.json"
       ;;
     decode)
       "$LLAMA_BENCH" -m "$STORES/k3-arch4-q8_0.gguf" -t 2 -p 0 -n 16 -d "$n" -r 1 -o json > "$OUT/llama-decode-$n-run$r.json"

@@ -369,7 +369,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             );
             if a.prompt_length.is_some() {
                 eprintln!(
-                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak; {:.3} s in attention ({:.3} s of it in MLA layers, {:.3} s in the GPU's spine products), {:.3} s in feed-forward blocks",
+                    "    prompt of {} tokens: TTFT {:.3} s, floor {:.3} s ({:.2}x): distinct experts {}, spine {}, {:.1} GFLOP at {:.1} GFLOP/s peak{}; {:.3} s in attention ({:.3} s of it in MLA layers, {:.3} s in the GPU's spine products), {:.3} s in feed-forward blocks",
                     prompt.len(),
                     acc.ttft.last().copied().unwrap_or(f64::NAN),
                     acc.ttft_floor.last().copied().unwrap_or(f64::NAN),
@@ -378,6 +378,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     human(acc.prefill_spine.last().copied().unwrap_or(0.0) as u64),
                     acc.prefill_flops.last().copied().unwrap_or(f64::NAN) / 1e9,
                     peak_gflops,
+                    if last(&acc.prefill_integer_flops) > 0.0 {
+                        format!(
+                            " ({:.1} GFLOP of it in integers at {:.1} GOP/s)",
+                            last(&acc.prefill_integer_flops) / 1e9,
+                            last(&acc.int8_gops)
+                        )
+                    } else {
+                        String::new()
+                    },
                     last(&acc.prefill_attention_s),
                     last(&acc.prefill_mla_s),
                     last(&acc.prefill_attention_gpu_s),

@@ -15,7 +15,7 @@ pub use crate::format::{QuantizedRows, QuantizedX};
 #[cfg(target_arch = "aarch64")]
 use crate::isa::neon;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{avx2, avx512, avx512_qtile};
+use crate::isa::{avx2, avx512, avx512_qtile, avx512_tile, staging};
 use crate::par::par_rows;
 use crate::scalar;
 
@@ -232,6 +232,18 @@ pub fn mxfp4_matmat_q8_on(
         return;
     }
     let (half, nb) = (cols / 2, cols / BLOCK);
+    // The rows int8 cannot hold take the exact product: on AVX-512 the exact tiles, all the
+    // inputs at once, on the inputs deinterleaved once here.
+    #[cfg(target_arch = "x86_64")]
+    let xd: Vec<f32> = if path.or_scalar() == Path::Avx512 {
+        let mut d = vec![0f32; n * cols];
+        for (x, o) in xs[..n * cols].chunks_exact(cols).zip(d.chunks_exact_mut(cols)) {
+            staging::deinterleave(x, o);
+        }
+        d
+    } else {
+        Vec::new()
+    };
     // 64 rows: 224 KiB of int8 at K3's latent width, in L2 while the inputs pass.
     const BLOCK_ROWS: usize = 64;
     crate::par::with_staged_rows(rows, n, &mut out[..n * rows], |staged| {
@@ -245,25 +257,36 @@ pub fn mxfp4_matmat_q8_on(
                 let mb =
                     Mxfp4 { packed: &m.packed[r0 * half..(r0 + k) * half], scales: &m.scales[r0 * nb..(r0 + k) * nb] };
                 mxfp4_rows_to_int8_on(path, mb, k, cols, q, s);
-                int8_rows_q8_on(path, q, s, cols, k, xq, 0, n, st, (1, n));
-                for r in (0..k).filter(|&r| s[r].is_nan()) {
-                    let row = Mxfp4 {
-                        packed: &mb.packed[r * half..(r + 1) * half],
-                        scales: &mb.scales[r * nb..(r + 1) * nb],
-                    };
-                    for t in 0..n {
-                        let mut o = [0f32];
-                        crate::mxfp4::mxfp4_matvec_on(
-                            path,
-                            row.packed,
-                            row.scales,
-                            1,
-                            cols,
-                            &xs[t * cols..(t + 1) * cols],
-                            &mut o,
-                        );
-                        st[r * n + t] = o[0];
+                // Runs of consecutive rows int8 holds (in integers) and of rows it cannot.
+                let mut r = 0;
+                while r < k {
+                    if !s[r].is_nan() {
+                        let e = (r..k).find(|&j| s[j].is_nan()).unwrap_or(k);
+                        let (qr, sr) = (&q[r * cols..e * cols], &s[r..e]);
+                        int8_rows_q8_on(path, qr, sr, cols, e - r, xq, 0, n, &mut st[r * n..e * n], (1, n));
+                        r = e;
+                        continue;
                     }
+                    let e = (r..k).find(|&j| !s[j].is_nan()).unwrap_or(k);
+                    let (p, sc) = (&mb.packed[r * half..e * half], &mb.scales[r * nb..e * nb]);
+                    let o = &mut st[r * n..e * n];
+                    #[cfg(target_arch = "x86_64")]
+                    if !xd.is_empty() {
+                        // SAFETY: AVX-512F/BW present (the path); rows r..e of this block, the
+                        // n deinterleaved inputs, out [e - r, n]: the kernel asserts the shapes.
+                        unsafe { avx512_tile::mxfp4_rows(p, sc, e - r, cols, &xd, n, o) };
+                        r = e;
+                        continue;
+                    }
+                    for j in 0..e - r {
+                        let (pj, sj) = (&p[j * half..(j + 1) * half], &sc[j * nb..(j + 1) * nb]);
+                        for t in 0..n {
+                            let mut v = [0f32];
+                            crate::mxfp4::mxfp4_matvec_on(path, pj, sj, 1, cols, &xs[t * cols..(t + 1) * cols], &mut v);
+                            o[j * n + t] = v[0];
+                        }
+                    }
+                    r = e;
                 }
             });
         };

@@ -103,7 +103,10 @@ pub fn int8_peak_gops(threads: usize, min_secs: f64) -> f64 {
         best_rate(threads, min_secs, |_, secs| unsafe { avx512::vnni_loop(secs) }) / 1e9
     }
     #[cfg(not(target_arch = "x86_64"))]
-    0.0
+    {
+        let _ = (threads, min_secs);
+        0.0
+    }
 }
 
 /// FLOPs done by one thread in `secs` of back-to-back FMAs on `path`, as wide as its kernels'
