@@ -248,16 +248,14 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                     })
                 });
                 let int_peak = pool.install(|| deltafin_kernels::roofline::int8_peak_gops(t, 0.3));
-                let mut row = chunk_row(
+                chunk_rows.push(integer_chunk_row(
                     format!("int8 spine product, chunk of {n} tokens, APPROX int8 activations"),
                     [rows, cols],
                     t,
                     runs as f64 * flops / s,
                     fma[ti],
-                );
-                row["int8_peak_gops"] = json!(int_peak);
-                row["fraction_of_int8_roof"] = json!(runs as f64 * flops / s / 1e9 / int_peak);
-                chunk_rows.push(row);
+                    int_peak,
+                ));
             }
         }
     }
@@ -309,16 +307,14 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                     })
                 });
                 let int_peak = pool.install(|| deltafin_kernels::roofline::int8_peak_gops(t, 0.3));
-                let mut row = chunk_row(
+                chunk_rows.push(integer_chunk_row(
                     format!("MXFP4 expert, {TOKENS} tokens, APPROX int8 activations"),
                     [inter, lat],
                     t,
                     runs as f64 * flops / s,
                     fma[ti],
-                );
-                row["int8_peak_gops"] = json!(int_peak);
-                row["fraction_of_int8_roof"] = json!(runs as f64 * flops / s / 1e9 / int_peak);
-                chunk_rows.push(row);
+                    int_peak,
+                ));
             }
         }
     }
@@ -352,6 +348,22 @@ fn chunk_row(name: String, shape: [usize; 2], threads: usize, flops_per_s: f64, 
     let gflops = flops_per_s / 1e9;
     json!({ "name": name, "shape": shape, "threads": threads, "gflops": gflops,
             "fma_gflops": fma_gflops, "fraction_of_fma_roof": gflops / fma_gflops })
+}
+
+/// [`chunk_row`] of an approximate-mode integer kernel, also against its own roof (`int_peak`,
+/// the `vpdpbusd` rate in GOP/s).
+fn integer_chunk_row(
+    name: String,
+    shape: [usize; 2],
+    threads: usize,
+    ops_per_s: f64,
+    fma: f64,
+    int_peak: f64,
+) -> Value {
+    let mut row = chunk_row(name, shape, threads, ops_per_s, fma);
+    row["int8_peak_gops"] = json!(int_peak);
+    row["fraction_of_int8_roof"] = json!(ops_per_s / 1e9 / int_peak);
+    row
 }
 
 /// View random bytes as int8 weights.
