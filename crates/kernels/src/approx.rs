@@ -233,16 +233,19 @@ pub fn mxfp4_matmat_q8_on(
     }
     let (half, nb) = (cols / 2, cols / BLOCK);
     // The rows int8 cannot hold take the exact product: on AVX-512 the exact tiles, all the
-    // inputs at once, on the inputs deinterleaved once here.
+    // inputs at once, on the inputs deinterleaved once, by the first block that needs them
+    // (where every row is int8, nothing is deinterleaved or allocated).
     #[cfg(target_arch = "x86_64")]
-    let xd: Vec<f32> = if path.or_scalar() == Path::Avx512 {
-        let mut d = vec![0f32; n * cols];
-        for (x, o) in xs[..n * cols].chunks_exact(cols).zip(d.chunks_exact_mut(cols)) {
-            staging::deinterleave(x, o);
-        }
-        d
-    } else {
-        Vec::new()
+    let xd = std::sync::OnceLock::<Vec<f32>>::new();
+    #[cfg(target_arch = "x86_64")]
+    let deinterleaved = || {
+        xd.get_or_init(|| {
+            let mut d = vec![0f32; n * cols];
+            for (x, o) in xs[..n * cols].chunks_exact(cols).zip(d.chunks_exact_mut(cols)) {
+                staging::deinterleave(x, o);
+            }
+            d
+        })
     };
     // 64 rows: 224 KiB of int8 at K3's latent width, in L2 while the inputs pass.
     const BLOCK_ROWS: usize = 64;
@@ -271,10 +274,10 @@ pub fn mxfp4_matmat_q8_on(
                     let (p, sc) = (&mb.packed[r * half..e * half], &mb.scales[r * nb..e * nb]);
                     let o = &mut st[r * n..e * n];
                     #[cfg(target_arch = "x86_64")]
-                    if !xd.is_empty() {
+                    if path.or_scalar() == Path::Avx512 {
                         // SAFETY: AVX-512F/BW present (the path); rows r..e of this block, the
                         // n deinterleaved inputs, out [e - r, n]: the kernel asserts the shapes.
-                        unsafe { avx512_tile::mxfp4_rows(p, sc, e - r, cols, &xd, n, o) };
+                        unsafe { avx512_tile::mxfp4_rows(p, sc, e - r, cols, deinterleaved(), n, o) };
                         r = e;
                         continue;
                     }
@@ -359,7 +362,6 @@ pub fn int8_matmat_q8(
     n: usize,
     outs: &mut [f32],
 ) -> bool {
-    use rayon::prelude::*;
     thread_local! {
         // The calling thread's quantised chunk, reused (no allocation once warm).
         static XQ: std::cell::RefCell<QuantizedRows> = std::cell::RefCell::new(QuantizedRows::default());
@@ -377,19 +379,13 @@ pub fn int8_matmat_q8(
         let xq = &mut *b.borrow_mut();
         xq.quantize(xs, n, cols, seg);
         let xq = &*xq;
-        let threads = if rows * cols < crate::par::PAR_MIN_WEIGHTS { 1 } else { crate::par::threads().max(1) };
-        let share = n.div_ceil(threads);
         // About 256 KiB of int8 weights per block: with the share's inputs a quarter the size of
         // f32 ones, the block can be twice the exact product's and still leave L2 room.
-        let block = ((256 << 10) / cols.max(1)).next_multiple_of(4).clamp(1, rows);
+        let block = ((256 << 10) / cols.max(1)).next_multiple_of(4);
         let g = cols / group;
-        outs.par_chunks_mut(share * rows).enumerate().for_each(|(i, o)| {
-            let (t0, n_tok) = (i * share, o.len() / rows);
-            for r0 in (0..rows).step_by(block) {
-                let m = block.min(rows - r0);
-                let (qb, sb) = (&q[r0 * cols..(r0 + m) * cols], &scales[r0 * g..(r0 + m) * g]);
-                int8_rows_q8_on(Path::best(), qb, sb, group, m, xq, t0, n_tok, &mut o[r0..], (rows, 1));
-            }
+        crate::par::by_input_shares(rows, cols, n, block, outs, |t0, n_tok, r0, m, o| {
+            let (qb, sb) = (&q[r0 * cols..(r0 + m) * cols], &scales[r0 * g..(r0 + m) * g]);
+            int8_rows_q8_on(Path::best(), qb, sb, group, m, xq, t0, n_tok, o, (rows, 1));
         });
     });
     true

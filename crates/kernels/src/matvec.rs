@@ -6,8 +6,6 @@
 //! compiles them again with AVX2 enabled (bit-identical), which AVX2 and AVX-512 CPUs run. int8
 //! has its own AVX-512 and NEON kernels for scale groups that are a multiple of 16.
 
-use rayon::prelude::*;
-
 use crate::cpu::Path;
 use crate::format::Dense;
 #[cfg(target_arch = "aarch64")]
@@ -201,31 +199,23 @@ pub fn int8_matmat(
         return;
     }
     let g = cols / group;
-    // One share of the inputs per thread: each share reads the whole matrix from memory once,
-    // so more, smaller shares would only read it more often. A small product stays on the
-    // calling thread (fork and join would cost more), as in `par`.
-    let threads = if rows * cols < crate::par::PAR_MIN_WEIGHTS { 1 } else { crate::par::threads().max(1) };
-    let share = n.div_ceil(threads);
     // About 128 KiB of weights, rounded up to a multiple of four rows (the AVX-512 tile's
     // height) where a row is shorter than 32 KiB; AVX2's blocked product takes all rows at once
     // (it blocks rows, columns and inputs itself).
     let blocked = {
         #[cfg(target_arch = "x86_64")]
         {
-            Path::best() == Path::Avx2 && group.is_multiple_of(8) && share >= crate::isa::avx2_gemm::MIN_INPUTS
+            Path::best() == Path::Avx2
+                && group.is_multiple_of(8)
+                && crate::par::input_share(rows, cols, n) >= crate::isa::avx2_gemm::MIN_INPUTS
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
     };
-    let block = if blocked { rows } else { ((128 << 10) / cols.max(1)).next_multiple_of(4).clamp(1, rows) };
-    outs.par_chunks_mut(share * rows).enumerate().for_each(|(i, o)| {
-        let (t0, n_tok) = (i * share, o.len() / rows);
-        for r0 in (0..rows).step_by(block) {
-            let m = block.min(rows - r0);
-            let (qb, sb) = (&q[r0 * cols..(r0 + m) * cols], &scales[r0 * g..(r0 + m) * g]);
-            let x = &xs[t0 * cols..(t0 + n_tok) * cols];
-            int8_matvec_multi(qb, sb, group, m, cols, x, n_tok, &mut o[r0..], rows);
-        }
+    let block = if blocked { rows } else { ((128 << 10) / cols.max(1)).next_multiple_of(4) };
+    crate::par::by_input_shares(rows, cols, n, block, outs, |t0, n_tok, r0, m, o| {
+        let (qb, sb) = (&q[r0 * cols..(r0 + m) * cols], &scales[r0 * g..(r0 + m) * g]);
+        int8_matvec_multi(qb, sb, group, m, cols, &xs[t0 * cols..(t0 + n_tok) * cols], n_tok, o, rows);
     });
 }
 

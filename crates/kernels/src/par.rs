@@ -22,6 +22,38 @@ pub fn par_rows(rows: usize, cols: usize, out: &mut [f32], kernel: impl Fn(usize
     out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| kernel(i * chunk, o));
 }
 
+/// Inputs per thread in [`by_input_shares`]: all of them for a small product.
+pub fn input_share(rows: usize, cols: usize, n: usize) -> usize {
+    n.div_ceil(if rows * cols < PAR_MIN_WEIGHTS { 1 } else { threads().max(1) })
+}
+
+/// A prompt chunk's product split by inputs: one share of the `n` inputs per thread (each share
+/// reads the whole matrix from memory once, so more, smaller shares would only read it more
+/// often; a small product stays on the calling thread, as in [`par_rows`]), and within a share
+/// the rows in blocks of `block` (sized by the caller to stay in the core's L2 cache while the
+/// share's inputs pass). Calls `kernel(first_input, inputs, first_row, block_rows, out)` where
+/// `out` is the share's `[inputs, rows]` outputs from `first_row` on. Shapes: outs `[n, rows]`.
+pub fn by_input_shares(
+    rows: usize,
+    cols: usize,
+    n: usize,
+    block: usize,
+    outs: &mut [f32],
+    kernel: impl Fn(usize, usize, usize, usize, &mut [f32]) + Sync,
+) {
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let share = input_share(rows, cols, n);
+    let block = block.clamp(1, rows);
+    outs[..n * rows].par_chunks_mut(share * rows).enumerate().for_each(|(i, o)| {
+        let (t0, n_tok) = (i * share, o.len() / rows);
+        for r0 in (0..rows).step_by(block) {
+            kernel(t0, n_tok, r0, block.min(rows - r0), &mut o[r0..]);
+        }
+    });
+}
+
 /// [`par_rows`] for an output laid out `[rows, width]`: chunks hold whole rows of `width`
 /// values, and `kernel(first_row, chunk)` sees `chunk.len() / width` rows.
 pub fn par_rows_wide(
