@@ -28,7 +28,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::avx512_math;
-use super::staging::{SAFE_SCALE, interleave_back, scale_of, tile_dispatch, tile_rows};
+use super::staging::{HALF_SCALE, SAFE_SCALE, interleave_back, tile_dispatch, tile_rows};
 use crate::format::{BLOCK, E2M1_LUT, Mxfp4};
 use crate::scalar;
 
@@ -146,14 +146,29 @@ impl Mx<'_> {
             }
             return;
         }
-        // SAFETY: E2M1_LUT holds exactly 16 f32.
-        let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
-        let low4 = _mm512_set1_epi32(0xF);
+        // Twice the E2M1 table (exact), so that one broadcast load of `HALF_SCALE` scales it: the
+        // same bits as the table times the block's scale, without building the scale from its code.
+        let lut = _mm512_add_ps(
+            // SAFETY: E2M1_LUT holds exactly 16 f32.
+            unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) },
+            unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) },
+        );
         let p = self.packed.as_ptr();
         let s = self.scales.as_ptr();
         let x = self.xd.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         for b in 0..nb {
+            if N == 1 && b % 4 == 0 {
+                // One input: the product streams its rows from memory at the decoder's pace, and
+                // the hardware prefetcher does not follow eight rows read 16 bytes at a time. Ask
+                // for the next tile's line at this column while this tile decodes (one 64-byte
+                // line per row every four blocks; past the matrix's end the hint is dropped).
+                for k in 0..R {
+                    let line = p.wrapping_add((r0 + R + k) * half + b * 16);
+                    // A prefetch hint never faults, whatever the address.
+                    _mm_prefetch::<_MM_HINT_T0>(line as *const i8);
+                }
+            }
             let mut we = [_mm512_setzero_ps(); R];
             let mut wo = [_mm512_setzero_ps(); R];
             for k in 0..R {
@@ -163,9 +178,12 @@ impl Mx<'_> {
                     (_mm_loadu_si128(p.add((r0 + k) * half + b * 16) as *const __m128i), *s.add((r0 + k) * nb + b))
                 };
                 let v = _mm512_cvtepu8_epi32(bytes);
-                // The table times the block's scale (exact: a power of two), looked up twice.
-                let lut_s = _mm512_mul_ps(lut, _mm512_set1_ps(scale_of(sc)));
-                we[k] = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut_s);
+                // The table times the block's scale (exact: a power of two), looked up twice. The
+                // permutes read only each lane's low four bits: the low nibble needs no mask.
+                // SAFETY: a code of at most SAFE_SCALE (checked above) indexes the 256-entry table.
+                let half = unsafe { *HALF_SCALE.get_unchecked(sc as usize) };
+                let lut_s = _mm512_mul_ps(lut, _mm512_set1_ps(half));
+                we[k] = _mm512_permutexvar_ps(v, lut_s);
                 wo[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut_s);
             }
             for j in 0..N {

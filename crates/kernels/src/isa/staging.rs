@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 
-use crate::format::{BLOCK, e8m0_to_f32};
+use crate::format::BLOCK;
 
 /// A scale above this could overflow an f32 lane where the oracle's order does not.
 pub const SAFE_SCALE: u8 = 200;
@@ -64,21 +64,11 @@ pub fn tile_rows(left: usize, step: usize) -> usize {
     [step, 4, 3, 2, 1].into_iter().find(|&k| k <= left && k <= step).unwrap_or(1)
 }
 
-/// [`e8m0_to_f32`] without a branch, for scales at most [`SAFE_SCALE`] (never the NaN code):
-/// 2^(e-127), with e = 0 the subnormal 2^-127.
-#[inline(always)]
-pub fn scale_of(e: u8) -> f32 {
-    debug_assert!(
-        e <= SAFE_SCALE && e8m0_to_f32(e) == f32::from_bits(if e == 0 { 0x0040_0000 } else { (e as u32) << 23 })
-    );
-    let bits = (e as u32) << 23;
-    f32::from_bits(bits | (((bits == 0) as u32) << 22))
-}
-
 /// Half of each E8M0 scale as f32, `HALF_SCALE[e] = 0.5 * 2^(e-127)` (exact: a power of two,
 /// 2^-128 for e = 0), for codes up to [`SAFE_SCALE`] (0 above: never read there). The AVX2
-/// decoders multiply weights by it: one broadcast load per block instead of the ~9 scalar
-/// instructions that build it from the code.
+/// decoders multiply weights by it, the AVX-512 tiles twice the E2M1 table: one broadcast load
+/// per block instead of the ~9 scalar instructions that build the scale from its code (the
+/// AVX-512 one-input product ran 6.8 -> 7.9 GB/s on one thread, `bench --kernels`).
 pub static HALF_SCALE: [f32; 256] = {
     let mut t = [0f32; 256];
     let mut e = 0;
@@ -118,11 +108,12 @@ pub(crate) use tile_dispatch;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::e8m0_to_f32;
 
     #[test]
     fn half_scales_are_half_the_scales() {
         for e in 0..=SAFE_SCALE {
-            assert_eq!(HALF_SCALE[e as usize].to_bits(), (0.5 * scale_of(e)).to_bits(), "code {e}");
+            assert_eq!(HALF_SCALE[e as usize].to_bits(), (0.5 * e8m0_to_f32(e)).to_bits(), "code {e}");
         }
     }
 }
