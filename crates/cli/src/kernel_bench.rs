@@ -259,11 +259,11 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
             }
         }
     }
-    {
-        const TOKENS: usize = 18;
-        let xs: Vec<f32> = (0..TOKENS * lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
-        let (mut act_b, mut out_b) = (vec![0f32; TOKENS * inter], vec![0f32; TOKENS * lat]);
-        let flops = 2.0 * 3.0 * (inter * lat * TOKENS) as f64;
+    // 18 tokens: a short chunk's share of an expert; 256: a 1,000-token prompt's (x 16 of 64).
+    for tokens in [18usize, 256] {
+        let xs: Vec<f32> = (0..tokens * lat).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();
+        let (mut act_b, mut out_b) = (vec![0f32; tokens * inter], vec![0f32; tokens * lat]);
+        let flops = 2.0 * 3.0 * (inter * lat * tokens) as f64;
         for (ti, &t) in threads.iter().enumerate() {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
             let mut i = 0usize;
@@ -272,11 +272,11 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                     let r = &recs[i % copies];
                     i += 1;
                     let (w1, w2, w3) = record_matrices(r, inter, lat);
-                    expert_mxfp4_batch(w1, w3, w2, inter, lat, &xs, TOKENS, 4.0, Some(25.0), &mut act_b, &mut out_b)
+                    expert_mxfp4_batch(w1, w3, w2, inter, lat, &xs, tokens, 4.0, Some(25.0), &mut act_b, &mut out_b)
                 })
             });
             chunk_rows.push(chunk_row(
-                format!("MXFP4 expert, {TOKENS} tokens"),
+                format!("MXFP4 expert, {tokens} tokens"),
                 [inter, lat],
                 t,
                 runs as f64 * flops / s,
@@ -298,7 +298,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                             inter,
                             lat,
                             &xs,
-                            TOKENS,
+                            tokens,
                             4.0,
                             Some(25.0),
                             a,
@@ -308,7 +308,7 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
                 });
                 let int_peak = pool.install(|| deltafin_kernels::roofline::int8_peak_gops(t, 0.3));
                 chunk_rows.push(integer_chunk_row(
-                    format!("MXFP4 expert, {TOKENS} tokens, APPROX int8 activations"),
+                    format!("MXFP4 expert, {tokens} tokens, APPROX int8 activations"),
                     [inter, lat],
                     t,
                     runs as f64 * flops / s,
