@@ -220,8 +220,10 @@ pub fn kernel_bench(json_out: bool, secs: f64) -> Result<()> {
     // int8 product over a chunk of tokens, and one expert applied to the tokens that chose it
     // (about 18 per expert per layer in a 1,000-token K3 prompt: 1,000 x 16 of 896).
     let mut chunk_rows = Vec::new();
-    {
-        let (rows, cols, n) = (12288usize, 7168usize, 64usize);
+    // 64 tokens: a short chunk; 512: a long prompt's chunk, split into several input shares per
+    // thread (`par::input_share`).
+    for n in [64usize, 512] {
+        let (rows, cols) = (12288usize, 7168usize);
         let q: Vec<i8> = bytemuck_i8(&fill(rows * cols, 31)).to_vec();
         let scales = vec![0.01f32; rows];
         let xs: Vec<f32> = (0..n * cols).map(|i| ((i % 89) as f32 - 44.0) / 64.0).collect();

@@ -22,14 +22,30 @@ pub fn par_rows(rows: usize, cols: usize, out: &mut [f32], kernel: impl Fn(usize
     out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| kernel(i * chunk, o));
 }
 
-/// Inputs per thread in [`by_input_shares`]: all of them for a small product.
+/// The fewest inputs in a share of [`by_input_shares`] (when there are enough for several).
+pub const SHARE_MIN_INPUTS: usize = 32;
+/// The most: every row block re-reads its share's inputs, and 128 inputs of K3's width (3.7 MB
+/// of f32) stay in the last-level cache where a long prompt's 512 per share would not. On a
+/// 1,000-token prompt shares of 64 and of 125 inputs gave the same time (BENCHMARKS.md 12).
+pub const SHARE_MAX_INPUTS: usize = 128;
+
+/// Inputs per share in [`by_input_shares`]: all of them for a small product; else about four
+/// shares per thread (more for a long prompt, see [`SHARE_MAX_INPUTS`]), so that a thread that falls behind (a vCPU the host holds back for a
+/// while: this project's 2-vCPU machine ran the same 2-thread chunk product at 0.53-0.86 of the
+/// FMA roof from one run to the next with one share per thread) leaves its last shares to the
+/// others, but no fewer than [`SHARE_MIN_INPUTS`] inputs each, since each share reads the whole
+/// matrix from memory once.
 pub fn input_share(rows: usize, cols: usize, n: usize) -> usize {
-    n.div_ceil(if rows * cols < PAR_MIN_WEIGHTS { 1 } else { threads().max(1) })
+    if rows * cols < PAR_MIN_WEIGHTS {
+        return n;
+    }
+    let t = threads().max(1);
+    n.div_ceil(4 * t).clamp(SHARE_MIN_INPUTS, SHARE_MAX_INPUTS).min(n.div_ceil(t))
 }
 
-/// A prompt chunk's product split by inputs: one share of the `n` inputs per thread (each share
-/// reads the whole matrix from memory once, so more, smaller shares would only read it more
-/// often; a small product stays on the calling thread, as in [`par_rows`]), and within a share
+/// A prompt chunk's product split by inputs into shares of [`input_share`] inputs (each share
+/// reads the whole matrix from memory once; a small product stays on the calling thread, as in
+/// [`par_rows`]), and within a share
 /// the rows in blocks of `block` (sized by the caller to stay in the core's L2 cache while the
 /// share's inputs pass). Calls `kernel(first_input, inputs, first_row, block_rows, out)` where
 /// `out` is the share's `[inputs, rows]` outputs from `first_row` on. Shapes: outs `[n, rows]`.
