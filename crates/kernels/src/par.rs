@@ -121,3 +121,63 @@ pub fn init_threads(n: usize) -> Result<(), String> {
 pub fn threads() -> usize {
     rayon::current_num_threads()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
+    }
+
+    /// A large product's shares: about four per thread, within [SHARE_MIN_INPUTS,
+    /// SHARE_MAX_INPUTS] where the inputs allow, never more than one thread's even part; a small
+    /// product keeps all its inputs in one share.
+    #[test]
+    fn input_shares_are_bounded() {
+        let (rows, cols) = (4096, 1024); // 4 Mi weights: a large product
+        for threads in [1, 2, 3, 16] {
+            pool(threads).install(|| {
+                for n in [1, 5, 31, 32, 33, 64, 100, 255, 256, 1000, 4096, 16000] {
+                    let s = input_share(rows, cols, n);
+                    let even = n.div_ceil(threads);
+                    assert!(s >= 1 && s <= even, "{threads} threads, {n} inputs: share {s}");
+                    assert!(s >= SHARE_MIN_INPUTS.min(even), "{threads} threads, {n} inputs: share {s}");
+                    assert!(s <= SHARE_MAX_INPUTS, "{threads} threads, {n} inputs: share {s}");
+                    if threads > 1 && n >= 8 * threads * SHARE_MIN_INPUTS {
+                        assert!(
+                            n.div_ceil(s) >= 4 * threads,
+                            "{threads} threads, {n} inputs: only {} shares",
+                            n.div_ceil(s)
+                        );
+                    }
+                }
+                assert_eq!(input_share(8, 8, 1000), 1000, "a small product: one share");
+            });
+        }
+    }
+
+    /// Every (input, row) of the output is handed to the kernel exactly once, with its own
+    /// indices, however the inputs fall into shares and the rows into blocks.
+    #[test]
+    fn input_shares_cover_every_output_once() {
+        let (rows, cols) = (100, PAR_MIN_WEIGHTS / 64);
+        for threads in [1, 2, 3] {
+            for (n, block) in [(1, 7), (40, 100), (150, 7), (301, 33)] {
+                let mut outs = vec![0f32; n * rows];
+                pool(threads).install(|| {
+                    by_input_shares(rows, cols, n, block, &mut outs, |t0, n_tok, r0, m, o| {
+                        for t in 0..n_tok {
+                            for i in 0..m {
+                                o[t * rows + i] += ((t0 + t) * rows + r0 + i + 1) as f32;
+                            }
+                        }
+                    })
+                });
+                for (k, v) in outs.iter().enumerate() {
+                    assert_eq!(*v, (k + 1) as f32, "{threads} threads, {n} inputs, blocks of {block}: output {k}");
+                }
+            }
+        }
+    }
+}
