@@ -24,17 +24,18 @@ pub fn par_rows(rows: usize, cols: usize, out: &mut [f32], kernel: impl Fn(usize
 
 /// The fewest inputs in a share of [`by_input_shares`] (when there are enough for several).
 pub const SHARE_MIN_INPUTS: usize = 32;
-/// The most: every row block re-reads its share's inputs, and 128 inputs of K3's width (3.7 MB
-/// of f32) stay in the last-level cache where a long prompt's 512 per share would not. On a
-/// 1,000-token prompt shares of 64 and of 125 inputs gave the same time (BENCHMARKS.md 12).
+/// The most: every row block re-reads its share's inputs, and a long prompt's share uncapped
+/// (512 inputs at 4,000 tokens on two threads: 14.7 MB of f32 at K3's width) would outgrow the
+/// last-level cache, where 128 (3.7 MB) do not. Not measured at that length: on a 1,000-token
+/// prompt shares of 64 and of 125 inputs gave the same time (BENCHMARKS.md section 12).
 pub const SHARE_MAX_INPUTS: usize = 128;
 
 /// Inputs per share in [`by_input_shares`]: all of them for a small product; else about four
-/// shares per thread (more for a long prompt, see [`SHARE_MAX_INPUTS`]), so that a thread that falls behind (a vCPU the host holds back for a
-/// while: this project's 2-vCPU machine ran the same 2-thread chunk product at 0.53-0.86 of the
-/// FMA roof from one run to the next with one share per thread) leaves its last shares to the
-/// others, but no fewer than [`SHARE_MIN_INPUTS`] inputs each, since each share reads the whole
-/// matrix from memory once.
+/// shares per thread (more for a long prompt: [`SHARE_MAX_INPUTS`]), so that a thread that falls
+/// behind (a vCPU the host holds back for a while: this project's 2-vCPU machine ran the same
+/// 2-thread chunk product at 0.53-0.86 of the FMA roof from one run to the next with one share
+/// per thread) leaves its last shares to the others; no fewer than [`SHARE_MIN_INPUTS`] inputs
+/// each, since each share reads the whole matrix from memory once.
 pub fn input_share(rows: usize, cols: usize, n: usize) -> usize {
     if rows * cols < PAR_MIN_WEIGHTS {
         return n;
@@ -45,9 +46,8 @@ pub fn input_share(rows: usize, cols: usize, n: usize) -> usize {
 
 /// A prompt chunk's product split by inputs into shares of [`input_share`] inputs (each share
 /// reads the whole matrix from memory once; a small product stays on the calling thread, as in
-/// [`par_rows`]), and within a share
-/// the rows in blocks of `block` (sized by the caller to stay in the core's L2 cache while the
-/// share's inputs pass). Calls `kernel(first_input, inputs, first_row, block_rows, out)` where
+/// [`par_rows`]), and within a share the rows in blocks of `block` (sized by the caller to stay
+/// in the core's L2 cache while the share's inputs pass). Calls `kernel(first_input, inputs, first_row, block_rows, out)` where
 /// `out` is the share's `[inputs, rows]` outputs from `first_row` on. Shapes: outs `[n, rows]`.
 pub fn by_input_shares(
     rows: usize,
