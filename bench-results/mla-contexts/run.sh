@@ -27,13 +27,7 @@ for n in "$@"; do
         # whole store fits in the budget): decode where everything is in memory.
         decode) "$BIN" bench --model "$STORES/k3-real$layers" --context-fill "$n" --warm "${common[@]}" --max-tokens 8 > "$f" ;;
       esac
-      python3 - "$f" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print(f"{sys.argv[1]}: ttft {d['ttft_s']:.2f} s (floor {d['ttft_floor_s']:.2f}), decode {d['s_per_token']:.3f} s/token at context {d['decode_context']} "
-      f"(floor {d['floor_s_per_token']:.3f}: disk {d['floor_disk_s_per_token']:.3f} mem {d['floor_memory_s_per_token']:.3f} compute {d['floor_compute_s_per_token']:.3f}; "
-      f"{d['memory_gbps']:.1f} GB/s, {d['peak_gflops']:.0f} GFLOP/s)", flush=True)
-PY
+      python3 "$(dirname "$0")/../run_line.py" "$f"
     done
   done
 done

@@ -148,11 +148,9 @@ impl Mx<'_> {
         }
         // Twice the E2M1 table (exact), so that one broadcast load of `HALF_SCALE` scales it: the
         // same bits as the table times the block's scale, without building the scale from its code.
-        let lut = _mm512_add_ps(
-            // SAFETY: E2M1_LUT holds exactly 16 f32.
-            unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) },
-            unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) },
-        );
+        // SAFETY: E2M1_LUT holds exactly 16 f32.
+        let lut = unsafe { _mm512_loadu_ps(E2M1_LUT.as_ptr()) };
+        let lut = _mm512_add_ps(lut, lut);
         let p = self.packed.as_ptr();
         let s = self.scales.as_ptr();
         let x = self.xd.as_ptr();

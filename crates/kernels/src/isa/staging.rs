@@ -67,8 +67,7 @@ pub fn tile_rows(left: usize, step: usize) -> usize {
 /// Half of each E8M0 scale as f32, `HALF_SCALE[e] = 0.5 * 2^(e-127)` (exact: a power of two,
 /// 2^-128 for e = 0), for codes up to [`SAFE_SCALE`] (0 above: never read there). The AVX2
 /// decoders multiply weights by it, the AVX-512 tiles twice the E2M1 table: one broadcast load
-/// per block instead of the ~9 scalar instructions that build the scale from its code (the
-/// AVX-512 one-input product ran 6.8 -> 7.9 GB/s on one thread, `bench --kernels`).
+/// per block instead of the ~9 scalar instructions that build the scale from its code.
 pub static HALF_SCALE: [f32; 256] = {
     let mut t = [0f32; 256];
     let mut e = 0;
